@@ -1,0 +1,197 @@
+"""The `longpatch` command line: list, apply, bench attention, eval ppl."""
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+import click
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from .errors import LongpatchError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Patch the attention of pretrained transformers models with fast long-context methods.")
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (speed, memory, error vs exact attention).")
+eval_app = typer.Typer(no_args_is_help=True, help="Quality evaluation (LongBench perplexity).")
+app.add_typer(bench_app, name="bench")
+app.add_typer(eval_app, name="eval")
+console = Console()
+
+
+def parse_layers(spec: str):
+    """'20' -> 20 (last 20), 'all', '8,9,12' -> [8, 9, 12]."""
+    spec = spec.strip()
+    if spec == "all":
+        return "all"
+    try:
+        if "," in spec:
+            return [int(x) for x in spec.split(",") if x.strip()]
+        return int(spec)
+    except ValueError:
+        raise LongpatchError(f"--layers: got {spec!r}; allowed: N (the last N layers), 'all', or indices like 8,9,12") from None
+
+
+@app.command("list")
+def list_cmd():
+    """Families, methods (with parameters and defaults) and bundled configs."""
+    from .config import bundled_configs, load_config
+    from .families import available_families
+    from .methods import available_methods
+    from .methods.base import PLANNED
+
+    t = Table(title="families", title_justify="left")
+    t.add_column("name"), t.add_column("what it patches")
+    for f in available_families().values():
+        t.add_row(f.name, f.summary)
+    console.print(t)
+    t = Table(title="methods", title_justify="left")
+    t.add_column("name"), t.add_column("parameters (default)"), t.add_column("decode"), t.add_column("summary")
+    methods = available_methods()
+    for m in methods.values():
+        params = ", ".join(f"{n}={p.default!r}" for n, p in m.params.items()) or "-"
+        t.add_row(m.name, params, "own" if m.decode else "exact", m.summary)
+    for name in PLANNED:
+        if name not in methods:
+            t.add_row(name, "-", "-", "not available yet")
+    console.print(t)
+    t = Table(title="bundled configs (use the alias with --model or --config)", title_justify="left")
+    t.add_column("alias"), t.add_column("model"), t.add_column("method"), t.add_column("layers")
+    for alias in bundled_configs():
+        try:
+            c = load_config(alias)
+            t.add_row(alias, c.model or "-", c.method, str(c.layers))
+        except LongpatchError as e:
+            t.add_row(alias, "-", f"[red]{e}[/red]", "-")
+    console.print(t)
+
+
+@app.command()
+def apply(
+    model: str = typer.Option(..., "--model", help="bundled alias, hub id, local path, saved patch dir, or tiny:<family>"),
+    layers: Optional[str] = typer.Option(None, help="N (last N layers), 'all', or indices 8,9,12"),
+    method: Optional[str] = typer.Option(None, help="attention method (see `longpatch list`)"),
+    config: Optional[str] = typer.Option(None, help="YAML config file or bundled alias for method/params/layers"),
+    set_: list[str] = typer.Option([], "--set", help="override a key: layers=4, block_size=128, params.seed=1"),
+    save: Optional[str] = typer.Option(None, help="write the model config + longpatch.yaml here"),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="allow remote code (bundled aliases set it themselves)"),
+    prefill: int = typer.Option(0, help="run one forward pass on this many random tokens and report where attention time went"),
+):
+    """Load a model, patch it, and print which layers run which method."""
+    from .loading import load_model, resolve_model_config, save_patch
+    from .patching import patch_model
+
+    cfg = _build_config(model, config, method, layers, set_, trust_remote_code)
+    loaded, _ = load_model(cfg)
+    patch_model(loaded, cfg)
+    report = loaded.longpatch
+    t = Table(title=f"{cfg.model}: {report.family.name} family, {report.num_layers} layers", title_justify="left")
+    t.add_column("layer", justify="right"), t.add_column("method"), t.add_column("params")
+    for row in report.rows():
+        t.add_row(str(row["layer"]), row["method"], ", ".join(f"{k}={v}" for k, v in row["params"].items()) or "-")
+    console.print(t)
+    console.print(f"patched {len(report.layers)} of {report.num_layers} layers with '{cfg.method}' "
+                  f"(min_seq_len={cfg.min_seq_len}, backend={cfg.backend})")
+    if prefill:
+        _run_prefill(loaded, prefill)
+    if save:
+        out = save_patch(loaded, cfg, save)
+        console.print(f"saved to {out} (re-apply with longpatch.from_pretrained('{out}'))")
+
+
+def _build_config(model, config, method, layers, sets, trust_remote_code):
+    from .config import load_config
+    from .loading import resolve_model_config
+
+    cfg = resolve_model_config(model, trust_remote_code)
+    if config:
+        file_cfg = load_config(config)
+        cfg = file_cfg.replace(model=cfg.model, trust_remote_code=cfg.trust_remote_code or file_cfg.trust_remote_code)
+    if method and method != cfg.method:
+        cfg = cfg.replace(method=method, params={})
+    if layers is not None:
+        cfg = cfg.replace(layers=parse_layers(layers))
+    return cfg.with_overrides(list(sets)) if sets else cfg
+
+
+def _run_prefill(model, n: int):
+    import time
+
+    import torch
+
+    vocab = model.get_input_embeddings().num_embeddings if hasattr(model, "get_input_embeddings") \
+        else model.config.padded_vocab_size
+    ids = torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(next(model.parameters()).device)
+    model.longpatch.reset_stats()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        model(ids)
+    total = time.perf_counter() - t0
+    t = Table(title=f"one forward pass, {n} tokens: {total * 1e3:.1f} ms", title_justify="left")
+    t.add_column("layers"), t.add_column("path"), t.add_column("calls", justify="right"), t.add_column("attention ms", justify="right")
+    for side, paths in model.longpatch.stats().items():
+        for path, s in paths.items():
+            t.add_row(side, path, str(s["calls"]), f"{s['seconds'] * 1e3:.1f}")
+    console.print(t)
+
+
+@bench_app.command("attention")
+def bench_attention(
+    methods: str = typer.Option("exact,hyper", help="comma-separated methods; exact is always the baseline"),
+    seq_lens: str = typer.Option("4096,8192,16384,32768,65536,131072", help="comma-separated sequence lengths"),
+    mode: str = typer.Option("both", help="causal, non-causal or both"),
+    heads: int = typer.Option(1), head_dim: int = typer.Option(64), batch: int = typer.Option(1),
+    dtype: str = typer.Option("float32"), backward: bool = typer.Option(False, help="also time forward+backward"),
+    repeats: int = typer.Option(3), out: str = typer.Option("runs/bench", help="output dir for JSON + PNG"),
+    set_: list[str] = typer.Option([], "--set", help="method params: hyper.block_size=128"),
+):
+    """Time each method against exact attention in the same run; writes JSON + a PNG plot."""
+    from .bench import run_attention_bench
+
+    modes = {"causal": (True,), "non-causal": (False,), "both": (True, False)}
+    if mode not in modes:
+        raise LongpatchError(f"--mode: got {mode!r}; allowed: causal, non-causal, both")
+    run_attention_bench(methods=tuple(m.strip() for m in methods.split(",") if m.strip()),
+                        seq_lens=tuple(_ints("--seq-lens", seq_lens)), causal_modes=modes[mode], heads=heads,
+                        head_dim=head_dim, batch=batch, dtype=dtype, backward=backward, repeats=repeats,
+                        out_dir=out, method_params=_method_params(set_))
+
+
+def _ints(flag: str, text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise LongpatchError(f"{flag}: got {text!r}; allowed: comma-separated integers") from None
+
+
+def _method_params(pairs: list[str]) -> dict[str, dict]:
+    import yaml
+
+    out: dict[str, dict] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        meth, dot, name = key.partition(".")
+        if not sep or not dot:
+            raise LongpatchError(f"--set {pair!r}: expected method.param=value, e.g. hyper.block_size=128")
+        out.setdefault(meth, {})[name] = yaml.safe_load(raw)
+    return out
+
+
+def main():
+    """Console entry point: LongpatchError and usage errors become one line on stderr and exit 2."""
+    try:
+        rv = app(standalone_mode=False)
+    except LongpatchError as e:
+        print(f"longpatch: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except click.exceptions.Abort:
+        print("longpatch: aborted", file=sys.stderr)
+        sys.exit(130)
+    sys.exit(rv if isinstance(rv, int) else 0)

@@ -1,0 +1,175 @@
+"""PatchConfig: what to patch, with what, and how to load the model; validated on construction."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .errors import ConfigError
+from .methods import get_method
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
+BACKENDS = ("auto", "torch", "triton")
+CONFIG_FILE = "longpatch.yaml"  # written beside a saved model by `longpatch apply --save`
+
+
+@dataclass
+class PatchConfig:
+    """One patch: the method and its params, which layers, and how to load the model.
+
+    layers: an int N (the last N layers; 0 = none), a list of 0-based layer indices, or "all".
+    min_seq_len: prefill calls shorter than this use exact attention in patched layers.
+    """
+
+    method: str = "exact"
+    params: dict[str, Any] = field(default_factory=dict)
+    layers: int | list[int] | str = "all"
+    min_seq_len: int = 0
+    backend: str = "auto"
+    model: str | None = None
+    dtype: str = "auto"
+    trust_remote_code: bool = False
+    attn_implementation: str | None = None
+    family: str | None = None
+
+    def __post_init__(self):
+        _check_type("method", self.method, str, "a method name")
+        self.params = dict(get_method(self.method).resolve_params(_mapping("params", self.params)))
+        self.layers = _check_layers(self.layers)
+        _check_type("min_seq_len", self.min_seq_len, int, "an int >= 0")
+        if self.min_seq_len < 0:
+            raise ConfigError(f"min_seq_len: got {self.min_seq_len}; allowed: an int >= 0")
+        _check_choice("backend", self.backend, BACKENDS)
+        if self.model is not None:
+            _check_type("model", self.model, str, "a hub id, a local path or a bundled alias")
+        _check_choice("dtype", self.dtype, DTYPES)
+        _check_type("trust_remote_code", self.trust_remote_code, bool, "true or false")
+        if self.attn_implementation is not None:
+            _check_choice("attn_implementation", self.attn_implementation, ATTN_IMPLEMENTATIONS)
+        if self.family is not None:
+            _check_type("family", self.family, str, "a family name (see `longpatch list`)")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "PatchConfig":
+        data = _mapping("config", data)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"{unknown[0]}: unknown config key; allowed: {', '.join(sorted(known))}")
+        return cls(**data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes) -> "PatchConfig":
+        return PatchConfig.from_dict({**self.to_dict(), **changes})
+
+    def with_overrides(self, pairs: list[str]) -> "PatchConfig":
+        """Apply CLI `key=value` overrides; a method param may be named bare or as params.NAME."""
+        data = self.to_dict()
+        method_keys = set(get_method(data["method"]).params)
+        for pair in pairs:
+            key, sep, raw = pair.partition("=")
+            if not sep or not key:
+                raise ConfigError(f"--set {pair!r}: expected key=value")
+            value = yaml.safe_load(raw) if raw else None
+            if key.startswith("params."):
+                data["params"][key[len("params."):]] = value
+            elif key in data:
+                data[key] = value
+            elif key in method_keys:
+                data["params"][key] = value
+            else:
+                allowed = ", ".join(sorted(set(data) | method_keys))
+                raise ConfigError(f"--set {key}: unknown key; allowed: {allowed}")
+        return PatchConfig.from_dict(data)
+
+
+def as_config(cfg: "PatchConfig | dict | str | Path") -> PatchConfig:
+    """Accept a PatchConfig, a plain dict, or a YAML path / bundled alias."""
+    if isinstance(cfg, PatchConfig):
+        return cfg
+    if isinstance(cfg, dict):
+        return PatchConfig.from_dict(cfg)
+    if isinstance(cfg, (str, Path)):
+        return load_config(cfg)
+    raise ConfigError(f"config: got a {type(cfg).__name__}; allowed: PatchConfig, dict, or a YAML path/alias")
+
+
+def load_config(path_or_alias: str | Path) -> PatchConfig:
+    """Load a YAML file, a directory saved by `longpatch apply --save`, or a bundled alias."""
+    path = Path(path_or_alias)
+    if path.is_dir():
+        path = path / CONFIG_FILE
+        if not path.is_file():
+            raise ConfigError(f"config: {path_or_alias} has no {CONFIG_FILE}; was it saved with `longpatch apply --save`?")
+    elif not path.is_file():
+        alias = bundled_configs().get(str(path_or_alias))
+        if alias is None:
+            raise ConfigError(f"config: {str(path_or_alias)!r} is neither a file nor a bundled alias; aliases: {', '.join(bundled_configs())}")
+        path = alias
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"config: malformed YAML in {path}{where}: {getattr(e, 'problem', e)}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config: {path} must hold a mapping of keys, got {type(data).__name__}")
+    return PatchConfig.from_dict(data)
+
+
+def bundled_configs() -> dict[str, Path]:
+    """alias -> path of the YAML files shipped in longpatch.configs."""
+    root = resources.files("longpatch.configs")
+    return {Path(p.name).stem: Path(str(p)) for p in sorted(root.iterdir(), key=lambda p: p.name) if p.name.endswith(".yaml")}
+
+
+def _mapping(key, value):
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key}: got {value!r}; allowed: a mapping")
+    return value
+
+
+def _check_type(key, value, typ, allowed):
+    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+        raise ConfigError(f"{key}: got {value!r}; allowed: {allowed}")
+
+
+def _check_choice(key, value, choices):
+    if value not in choices:
+        raise ConfigError(f"{key}: got {value!r}; allowed: {', '.join(choices)}")
+
+
+_LAYERS_ALLOWED = "an int N >= 0 (the last N layers), a list of 0-based layer indices, or 'all'"
+
+
+def _check_layers(layers):
+    if layers == "all":
+        return layers
+    if isinstance(layers, int) and not isinstance(layers, bool) and layers >= 0:
+        return layers
+    if isinstance(layers, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers):
+        if len(set(layers)) != len(layers):
+            raise ConfigError(f"layers: got {list(layers)!r} with repeated indices; allowed: {_LAYERS_ALLOWED}")
+        return sorted(layers)
+    raise ConfigError(f"layers: got {layers!r}; allowed: {_LAYERS_ALLOWED}")
+
+
+def select_layers(layers, num_layers: int) -> list[int]:
+    """Resolve a layers spec against a model with `num_layers` layers (error, never a silent clamp)."""
+    if layers == "all":
+        return list(range(num_layers))
+    if isinstance(layers, int):
+        if layers > num_layers:
+            raise ConfigError(f"layers: got {layers}, but the model has {num_layers} layers; allowed: 0..{num_layers}, a list of indices, or 'all'")
+        return list(range(num_layers - layers, num_layers))
+    bad = [i for i in layers if i >= num_layers]
+    if bad:
+        raise ConfigError(f"layers: index {bad[0]} is out of range; the model has {num_layers} layers (0..{num_layers - 1})")
+    return list(layers)

@@ -1,0 +1,100 @@
+"""Adapter for ChatGLM2 (THUDM/chatglm2-6b, chatglm2-6b-32k; remote code, trust_remote_code=True).
+
+The remote code has no transformers class, so the adapter replaces the forward of each layer's
+`self_attention.core_attention` (instance attribute; the class is untouched). That module takes
+q, k, v as [seq, batch, heads, head_dim] with k/v already expanded from the multi-query groups to
+all heads, and a bool mask with True = masked (None when there is no padding and no cache). The
+adapter hands methods the shared layout with the groups un-expanded (a strided view), so GQA
+methods see the real 2 K/V heads of chatglm2-6b-32k.
+"""
+from __future__ import annotations
+
+import logging
+
+from ..errors import UnsupportedModelError
+from ..routing import LayerRoute, attach_buffers, detach_buffers
+from .base import register_family
+
+log = logging.getLogger("longpatch")
+SUPPORTED_TRANSFORMERS = "4.48 to 5.x (forward; the remote code's own generate() breaks on >= 4.50)"
+
+
+def _core_attentions(model):
+    layers = model.transformer.encoder.layers
+    return [layer.self_attention.core_attention for layer in layers]
+
+
+def _groups(config) -> int:
+    heads = config.num_attention_heads
+    return config.multi_query_group_num if getattr(config, "multi_query_attention", False) else heads
+
+
+def _make_forward(core, route: LayerRoute, rep: int):
+    original_forward = core.forward  # the bound class method
+
+    def forward(query_layer, key_layer, value_layer, attention_mask):
+        sq, skv = query_layer.shape[0], key_layer.shape[0]
+        path = route.choose(sq, skv, None if attention_mask is None else "a padding or chunked-prefill mask")
+        if path == "original":
+            return route.run(path, query_layer, key_layer, value_layer, causal=True, scale=None,
+                             original=lambda: original_forward(query_layer, key_layer, value_layer, attention_mask))
+        q = query_layer.permute(1, 2, 0, 3)
+        # k/v were expanded head-by-head from the groups: every rep-th head is one group
+        k = key_layer[:, :, ::rep].permute(1, 2, 0, 3)
+        v = value_layer[:, :, ::rep].permute(1, 2, 0, 3)
+        out = route.run(path, q, k, v, causal=True, scale=None)  # chatglm2 uses the default 1/sqrt(d)
+        b, h, _, d = out.shape
+        return out.permute(2, 0, 1, 3).reshape(sq, b, h * d)
+
+    return forward
+
+
+class ChatGLM2Family:
+    name = "chatglm2"
+    summary = "ChatGLM2 remote code (THUDM/chatglm2-6b, chatglm2-6b-32k): core attention of each GLMBlock"
+
+    def matches(self, model) -> bool:
+        try:
+            core = _core_attentions(model)
+        except AttributeError:
+            return False
+        return bool(core) and all(hasattr(c, "layer_number") for c in core)
+
+    def num_layers(self, model) -> int:
+        return len(model.transformer.encoder.layers)
+
+    def install(self, model, routes: list[LayerRoute]) -> None:
+        config = model.config
+        rep = config.num_attention_heads // _groups(config)
+        head_dim = config.kv_channels
+        device = next(model.parameters()).device
+        for core in _core_attentions(model):
+            if "forward" in vars(core):
+                raise UnsupportedModelError("model is already patched by longpatch; call unpatch_model first")
+            route = routes[core.layer_number - 1]  # layer_number is 1-based
+            attach_buffers(route, core, head_dim, device)
+            core.forward = _make_forward(core, route, rep)
+            core._longpatch_route = route
+
+    def uninstall(self, model, routes: list[LayerRoute]) -> None:
+        for core in _core_attentions(model):
+            if "forward" in vars(core):
+                del core.forward
+                detach_buffers(core._longpatch_route)
+                del core._longpatch_route
+
+
+def prepare_loaded(model) -> None:
+    """Compatibility fixes for the remote code on current transformers (see docs/families.md).
+
+    Its forward reads config.use_cache / return_dict attributes that new PretrainedConfig objects no
+    longer carry, which fails with AttributeError on a plain model(ids).
+    """
+    config = model.config
+    for attr, value in (("use_cache", True), ("use_return_dict", True), ("return_dict", True), ("output_hidden_states", False)):
+        if not hasattr(config, attr):
+            setattr(config, attr, value)
+            log.info("longpatch: chatglm2 config had no %s; set to %s", attr, value)
+
+
+CHATGLM2 = register_family(ChatGLM2Family())

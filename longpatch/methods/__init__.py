@@ -1,0 +1,5 @@
+"""Attention methods. Importing this package registers every method that exists."""
+from .base import Method, Param, available_methods, get_method, register_method
+from . import exact  # noqa: F401  (registers "exact")
+
+__all__ = ["Method", "Param", "available_methods", "get_method", "register_method"]

@@ -1,0 +1,95 @@
+"""The methods registry: name -> Method with typed, validated parameters.
+
+A method turns (q, k, v) in the shared layout into the attention output:
+q [b, q_heads, q_len, d], k/v [b, kv_heads, kv_len, d] (GQA: kv_heads divides q_heads, K/V are
+never repeated in memory), output [b, q_heads, q_len, d]. A method always implements prefill
+(q_len == kv_len); it may implement decode (q_len < kv_len against a KV cache). Where it does not,
+the family adapter runs exact attention for that call.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Param:
+    """One method parameter: its default, accepted types and an optional range check."""
+
+    default: Any
+    types: tuple[type, ...]
+    doc: str
+    check: Callable[[Any], bool] | None = None
+    allowed: str = ""  # how `check` reads to a user, e.g. "an int >= 1"
+
+    def validate(self, method: str, name: str, value: Any) -> Any:
+        ok_type = isinstance(value, self.types) and not (isinstance(value, bool) and bool not in self.types)
+        if float in self.types and isinstance(value, int) and not isinstance(value, bool):
+            value, ok_type = float(value), True
+        if value is None and type(None) in self.types:
+            return None
+        if not ok_type or (self.check is not None and not self.check(value)):
+            what = self.allowed or " or ".join(t.__name__ for t in self.types)
+            raise ConfigError(f"params.{name} of method '{method}': got {value!r}; allowed: {what}")
+        return value
+
+
+def positive_int(doc: str, default: int) -> Param:
+    return Param(default, (int,), doc, lambda x: x >= 1, "an int >= 1")
+
+
+def optional_int(doc: str, default: int | None = None) -> Param:
+    return Param(default, (int, type(None)), doc, lambda x: x is None or x >= 0, "an int >= 0 or null")
+
+
+@dataclass
+class Method:
+    """A registered attention method.
+
+    ``prefill(q, k, v, *, causal, scale, **params)`` returns the output tensor.
+    ``decode`` (optional) has the same signature and is called when q_len < kv_len; ``state``
+    is a per-layer dict the method may use to keep decode-time summaries beside the KV cache.
+    ``make_buffers(layer_seed, head_dim, **params)`` (optional) returns tensors the patched layer
+    must keep in its state_dict (e.g. HyperAttention's LSH directions).
+    """
+
+    name: str
+    summary: str
+    prefill: Callable[..., Any]
+    params: dict[str, Param] = field(default_factory=dict)
+    decode: Callable[..., Any] | None = None
+    make_buffers: Callable[..., dict] | None = None
+    approximate: bool = True
+
+    def resolve_params(self, given: dict[str, Any] | None) -> dict[str, Any]:
+        """Fill defaults and validate; unknown names are an error that lists the known ones."""
+        given = dict(given or {})
+        unknown = sorted(set(given) - set(self.params))
+        if unknown:
+            known = ", ".join(sorted(self.params)) or "(none)"
+            raise ConfigError(f"params.{unknown[0]}: unknown parameter of method '{self.name}'; allowed: {known}")
+        return {n: p.validate(self.name, n, given.get(n, p.default)) for n, p in self.params.items()}
+
+
+_METHODS: dict[str, Method] = {}
+# Methods whose issue has not landed yet: listed so configs naming them fail with a clear message.
+PLANNED = ("hyper", "moba", "nsa", "performer", "linear", "sparse")
+
+
+def register_method(method: Method) -> Method:
+    _METHODS[method.name] = method
+    return method
+
+
+def get_method(name: str) -> Method:
+    if name in _METHODS:
+        return _METHODS[name]
+    if name in PLANNED:
+        raise ConfigError(f"method: '{name}' is not available yet in this version of longpatch; available: {', '.join(sorted(_METHODS))}")
+    raise ConfigError(f"method: got {name!r}; allowed: {', '.join(sorted(_METHODS))}")
+
+
+def available_methods() -> dict[str, Method]:
+    return dict(sorted(_METHODS.items()))

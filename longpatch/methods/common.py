@@ -1,0 +1,79 @@
+"""Helpers every attention op shares: shape checks, GQA views, LSE merges, backend choice."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..errors import ConfigError
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> tuple[int, int, int]:
+    """Validate the shared layout; returns (q_heads // kv_heads, q_len, kv_len)."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be 4-D [batch, heads, len, head_dim]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    b, hq, nq, d = q.shape
+    _, hk, nk, _ = k.shape
+    if k.shape[0] != b or v.shape[0] != b or k.shape[-1] != d or v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"q, k, v shapes do not agree: {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if hk == 0 or hq % hk:
+        raise ValueError(f"q_heads ({hq}) must be a multiple of kv_heads ({hk})")
+    if causal and nq > nk:
+        raise ValueError(f"causal attention needs q_len <= kv_len; got {nq} > {nk}")
+    return hq // hk, nq, nk
+
+
+def default_scale(scale: float | None, head_dim: int) -> float:
+    return head_dim ** -0.5 if scale is None else float(scale)
+
+
+def group_queries(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[b, q_heads, n, d] -> [b, kv_heads, group, n, d] (a view): query heads that share a K/V head."""
+    b, hq, n, d = q.shape
+    return q.view(b, kv_heads, hq // kv_heads, n, d)
+
+
+def causal_mask(q_len: int, kv_len: int, device, q_offset: int | None = None) -> torch.Tensor:
+    """Bool [q_len, kv_len], True = visible. Queries are the last q_len positions (bottom-right)."""
+    off = kv_len - q_len if q_offset is None else q_offset
+    qi = torch.arange(q_len, device=device).unsqueeze(1) + off
+    return torch.arange(kv_len, device=device).unsqueeze(0) <= qi
+
+
+def merge_lse(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact softmax over the union of two disjoint key sets from their partial results.
+
+    o*: [..., n, d] (any dtype), lse*: [..., n] float32. Rows whose key set is empty carry
+    lse = -inf and contribute nothing; a row empty on both sides yields zeros.
+    """
+    lse = torch.logaddexp(lse1, lse2)
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    w1 = torch.exp(lse1 - safe).unsqueeze(-1)
+    w2 = torch.exp(lse2 - safe).unsqueeze(-1)
+    out = w1 * o1.float() + w2 * o2.float()
+    return out.to(o1.dtype), lse
+
+
+def resolve_backend(backend: str, *tensors: torch.Tensor) -> str:
+    """'auto' -> 'triton' on CUDA tensors, 'torch' otherwise; 'triton' on CPU needs the interpreter."""
+    if backend not in BACKENDS:
+        raise ConfigError(f"backend: got {backend!r}; allowed: {', '.join(BACKENDS)}")
+    on_cuda = all(t.is_cuda for t in tensors)
+    if backend == "auto":
+        return "triton" if on_cuda and triton_available() else "torch"
+    if backend == "triton":
+        if not triton_available():
+            raise RuntimeError("backend='triton' needs the 'triton' package: pip install 'longpatch[triton]'")
+        if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError("backend='triton' on CPU tensors needs TRITON_INTERPRET=1 set before triton is imported")
+    return backend
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -1,0 +1,108 @@
+"""Exact softmax attention: the baseline every approximate method is measured against."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .base import Method, register_method
+from .common import causal_mask, check_qkv, default_scale, group_queries, resolve_backend
+
+# Query rows per block when the LSE is asked for: bounds the score block to rows x kv_len.
+_LSE_ROWS = 512
+
+
+def exact_attention(q, k, v, *, causal: bool = True, scale: float | None = None, attn_mask=None,
+                    return_lse: bool = False, backend: str = "auto"):
+    """softmax(q kᵀ · scale [+ mask]) v on the shared layout.
+
+    attn_mask (optional): bool (True = visible) or additive float, broadcastable to
+    [b, q_heads, q_len, kv_len]; combined with the causal mask. With ``return_lse`` also returns
+    the float32 log-sum-exp of each row's scaled scores ([b, q_heads, q_len]); rows that see no
+    key get lse = -inf and a zero output.
+    """
+    group, nq, nk = check_qkv(q, k, v, causal)
+    scale = default_scale(scale, q.shape[-1])
+    backend = resolve_backend(backend, q, k, v)
+    if backend == "triton" and attn_mask is None:
+        from ..kernels import attention as tk  # imported lazily: triton is optional
+        return tk.flash_attention(q, k, v, causal=causal, scale=scale, return_lse=return_lse)
+    if return_lse:
+        return _exact_with_lse(q, k, v, causal, scale, attn_mask)
+    if q.is_cuda and attn_mask is None and _flash_attn_usable(q):
+        return _flash_attn(q, k, v, causal, scale)
+    mask = attn_mask
+    is_causal = causal and nq == nk and mask is None
+    if causal and not is_causal and nq > 1:  # bottom-right alignment; one query sees every key
+        cm = causal_mask(nq, nk, q.device)
+        mask = cm if mask is None else _and_masks(mask, cm)
+    return _sdpa(q, k, v, mask, is_causal, scale, group)
+
+
+def _sdpa(q, k, v, mask, is_causal, scale, group):
+    if group > 1:
+        try:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True)
+        except TypeError:  # torch < 2.5 has no enable_gqa
+            k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
+
+
+def _and_masks(mask: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    if mask.dtype == torch.bool:
+        return mask & visible
+    return mask.masked_fill(~visible, float("-inf"))
+
+
+def _exact_with_lse(q, k, v, causal, scale, attn_mask):
+    """Row-blocked exact attention that also returns the LSE; memory O(rows x kv_len)."""
+    b, hq, nq, d = q.shape
+    hk, nk = k.shape[1], k.shape[2]
+    qg = group_queries(q, hk)
+    kf, vf = k.float().unsqueeze(2), v.float().unsqueeze(2)  # [b, hk, 1, nk, d]
+    outs, lses = [], []
+    for s in range(0, nq, _LSE_ROWS):
+        e = min(s + _LSE_ROWS, nq)
+        scores = torch.matmul(qg[:, :, :, s:e].float(), kf.transpose(-1, -2)) * scale  # [b,hk,g,r,nk]
+        if causal:
+            vis = causal_mask(nq, nk, q.device)[s:e]
+            scores = scores.masked_fill(~vis, float("-inf"))
+        if attn_mask is not None:
+            m = attn_mask[..., s:e, :] if attn_mask.shape[-2] > 1 else attn_mask
+            m = m.expand(b, hq, e - s, nk).reshape(b, hk, hq // hk, e - s, nk)
+            scores = scores.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else scores + m.float()
+        lse = torch.logsumexp(scores, dim=-1)
+        safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+        p = torch.exp(scores - safe.unsqueeze(-1))
+        outs.append(torch.matmul(p, vf))
+        lses.append(lse)
+    out = torch.cat(outs, dim=3).reshape(b, hq, nq, d).to(q.dtype)
+    return out, torch.cat(lses, dim=3).reshape(b, hq, nq)
+
+
+def _flash_attn_usable(q) -> bool:
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _flash_attn(q, k, v, causal, scale):  # pragma: no cover - needs a GPU with flash-attn
+    from flash_attn import flash_attn_func
+    out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale, causal=causal)
+    return out.transpose(1, 2)
+
+
+def _prefill(q, k, v, *, causal=True, scale=None, backend="auto", **_):
+    return exact_attention(q, k, v, causal=causal, scale=scale, backend=backend)
+
+
+EXACT = register_method(Method(
+    name="exact",
+    summary="exact softmax attention (torch SDPA on CPU, flash-attn on CUDA when installed)",
+    prefill=_prefill,
+    decode=_prefill,
+    approximate=False,
+))

@@ -1,0 +1,93 @@
+"""patch_model / unpatch_model: route chosen layers of a model to an attention method, and undo it."""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .config import PatchConfig, as_config, select_layers
+from .errors import ConfigError
+from .families import Family, detect_family
+from .methods import get_method
+from .routing import LayerRoute, reset_stats
+
+REPORT_ATTR = "longpatch"
+
+
+@dataclass
+class PatchReport:
+    """What patch_model did; kept on the model as `model.longpatch`."""
+
+    config: PatchConfig
+    family: Family
+    num_layers: int
+    layers: list[int]
+    routes: list[LayerRoute] = field(repr=False, default_factory=list)
+
+    @property
+    def method(self) -> str:
+        return self.config.method
+
+    def stats(self) -> dict:
+        """Calls and seconds per path, summed over patched and over unpatched layers."""
+        out = {"patched": {}, "unpatched": {}}
+        for r in self.routes:
+            side = out["patched" if r.method is not None else "unpatched"]
+            for path, n in r.calls.items():
+                s = side.setdefault(path, {"calls": 0, "seconds": 0.0})
+                s["calls"] += n
+                s["seconds"] += r.seconds[path]
+        return out
+
+    def reset_stats(self) -> None:
+        reset_stats(self.routes)
+
+    def rows(self) -> list[dict]:
+        return [{"layer": r.layer_idx, "method": r.method.name, "params": dict(r.params)}
+                for r in self.routes if r.method is not None]
+
+
+def patch_model(model, cfg: "PatchConfig | dict | str | Path"):
+    """Patch `model` in place per `cfg` (PatchConfig, dict, YAML path or alias); returns the model.
+
+    Patching an already patched model is an error: call unpatch_model first.
+    """
+    cfg = as_config(cfg)
+    if getattr(model, REPORT_ATTR, None) is not None:
+        raise ConfigError("model is already patched by longpatch (see model.longpatch); call unpatch_model(model) first")
+    family = detect_family(model, cfg.family)
+    n = family.num_layers(model)
+    chosen = set(select_layers(cfg.layers, n))
+    method = get_method(cfg.method)
+    routes = [LayerRoute(layer_idx=i, method=method if i in chosen else None,
+                         params=dict(cfg.params) if i in chosen else {},
+                         min_seq_len=cfg.min_seq_len, backend=cfg.backend) for i in range(n)]
+    family.install(model, routes)
+    setattr(model, REPORT_ATTR, PatchReport(cfg, family, n, sorted(chosen), routes))
+    return model
+
+
+def unpatch_model(model):
+    """Restore the model's original attention exactly; a no-op on an unpatched model."""
+    report: PatchReport | None = getattr(model, REPORT_ATTR, None)
+    if report is None:
+        return model
+    report.family.uninstall(model, report.routes)
+    delattr(model, REPORT_ATTR)
+    return model
+
+
+def patched_layers(model) -> list[int]:
+    """Sorted 0-based indices of the layers that run a longpatch method ([] when unpatched)."""
+    report = getattr(model, REPORT_ATTR, None)
+    return [] if report is None else list(report.layers)
+
+
+@contextlib.contextmanager
+def patched(model, cfg):
+    """`with patched(model, cfg): ...` patches for the block and always restores afterwards."""
+    patch_model(model, cfg)
+    try:
+        yield model
+    finally:
+        unpatch_model(model)

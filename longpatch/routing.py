@@ -1,0 +1,103 @@
+"""Per-layer routing: decide, call by call, whether a layer runs its method, exact attention or the
+model's own implementation, and keep counts and timings of what ran.
+
+Every attention layer of a patched model gets a LayerRoute (unpatched layers too, with
+method=None) so that time spent in patched and in untouched layers is measured the same way.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .methods import Method
+from .methods.exact import exact_attention
+
+log = logging.getLogger("longpatch")
+_warned: set[str] = set()
+BUFFER_PREFIX = "longpatch_"  # method buffers live on the patched module under this prefix
+
+
+def warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(message)
+
+
+@dataclass
+class LayerRoute:
+    layer_idx: int
+    method: Method | None = None  # None: the model's own attention, untouched
+    params: dict[str, Any] = field(default_factory=dict)
+    min_seq_len: int = 0
+    backend: str = "auto"
+    owner: torch.nn.Module | None = None  # the module holding this layer's method buffers
+    buffer_names: tuple[str, ...] = ()
+    calls: Counter = field(default_factory=Counter)  # path -> number of calls
+    seconds: Counter = field(default_factory=Counter)  # path -> wall time
+
+    def choose(self, q_len: int, kv_len: int, unsupported: str | None = None) -> str:
+        """Which path serves this call: 'method', 'exact' or 'original'.
+
+        unsupported: why the call is not plain causal attention (a padding mask, a sliding window,
+        dropout...), or None. Such calls keep the model's own attention, with a one-time warning.
+        Prefill (q_len == kv_len) of at least min_seq_len tokens runs the method; decode runs the
+        method's decode when it has one and exact attention otherwise.
+        """
+        if self.method is None:
+            return "original"
+        if unsupported is not None:
+            warn_once(f"{unsupported}:{self.method.name}", f"longpatch: a patched layer got {unsupported}, which "
+                      f"'{self.method.name}' does not handle; those calls use the model's own attention")
+            return "original"
+        if q_len == kv_len:
+            return "method" if q_len >= self.min_seq_len else "exact"
+        return "method" if self.method.decode is not None else "exact"
+
+    def run(self, path: str, q, k, v, *, causal: bool, scale: float | None, original=None):
+        """Run `path` on the shared layout and time it; `original` is a zero-argument callable."""
+        sync = q.is_cuda
+        if sync:
+            torch.cuda.synchronize(q.device)
+        t0 = time.perf_counter()
+        if path == "original":
+            out = original()
+        elif path == "exact":
+            out = exact_attention(q, k, v, causal=causal, scale=scale, backend=self.backend)
+        else:
+            fn = self.method.prefill if q.shape[2] == k.shape[2] else self.method.decode
+            # read through the owner so .to(device) and load_state_dict are always seen
+            bufs = {n: getattr(self.owner, BUFFER_PREFIX + n) for n in self.buffer_names}
+            out = fn(q, k, v, causal=causal, scale=scale, backend=self.backend, buffers=bufs, **self.params)
+        if sync:
+            torch.cuda.synchronize(q.device)
+        self.calls[path] += 1
+        self.seconds[path] += time.perf_counter() - t0
+        return out
+
+
+def attach_buffers(route: LayerRoute, owner: torch.nn.Module, head_dim: int, device) -> None:
+    """Create the method's buffers (e.g. LSH directions) on `owner`, so they are in the state_dict."""
+    route.owner = owner
+    if route.method is None or route.method.make_buffers is None:
+        return
+    bufs = route.method.make_buffers(head_dim=head_dim, **route.params)
+    for name, t in bufs.items():
+        owner.register_buffer(BUFFER_PREFIX + name, t.to(device))
+    route.buffer_names = tuple(bufs)
+
+
+def detach_buffers(route: LayerRoute) -> None:
+    for name in route.buffer_names:
+        delattr(route.owner, BUFFER_PREFIX + name)
+    route.buffer_names = ()
+
+
+def reset_stats(routes: list[LayerRoute]) -> None:
+    for r in routes:
+        r.calls.clear()
+        r.seconds.clear()

@@ -1,0 +1,168 @@
+"""patch_model on real transformers model classes (tiny random weights) and the ChatGLM2 layout."""
+import logging
+
+import pytest
+import torch
+
+import longpatch
+from longpatch import ConfigError, routing, patch_model, patched, patched_layers, unpatch_model
+from longpatch.testing.tiny import tiny_model
+from helpers import PROBE_CALLS
+
+HF = ["llama", "phi", "qwen2", "mistral"]
+
+
+def logits(model, ids, **kw):
+    with torch.no_grad():
+        out = model(ids, **kw)
+    return out[0] if isinstance(out, tuple) else out.logits
+
+
+@pytest.mark.parametrize("name", HF + ["chatglm2"])
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_exact_patch_equals_unpatched_and_unpatch_restores(name, impl):
+    if name == "chatglm2" and impl == "eager":
+        pytest.skip("chatglm2 has one attention implementation")
+    model = tiny_model(name, attn_implementation=impl)
+    ids = torch.randint(0, 256, (2, 48))
+    ref = logits(model, ids)
+    keys = set(model.state_dict())
+    patch_model(model, {"method": "exact", "layers": 2})
+    assert patched_layers(model) == [2, 3]
+    torch.testing.assert_close(logits(model, ids), ref, atol=1e-5, rtol=1e-5)
+    stats = model.longpatch.stats()
+    assert stats["patched"]["method"]["calls"] == 2  # one call per patched layer
+    assert stats["unpatched"]["original"]["calls"] == 2
+    unpatch_model(model)
+    assert patched_layers(model) == [] and not hasattr(model, "longpatch")
+    assert set(model.state_dict()) == keys
+    if name != "chatglm2":
+        assert model.config._attn_implementation == impl
+    assert torch.equal(logits(model, ids), ref)
+
+
+@pytest.mark.parametrize("name", HF + ["chatglm2"])
+def test_only_chosen_layers_are_routed_and_buffers_in_state_dict(name):
+    model = tiny_model(name)
+    PROBE_CALLS.clear()
+    patch_model(model, longpatch.PatchConfig(method="probe", layers=[0, 2], params={"level": 3}))
+    buffers = [k for k in model.state_dict() if k.endswith("longpatch_marker")]
+    assert len(buffers) == 2 and all(float(model.state_dict()[k][0]) == 3.0 for k in buffers)
+    logits(model, torch.randint(0, 256, (1, 40)))
+    assert PROBE_CALLS == [(40, 40), (40, 40)]
+    assert [r.layer_idx for r in model.longpatch.routes if r.calls["method"]] == [0, 2]
+    unpatch_model(model)
+    assert not any("longpatch" in k for k in model.state_dict())
+
+
+def test_layer_selection_forms():
+    model = tiny_model("llama")
+    for spec, expect in [(0, []), (1, [3]), ("all", [0, 1, 2, 3]), ([1, 2], [1, 2])]:
+        with patched(model, {"method": "exact", "layers": spec}):
+            assert patched_layers(model) == expect
+        assert patched_layers(model) == []
+    with pytest.raises(ConfigError, match="has 4 layers"):
+        patch_model(model, {"method": "exact", "layers": 5})
+    with pytest.raises(ConfigError, match="out of range"):
+        patch_model(model, {"method": "exact", "layers": [4]})
+    assert not hasattr(model, "longpatch")
+
+
+def test_patching_twice_is_a_clear_error(tmp_path):
+    model = tiny_model("llama")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("method: exact\nlayers: 1\n")
+    patch_model(model, str(cfg))
+    with pytest.raises(ConfigError, match="already patched"):
+        patch_model(model, {"method": "exact", "layers": 2})
+    assert patched_layers(model) == [3]
+
+
+def test_min_seq_len_and_decode_fallback():
+    """Short prefills and decode (no method decode) take exact attention; outputs unchanged."""
+    model = tiny_model("llama")
+    ids = torch.randint(0, 256, (1, 24))
+    ref = model.generate(ids, max_new_tokens=6, do_sample=False)
+    patch_model(model, {"method": "probe", "layers": 2, "min_seq_len": 16})
+    PROBE_CALLS.clear()
+    out = model.generate(ids, max_new_tokens=6, do_sample=False)
+    assert torch.equal(out, ref)
+    stats = model.longpatch.stats()["patched"]
+    assert PROBE_CALLS == [(24, 24), (24, 24)]  # the prefill only
+    assert stats["exact"]["calls"] == 2 * 5  # 5 decode steps x 2 layers
+    model.longpatch.reset_stats()
+    logits(model, ids[:, :10])  # shorter than min_seq_len
+    stats = model.longpatch.stats()["patched"]
+    assert set(stats) == {"exact"} and stats["exact"]["calls"] == 2
+
+
+@pytest.mark.parametrize("name", HF)
+def test_generate_with_exact_patch_matches(name):
+    model = tiny_model(name)
+    ids = torch.randint(0, 256, (1, 20))
+    ref = model.generate(ids, max_new_tokens=5, do_sample=False)
+    with patched(model, {"method": "exact", "layers": "all"}):
+        out = model.generate(ids, max_new_tokens=5, do_sample=False)
+        assert model.longpatch.stats()["patched"]["method"]["calls"] == 4 * 5  # prefill + 4 decode steps
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("name", ["llama", "chatglm2"])
+def test_padding_goes_to_original_with_warning(name, caplog):
+    model = tiny_model(name)
+    ids = torch.randint(0, 256, (2, 30))
+    mask = torch.ones(2, 30, dtype=torch.long)
+    mask[1, :7] = 0  # left padding
+    ref = logits(model, ids, attention_mask=mask)
+    patch_model(model, {"method": "probe", "layers": 2})
+    PROBE_CALLS.clear()
+    routing._warned.clear()  # warnings are once per process
+    with caplog.at_level(logging.WARNING, logger="longpatch"):
+        out = logits(model, ids, attention_mask=mask)
+    assert PROBE_CALLS == []
+    assert model.longpatch.stats()["patched"]["original"]["calls"] == 2
+    assert any("padding" in r.message for r in caplog.records)
+    torch.testing.assert_close(out, ref)
+
+
+def test_chatglm2_incremental_decode_matches_unpatched():
+    model = tiny_model("chatglm2")
+    ids = torch.randint(0, 256, (1, 33))
+
+    def run():
+        out, cache = model(ids[:, :30], use_cache=True)
+        steps = [out[:, -1]]
+        for t in range(30, 33):
+            out, cache = model(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+            steps.append(out[:, -1])
+        return torch.stack(steps)
+
+    with torch.no_grad():
+        ref = run()
+        patch_model(model, {"method": "probe", "layers": "all"})
+        PROBE_CALLS.clear()
+        out = run()
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    # the probe saw the real 2 K/V groups of the layout, not the 4 expanded heads
+    assert PROBE_CALLS == [(30, 30)] * 4
+    assert model.longpatch.stats()["patched"]["exact"]["calls"] == 4 * 3
+
+
+def test_chatglm2_methods_see_groups_not_expanded_heads():
+    model = tiny_model("chatglm2")
+    seen = []
+    from longpatch.methods import Method, register_method
+    from longpatch.ops import exact_attention
+
+    def record(q, k, v, **kw):
+        seen.append((q.shape[1], k.shape[1]))
+        return exact_attention(q, k, v, causal=kw["causal"], scale=kw["scale"])
+    register_method(Method(name="record_heads", summary="test", prefill=record))
+    patch_model(model, {"method": "record_heads", "layers": 1})
+    logits(model, torch.randint(0, 256, (1, 12)))
+    assert seen == [(4, 2)]
+
+
+def test_unsupported_model_error_lists_families():
+    with pytest.raises(longpatch.UnsupportedModelError, match="supported: chatglm2, hf"):
+        patch_model(torch.nn.Linear(2, 2), {"method": "exact"})
