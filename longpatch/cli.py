@@ -4,7 +4,6 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
-import click
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -186,12 +185,16 @@ def main():
     except LongpatchError as e:
         print(f"longpatch: error: {e}", file=sys.stderr)
         sys.exit(2)
-    except click.exceptions.Exit as e:
-        sys.exit(e.exit_code)
-    except click.ClickException as e:
-        e.show()
-        sys.exit(e.exit_code)
-    except click.exceptions.Abort:
-        print("longpatch: aborted", file=sys.stderr)
-        sys.exit(130)
+    except Exception as e:
+        # Usage errors, Exit and Abort come from click or from typer's vendored copy of it,
+        # depending on the typer version: recognise them by what they carry.
+        if hasattr(e, "show") and hasattr(e, "exit_code"):
+            e.show()
+            sys.exit(e.exit_code)
+        if hasattr(e, "exit_code"):
+            sys.exit(e.exit_code)
+        if type(e).__name__ == "Abort":
+            print("longpatch: aborted", file=sys.stderr)
+            sys.exit(130)
+        raise
     sys.exit(rv if isinstance(rv, int) else 0)

@@ -37,6 +37,7 @@ class LayerRoute:
     backend: str = "auto"
     owner: torch.nn.Module | None = None  # the module holding this layer's method buffers
     buffer_names: tuple[str, ...] = ()
+    state: dict = field(default_factory=dict)  # a stateful method's decode summaries
     calls: Counter = field(default_factory=Counter)  # path -> number of calls
     seconds: Counter = field(default_factory=Counter)  # path -> wall time
 
@@ -60,6 +61,8 @@ class LayerRoute:
 
     def run(self, path: str, q, k, v, *, causal: bool, scale: float | None, original=None):
         """Run `path` on the shared layout and time it; `original` is a zero-argument callable."""
+        if q.shape[2] == k.shape[2]:
+            self.state.clear()  # a prefill starts a new sequence: decode summaries of the old cache are void
         sync = q.is_cuda
         if sync:
             torch.cuda.synchronize(q.device)
@@ -69,10 +72,12 @@ class LayerRoute:
         elif path == "exact":
             out = exact_attention(q, k, v, causal=causal, scale=scale, backend=self.backend)
         else:
-            fn = self.method.prefill if q.shape[2] == k.shape[2] else self.method.decode
+            prefill = q.shape[2] == k.shape[2]
+            fn = self.method.prefill if prefill else self.method.decode
             # read through the owner so .to(device) and load_state_dict are always seen
             bufs = {n: getattr(self.owner, BUFFER_PREFIX + n) for n in self.buffer_names}
-            out = fn(q, k, v, causal=causal, scale=scale, backend=self.backend, buffers=bufs, **self.params)
+            extra = {"state": self.state} if self.method.stateful else {}
+            out = fn(q, k, v, causal=causal, scale=scale, backend=self.backend, buffers=bufs, **extra, **self.params)
         if sync:
             torch.cuda.synchronize(q.device)
         self.calls[path] += 1

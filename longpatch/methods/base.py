@@ -62,6 +62,8 @@ class Method:
     decode: Callable[..., Any] | None = None
     make_buffers: Callable[..., dict] | None = None
     approximate: bool = True
+    stateful: bool = False
+    init_state: Callable[..., dict] | None = None
 
     def resolve_params(self, given: dict[str, Any] | None) -> dict[str, Any]:
         """Fill defaults and validate; unknown names are an error that lists the known ones."""
