@@ -78,10 +78,11 @@ def apply(
     prefill: int = typer.Option(0, help="run one forward pass on this many random tokens and report where attention time went"),
 ):
     """Load a model, patch it, and print which layers run which method."""
-    from .loading import load_model, resolve_model_config, save_patch
+    from .loading import build_config, load_model, save_patch
     from .patching import patch_model
 
-    cfg = _build_config(model, config, method, layers, set_, trust_remote_code)
+    cfg = build_config(model, config, method, parse_layers(layers) if layers is not None else None, set_,
+                       trust_remote_code)
     loaded, _ = load_model(cfg)
     patch_model(loaded, cfg)
     report = loaded.longpatch
@@ -97,21 +98,6 @@ def apply(
     if save:
         out = save_patch(loaded, cfg, save)
         console.print(f"saved to {out} (re-apply with longpatch.from_pretrained('{out}'))")
-
-
-def _build_config(model, config, method, layers, sets, trust_remote_code):
-    from .config import load_config
-    from .loading import resolve_model_config
-
-    cfg = resolve_model_config(model, trust_remote_code)
-    if config:
-        file_cfg = load_config(config)
-        cfg = file_cfg.replace(model=cfg.model, trust_remote_code=cfg.trust_remote_code or file_cfg.trust_remote_code)
-    if method and method != cfg.method:
-        cfg = cfg.replace(method=method, params={})
-    if layers is not None:
-        cfg = cfg.replace(layers=parse_layers(layers))
-    return cfg.with_overrides(list(sets)) if sets else cfg
 
 
 def _run_prefill(model, n: int):
@@ -156,6 +142,36 @@ def bench_attention(
                         seq_lens=tuple(_ints("--seq-lens", seq_lens)), causal_modes=modes[mode], heads=heads,
                         head_dim=head_dim, batch=batch, dtype=dtype, backward=backward, repeats=repeats,
                         out_dir=out, method_params=_method_params(set_))
+
+
+@eval_app.command("ppl")
+def eval_ppl(
+    model: str = typer.Option(..., "--model", help="bundled alias, hub id, local path, saved patch dir, demo, or tiny:<family>"),
+    layers: Optional[str] = typer.Option(None, help="count or sweep: 20 | 0,4,8 | 0:28:4 (end included) | all; default: the config's layers"),
+    method: Optional[str] = typer.Option(None),
+    config: Optional[str] = typer.Option(None),
+    set_: list[str] = typer.Option([], "--set"),
+    subsets: str = typer.Option("all", help="all, or comma-separated subsets/categories"),
+    seq_len: int = typer.Option(32768),
+    max_docs: Optional[int] = typer.Option(None, help="at most N documents per subset"),
+    data: Optional[str] = typer.Option(None, help="data.zip, dir of <subset>.jsonl, parquet, demo; default: hub THUDM/LongBench"),
+    out: str = typer.Option("runs/eval"),
+    tokenizer: Optional[str] = typer.Option(None, help="name/path, or 'bytes' for tiny:* models"),
+    device_map: Optional[str] = typer.Option(None, help="auto: spread one model over this machine's GPUs"),
+    num_processes: int = typer.Option(1, help="local worker processes sharing the documents"),
+    strict: bool = typer.Option(False, help="a malformed record is fatal instead of reported and skipped"),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code"),
+    warmup: int = typer.Option(1, help="untimed warm-up forward passes per configuration"),
+    loss_chunk: int = typer.Option(1024, help="positions per LM-head chunk of the loss"),
+    progress: bool = typer.Option(True, "--progress/--no-progress"),
+):
+    """LongBench perplexity and attention speed for one layer count or a sweep (resumable)."""
+    from .eval.perplexity import run_eval_ppl
+
+    run_eval_ppl(model, config, method, layers, subsets=subsets, seq_len=seq_len, max_docs=max_docs, data=data,
+                 out=out, sets=set_, device_map=device_map, num_processes=num_processes, strict=strict,
+                 trust_remote_code=trust_remote_code, tokenizer=tokenizer, warmup=warmup, loss_chunk=loss_chunk,
+                 progress=progress)
 
 
 def _ints(flag: str, text: str) -> list[int]:

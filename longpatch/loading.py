@@ -27,6 +27,25 @@ def resolve_model_config(name: str, trust_remote_code: bool = False) -> PatchCon
     return PatchConfig(model=name, trust_remote_code=trust_remote_code)
 
 
+def build_config(model: str, config: str | None = None, method: str | None = None, layers=None,
+                 sets: list[str] = (), trust_remote_code: bool = False) -> PatchConfig:
+    """Merge the CLI's --model, --config, --method, --layers and --set into one PatchConfig.
+
+    The model argument brings the loading fields (and, for an alias, its method); --config replaces
+    method/params/layers; --method switches method (dropping the old method's params); --layers and
+    --set override last.
+    """
+    cfg = resolve_model_config(model, trust_remote_code)
+    if config:
+        file_cfg = load_config(config)
+        cfg = file_cfg.replace(model=cfg.model, trust_remote_code=cfg.trust_remote_code or file_cfg.trust_remote_code)
+    if method and method != cfg.method:
+        cfg = cfg.replace(method=method, params={})
+    if layers is not None:
+        cfg = cfg.replace(layers=layers)
+    return cfg.with_overrides(list(sets)) if sets else cfg
+
+
 def load_model(cfg: PatchConfig):
     """Load cfg.model (not patched yet). Returns (model, tokenizer or None)."""
     if not cfg.model:

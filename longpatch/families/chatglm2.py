@@ -67,12 +67,12 @@ class ChatGLM2Family:
         config = model.config
         rep = config.num_attention_heads // _groups(config)
         head_dim = config.kv_channels
-        device = next(model.parameters()).device
-        for core in _core_attentions(model):
+        for layer, core in zip(model.transformer.encoder.layers, _core_attentions(model)):
             if "forward" in vars(core):
                 raise UnsupportedModelError("model is already patched by longpatch; call unpatch_model first")
             route = routes[core.layer_number - 1]  # layer_number is 1-based
-            attach_buffers(route, core, head_dim, device)
+            # the layer's own device: with a device_map, layers live on different GPUs
+            attach_buffers(route, core, head_dim, next(layer.parameters()).device)
             core.forward = _make_forward(core, route, rep)
             core._longpatch_route = route
 
