@@ -122,6 +122,28 @@ def _run_prefill(model, n: int):
     console.print(t)
 
 
+@app.command()
+def demo(
+    layers: str = typer.Option("0:4:1", help="sweep of replaced final layers (end included)"),
+    max_docs: int = typer.Option(6, help="held-out documents of 4096 tokens to score"),
+    out: str = typer.Option("runs/demo", help="output directory (eval results per config, demo.json, figure3.png)"),
+    progress: bool = typer.Option(True, "--progress/--no-progress"),
+):
+    """Offline main job: each method on the shipped demo model, perplexity and attention speed per layer count."""
+    from .demo import run_demo
+
+    summary = run_demo(layers=layers, max_docs=max_docs, out=out, progress=progress)
+    t = Table(title=f"demo model, {summary['seq_len']} tokens, {summary['max_docs']} held-out docs: "
+                    "perplexity and attention speed vs replaced layers", title_justify="left")
+    for col in ("config", "method", "layers", "ppl", "attention s", "speedup"):
+        t.add_column(col, justify="left" if col in ("config", "method") else "right")
+    for r in summary["rows"]:
+        sp = "-" if r["attention_speedup"] is None else f"{r['attention_speedup']:.2f}x"
+        t.add_row(r["config"], r["method"], str(r["layers"]), f"{r['ppl']:.3f}", f"{r['attention_seconds']:.2f}", sp)
+    console.print(t)
+    console.print(f"written to {out}: demo.json, figure3.png, and one eval directory per config")
+
+
 @bench_app.command("attention")
 def bench_attention(
     methods: str = typer.Option("exact,hyper", help="comma-separated methods; exact is always the baseline"),

@@ -11,6 +11,7 @@ from .patching import patch_model
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 TINY_PREFIX = "tiny:"
+DEMO = "demo"  # the shipped offline demo model (longpatch.demo.demo_model_path())
 
 
 def resolve_model_config(name: str, trust_remote_code: bool = False) -> PatchConfig:
@@ -50,6 +51,9 @@ def load_model(cfg: PatchConfig):
     """Load cfg.model (not patched yet). Returns (model, tokenizer or None)."""
     if not cfg.model:
         raise ConfigError("model: no model given; allowed: a bundled alias, a hub id, a local path or tiny:<family>")
+    if cfg.model == DEMO:
+        from .demo import demo_model_path
+        cfg = cfg.replace(model=str(demo_model_path()))
     if cfg.model.startswith(TINY_PREFIX):
         from .testing.tiny import tiny_model
         dtype = _DTYPES.get(cfg.dtype, torch.float32)

@@ -1,5 +1,9 @@
 """The public functional attention ops, all on the shared layout (see docs/architecture.md)."""
 from .methods.common import merge_lse
 from .methods.exact import exact_attention
+from .methods.hyper import hyper_attention
 
-__all__ = ["exact_attention", "merge_lse"]
+__all__ = ["exact_attention", "hyper_attention", "merge_lse"]
+from .methods.moba import moba_attention, moba_chunk_means  # noqa: E402
+
+__all__ += ["moba_attention", "moba_chunk_means"]

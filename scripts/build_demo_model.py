@@ -57,8 +57,10 @@ def train_tokenizer(files: list[Path], vocab_size: int, out: Path):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator((read(p) for p in files), trainer=trainer)
+    # model_max_length only drives a warning when whole source files (longer than the model's 8192
+    # positions) are tokenized before truncation, as the evaluation does: set it out of the way.
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS, unk_token=EOS,
-                                   model_max_length=8192)
+                                   model_max_length=1 << 30)
     fast.save_pretrained(out)
     return fast
 

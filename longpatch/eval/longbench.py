@@ -358,3 +358,12 @@ def _parquet_rows(files: list[Path], root: Path, wanted: list[str], known: dict[
     for subset in wanted:
         if subset in by_subset:
             yield subset, iter(by_subset[subset]), "row"
+
+
+def _demo_eval_dir():
+    from ..demo import demo_eval_path  # lazy: the demo assets are only needed when asked for
+    return demo_eval_path()
+
+
+# `--data demo`: the held-out evaluation set shipped with the demo model (one code subset).
+register_source("demo", _demo_eval_dir, subsets={"demo_code": "code"})
