@@ -196,6 +196,28 @@ def eval_ppl(
                  progress=progress)
 
 
+@bench_app.command("decode")
+def bench_decode(
+    methods: str = typer.Option("moba", help="comma-separated methods with a decode path"),
+    cache_lens: str = typer.Option("8192,32768,131072", help="comma-separated KV-cache lengths"),
+    heads: int = typer.Option(1), kv_heads: Optional[int] = typer.Option(None, help="default: = heads"),
+    head_dim: int = typer.Option(64), batch: int = typer.Option(1), dtype: str = typer.Option("float32"),
+    repeats: int = typer.Option(20), threads: Optional[int] = typer.Option(None, help="torch.set_num_threads"),
+    out: str = typer.Option("runs/bench_decode", help="output dir for JSON + PNG"),
+    set_: list[str] = typer.Option([], "--set", help="method params: moba.topk=3"),
+):
+    """Time one decode step against caches of each length (decode state given) vs exact decode."""
+    from .bench_decode import run_decode_bench
+
+    if threads:
+        import torch
+        torch.set_num_threads(threads)
+    run_decode_bench(methods=tuple(m.strip() for m in methods.split(",") if m.strip()),
+                     cache_lens=tuple(_ints("--cache-lens", cache_lens)), heads=heads, head_dim=head_dim,
+                     repeats=repeats, out_dir=out, method_params=_method_params(set_), kv_heads=kv_heads,
+                     batch=batch, dtype=dtype)
+
+
 def _ints(flag: str, text: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from .base import Method, register_method
+from .cpu_flash import FA_CPU, CpuFlashLSE
 from .common import causal_mask, check_qkv, default_scale, group_queries, resolve_backend
 
 # Query rows per block when the LSE is asked for: bounds the score block to rows x kv_len.
@@ -27,6 +28,9 @@ def exact_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
         from ..kernels import attention as tk  # imported lazily: triton is optional
         return tk.flash_attention(q, k, v, causal=causal, scale=scale, return_lse=return_lse)
     if return_lse:
+        if q.device.type == "cpu" and FA_CPU is not None and attn_mask is None and (not causal or nq == nk) \
+                and q.dtype in (torch.float32, torch.bfloat16, torch.float16):
+            return CpuFlashLSE.apply(q, k, v, None, causal, scale)  # fused, differentiable in out and lse
         return _exact_with_lse(q, k, v, causal, scale, attn_mask)
     if q.is_cuda and attn_mask is None and _flash_attn_usable(q):
         return _flash_attn(q, k, v, causal, scale)

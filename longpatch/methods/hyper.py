@@ -37,6 +37,7 @@ import torch
 
 from .base import Method, Param, optional_int, positive_int, register_method
 from .common import check_qkv, default_scale, merge_lse, resolve_backend
+from .cpu_flash import FA_CPU, CpuFlashLSE
 from .exact import exact_attention
 
 DEFAULT_SEED = 0  # used when seed is None: HyperAttention is deterministic unless asked otherwise
@@ -77,42 +78,6 @@ def lsh_sort_keys(x: torch.Tensor, dirs: torch.Tensor) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- attention primitive
 
-_fa_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-_fa_cpu_bwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
-
-
-class _CpuFlashLSE(torch.autograd.Function):
-    """torch's fused CPU flash-attention kernel, which returns the LSE, made differentiable in both
-    outputs. The kernel's own backward ignores a gradient on the LSE; we feed it one exactly by
-    appending a feature column: with v' = [v, 0], out' = [out, -dlse], dout' = [dout, 1] the kernel's
-    row term D' = rowsum(dout'·out') = D - dlse, so dS = P·(dP - D + dlse), which is the gradient of
-    (out, lse). q and k get a zero column so the scores (with an explicit scale) are unchanged."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, bias, causal: bool, scale: float):
-        out, lse = _fa_cpu(q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
-        ctx.save_for_backward(q, k, v, bias, out, lse)
-        ctx.causal, ctx.scale = causal, scale
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        q, k, v, bias, out, lse = ctx.saved_tensors
-        if dout is None:
-            dout = torch.zeros_like(out)
-        dout = dout.to(out.dtype)
-        if dlse is None:
-            dq, dk, dv = _fa_cpu_bwd(dout, q, k, v, out, lse, 0.0, ctx.causal, attn_mask=bias, scale=ctx.scale)
-        else:
-            def col(x, val):
-                return torch.cat([x, x.new_full((*x.shape[:-1], 1), val)], dim=-1)
-            out2 = torch.cat([out, (-dlse).to(out.dtype).unsqueeze(-1)], dim=-1)
-            dq, dk, dv = _fa_cpu_bwd(col(dout, 1.0), col(q, 0.0), col(k, 0.0), col(v, 0.0), out2, lse, 0.0,
-                                     ctx.causal, attn_mask=bias, scale=ctx.scale)
-            dq, dk, dv = dq[..., :-1], dk[..., :-1], dv[..., :-1]
-        return dq, dk, dv, None, None, None
-
-
 def attention_lse_reference(q, k, v, *, causal: bool, scale: float, bias=None):
     """Plain PyTorch twin of every attention call HyperAttention makes (and of the Triton kernel):
     q [B, Hq, Lq, d], k/v [B, Hk, Lk, d] (Hk divides Hq; query head h reads KV head h // (Hq/Hk)),
@@ -148,9 +113,9 @@ def _attend(q, k, v, *, causal: bool, scale: float, bias, backend: str):
     if backend == "triton":
         from ..kernels.attention import flash_attention
         return flash_attention(q, k, v, causal=causal, scale=scale, return_lse=True, key_bias=bias)
-    if q.device.type == "cpu" and _fa_cpu is not None:
+    if q.device.type == "cpu" and FA_CPU is not None:
         b4 = None if bias is None else bias.unsqueeze(2)  # [B, 1, 1, Lk]
-        return _CpuFlashLSE.apply(q, k, v, b4, causal, scale)
+        return CpuFlashLSE.apply(q, k, v, b4, causal, scale)
     return attention_lse_reference(q, k, v, causal=causal, scale=scale, bias=bias)
 
 
