@@ -50,6 +50,7 @@ def write_eval_set(tokenizer, files, root: Path, out: Path) -> int:
 
 def write_model_card(out: Path, facts: dict) -> None:
     (out / "training.json").write_text(json.dumps(facts, indent=1))
+    lc = facts["long_context"]
     curve = "\n".join(f"| {c['step']} | {c['ctx']} | {c['tokens']:,} | {c['loss']:.3f} |" for c in facts["curve"][::4])
     (out / "README.md").write_text(f"""# longpatch demo model
 
@@ -68,6 +69,9 @@ show what approximate attention costs in quality offline. Not a useful language 
 - Final held-out loss: {facts['heldout_loss']} nats/token (4096-token windows).
 - Evaluation set: `eval/{EVAL_SUBSET}.jsonl`, {facts['eval_docs']} held-out files of at least {EVAL_MIN_TOKENS} tokens
   in LongBench's record format (`--data demo`).
+- It uses its long context (`longpatch.demo.long_context_report` on the {lc['docs']} evaluation documents,
+  mean nats/token): positions 1–255 {lc['early']:.3f}; positions 2048–4095 {lc['late']:.3f}; the same
+  late tokens scored with at most 256 tokens of context {lc['late_short_context']:.3f}.
 
 | step | context | tokens seen | loss (EMA) |
 | --- | --- | --- | --- |
@@ -75,9 +79,10 @@ show what approximate attention costs in quality offline. Not a useful language 
 """)
 
 
-def eval_documents(n: int | None = None) -> list[str]:
-    """Contexts of the shipped evaluation set, in file order."""
-    lines = (demo_eval_path() / f"{EVAL_SUBSET}.jsonl").read_text().splitlines()
+def eval_documents(n: int | None = None, path: Path | None = None) -> list[str]:
+    """Contexts of the evaluation set (the shipped one, or the one under a build's `path`), in file order."""
+    root = demo_eval_path() if path is None else Path(path) / "eval"
+    lines = (root / f"{EVAL_SUBSET}.jsonl").read_text().splitlines()
     return [json.loads(line)["context"] for line in lines[:n]]
 
 

@@ -157,14 +157,16 @@ def main(argv=None):
     held_loss = heldout_loss(model, tok, held_files)
     log(f"held-out loss {held_loss:.4f} (4096-token windows of held-out files)")
     model.save_pretrained(out, safe_serialization=True)
-    from longpatch.demo import write_eval_set, write_model_card
+    from longpatch.demo import eval_documents, long_context_report, write_eval_set, write_model_card
     n_docs = write_eval_set(tok, held_files, root, out)
+    long_ctx = long_context_report(model, tok, eval_documents(path=out))
+    log(f"long context: {long_ctx}")
     write_model_card(out, {
         "python": platform.python_version(), "seed": args.seed, "params": n_params, "vocab": len(tok),
         "train_files": len(train_files), "heldout_files": len(held_files), "train_tokens_seen": seen,
         "stream_tokens": len(stream), "minutes": round((time.time() - t_start) / 60, 1),
         "heldout_loss": round(held_loss, 4), "eval_docs": n_docs, "curve": curve, "torch": torch.__version__,
-        "cpu_threads": torch.get_num_threads(),
+        "cpu_threads": torch.get_num_threads(), "long_context": long_ctx,
     })
     log(f"done in {(time.time() - t_start) / 60:.1f} min; wrote {out}")
 

@@ -1,0 +1,64 @@
+"""The shipped demo model and its evaluation set: offline loading, long-context use, patching."""
+import pytest
+
+import longpatch
+from longpatch.demo import demo_configs, demo_model_path, eval_documents, long_context_report
+
+
+@pytest.fixture(scope="module")
+def demo():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    path = demo_model_path()
+    return AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+
+
+def test_loads_offline_with_the_promised_shape(demo):
+    model, tok = demo
+    c = model.config
+    assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (4, 2, 64)
+    assert sum(p.numel() for p in model.parameters()) < 6e6
+    assert len(tok) == c.vocab_size == 8192
+
+
+def test_tokenizer_round_trips(demo):
+    _, tok = demo
+    text = eval_documents(1)[0][:3000] + "\n\tdef f(x):  # ünïcode → ok\n        return x ** 2\n"
+    assert tok.decode(tok(text)["input_ids"]) == text
+
+
+def test_uses_long_context(demo):
+    """Late positions (2048..4095) are predicted better than early ones and than with 256 tokens of context."""
+    model, tok = demo
+    r = long_context_report(model, tok, eval_documents(3))
+    assert r["docs"] == 3
+    assert r["late"] < r["early"] - 0.3
+    assert r["late"] < r["late_short_context"]
+
+
+def test_exact_patch_reproduces_unpatched_perplexity(demo, tmp_path):
+    model, tok = demo
+    res = longpatch.eval.perplexity(model, "0,4", config="demo", method="exact", data="demo", seq_len=1024,
+                                    max_docs=2, out=str(tmp_path), tokenizer=tok, progress=False, plots=False)
+    base, patched = (c["all"]["ppl"] for c in res["configs"])
+    assert res["configs"][1]["layers"] == 4 and base == pytest.approx(patched, rel=1e-5)
+    assert 1 < base < 8192
+
+
+def test_demo_configs_and_apply(monkeypatch, capsys):
+    import sys
+    from longpatch import cli
+    assert {"demo", "demo-moba"} <= set(demo_configs())
+    monkeypatch.setattr(sys, "argv", ["longpatch", "apply", "--model", "demo", "--prefill", "512"])
+    with pytest.raises(SystemExit) as e:
+        cli.main()
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "patched 2 of 4 layers with 'hyper'" in out
+
+
+@pytest.mark.slow
+def test_uses_long_context_on_the_whole_eval_set(demo):
+    model, tok = demo
+    r = long_context_report(model, tok, eval_documents())
+    assert r["docs"] == 24
+    assert r["late"] < r["early"] - 0.5 and r["late"] < r["late_short_context"] - 0.05
