@@ -1,5 +1,6 @@
 """longpatch: patch the attention of pretrained transformers models with fast long-context methods."""
 from .config import PatchConfig, load_config
+from .demo import demo_model_path
 from .errors import ConfigError, LongpatchError, UnsupportedModelError
 from .loading import from_pretrained, load_model
 from .patching import PatchReport, patch_model, patched, patched_layers, unpatch_model
@@ -7,5 +8,5 @@ from .patching import PatchReport, patch_model, patched, patched_layers, unpatch
 __version__ = "0.1.0"
 __all__ = [
     "ConfigError", "LongpatchError", "PatchConfig", "PatchReport", "UnsupportedModelError",
-    "from_pretrained", "load_config", "load_model", "patch_model", "patched", "patched_layers", "unpatch_model",
+    "demo_model_path", "from_pretrained", "load_config", "load_model", "patch_model", "patched", "patched_layers", "unpatch_model",
 ]

@@ -202,7 +202,7 @@ def run_attention_bench(methods=("exact", "hyper"), seq_lens=DEFAULT_SEQ_LENS, c
                               f"{_fmt(row.get('speedup_fwd'), '.2f')}, err {_fmt(row.get('err_random'), '.3f')}/"
                               f"{_fmt(row.get('err_structured'), '.3f')}, mem {_fmt(row.get('mem_mb'), '.0f')} MiB",
                               flush=True)
-    meta = dict(threads=torch.get_num_threads(), torch=torch.__version__, loadavg=_loadavg(),
+    meta = dict(threads=torch.get_num_threads(), torch=torch.__version__, loadavg=loadavg(),
                 cpu=_cpu_name(), device="cpu", repeats=repeats, note="median of repeats after one warm-up; "
                 f"one timed call when a call takes > {_SLOW_CALL_S:.0f} s")
     out_path = Path(out_dir)
@@ -216,7 +216,7 @@ def run_attention_bench(methods=("exact", "hyper"), seq_lens=DEFAULT_SEQ_LENS, c
     return rows
 
 
-def _loadavg():
+def loadavg():
     try:
         return list(os.getloadavg())
     except OSError:

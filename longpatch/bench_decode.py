@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from .bench import loadavg
+
 DEFAULT_CACHE_LENS = (8192, 32768, 131072)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -115,7 +117,7 @@ def run_decode_bench(methods=("moba",), cache_lens=DEFAULT_CACHE_LENS, heads: in
                 if progress:
                     console.print(f"[bench decode] {name} cache={n}: {ms:.3f} ms vs exact {exact_ms:.3f} ms "
                                   f"({exact_ms / ms:.1f}×)")
-    meta = dict(threads=torch.get_num_threads(), torch=torch.__version__, loadavg=_loadavg(), device="cpu",
+    meta = dict(threads=torch.get_num_threads(), torch=torch.__version__, loadavg=loadavg(), device="cpu",
                 repeats=repeats, note="median of repeats after one warm-up; state built once per cache "
                 "by init_state (not timed in decode_ms)")
     out = Path(out_dir)
@@ -125,13 +127,6 @@ def run_decode_bench(methods=("moba",), cache_lens=DEFAULT_CACHE_LENS, heads: in
     plot(rows, out / "decode_bench.png")
     console.print(f"wrote {out / 'decode_bench.json'} and {out / 'decode_bench.png'}")
     return rows
-
-
-def _loadavg():
-    try:
-        return list(os.getloadavg())
-    except OSError:
-        return None
 
 
 def _fmt(x, spec):

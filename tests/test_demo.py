@@ -8,7 +8,8 @@ from longpatch.demo import demo_configs, demo_model_path, eval_documents, long_c
 @pytest.fixture(scope="module")
 def demo():
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    path = demo_model_path()
+    path = longpatch.demo_model_path()
+    assert path == demo_model_path()
     return AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
 
 
@@ -37,7 +38,8 @@ def test_uses_long_context(demo):
 
 def test_exact_patch_reproduces_unpatched_perplexity(demo, tmp_path):
     model, tok = demo
-    res = longpatch.eval.perplexity(model, "0,4", config="demo", method="exact", data="demo", seq_len=1024,
+    from longpatch.eval import perplexity
+    res = perplexity(model, "0,4", config="demo", method="exact", data="demo", seq_len=1024,
                                     max_docs=2, out=str(tmp_path), tokenizer=tok, progress=False, plots=False)
     base, patched = (c["all"]["ppl"] for c in res["configs"])
     assert res["configs"][1]["layers"] == 4 and base == pytest.approx(patched, rel=1e-5)

@@ -9,12 +9,7 @@ from longpatch.ops import moba_attention, moba_chunk_means  # noqa: E402
 from longpatch.kernels.moba import pairs_attention  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _pairs(q, k, chunk, topk, causal, shared=False):

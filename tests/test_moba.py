@@ -16,13 +16,7 @@ from helpers import dense_attention
 MOBA = get_method("moba")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Small shapes: one thread avoids waking thread pools for tiny ops (slow on a busy machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def moba_oracle(q, k, v, chunk, topk, causal=True, scale=None, shared=False):
