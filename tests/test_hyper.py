@@ -302,3 +302,51 @@ def test_thread_count_is_restored():
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(n)
+
+
+# --------------------------------------------------------------------------- patched models
+
+_PATCH = {"method": "hyper", "layers": 2,
+          "params": {"block_size": 16, "sample_size": 16, "min_seq_len": 64, "seed": 3}}
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        out = model(ids)
+    return out[0] if isinstance(out, tuple) else out.logits
+
+
+@pytest.mark.parametrize("name", ["llama", "phi", "chatglm2"])
+def test_patched_tiny_models_prefill_beyond_min_seq_len(name):
+    from longpatch import patch_model
+    from longpatch.testing.tiny import tiny_model
+
+    model = tiny_model(name)
+    ids = torch.randint(0, 256, (1, 300))
+    ref = _logits(model, ids)
+    patch_model(model, _PATCH)
+    out = _logits(model, ids)
+    stats = model.longpatch.stats()["patched"]
+    assert stats["method"]["calls"] == 2 and "exact" not in stats
+    assert torch.isfinite(out).all()
+    # the approximation is active, yet a random-weight model's logits stay close
+    assert 0 < (out - ref).abs().max() < 0.5 * ref.abs().max()
+
+
+def test_lsh_directions_are_a_seeded_state_dict_buffer():
+    from longpatch import patch_model
+    from longpatch.testing.tiny import tiny_model
+
+    ids = torch.randint(0, 256, (1, 300))
+    a, b = tiny_model("llama"), tiny_model("llama")
+    patch_model(a, _PATCH)
+    patch_model(b, _PATCH)
+    keys = [k for k in a.state_dict() if k.endswith("longpatch_lsh_dirs")]
+    assert len(keys) == 2 and a.state_dict()[keys[0]].shape == (16, 7)
+    assert torch.equal(_logits(a, ids), _logits(b, ids))  # same seed: identical runs
+    # the buffer is what the layer uses: loading other directions changes the output
+    sd = b.state_dict()
+    for k in keys:
+        sd[k] = torch.randn_like(sd[k])
+    b.load_state_dict(sd)
+    assert not torch.equal(_logits(a, ids), _logits(b, ids))

@@ -166,3 +166,11 @@ def test_chatglm2_methods_see_groups_not_expanded_heads():
 def test_unsupported_model_error_lists_families():
     with pytest.raises(longpatch.UnsupportedModelError, match="supported: chatglm2, hf"):
         patch_model(torch.nn.Linear(2, 2), {"method": "exact"})
+
+
+def test_chatglm2_loader_compat_fills_missing_config_attributes():
+    from longpatch.families.chatglm2 import prepare_loaded
+    model = tiny_model("chatglm2")
+    assert not hasattr(model.config, "use_cache")  # like the remote ChatGLMConfig on transformers 5.x
+    prepare_loaded(model)
+    assert model.config.use_cache is True
