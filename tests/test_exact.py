@@ -63,3 +63,14 @@ def test_bad_shapes_and_backend():
         exact_attention(torch.randn(1, 2, 5, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8))
     with pytest.raises(ValueError, match="backend"):
         exact_attention(q, q, q, backend="cuda")
+
+
+def test_lse_reference_path_with_mask_and_strided_q():
+    """A mask forces the row-blocked reference; q strided as transformers passes it ([b, n, h, d].T)."""
+    q = torch.randn(1, 12, 4, 8).transpose(1, 2)  # [b, h, n, d], not contiguous
+    k, v = torch.randn(1, 2, 12, 8), torch.randn(1, 2, 12, 8)
+    mask = torch.ones(1, 1, 12, 12, dtype=torch.bool)
+    out, lse = exact_attention(q, k, v, causal=True, attn_mask=mask, return_lse=True)
+    ref, ref_lse = dense_attention(q, k, v, causal=True)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)

@@ -8,8 +8,8 @@ from .base import Method, register_method
 from .cpu_flash import FA_CPU, CpuFlashLSE
 from .common import causal_mask, check_qkv, default_scale, group_queries, resolve_backend
 
-# Query rows per block when the LSE is asked for: bounds the score block to rows x kv_len.
-_LSE_ROWS = 512
+# Score entries per block of query rows on the plain-PyTorch LSE path (~128 MB of float32 scores).
+_LSE_BLOCK_ENTRIES = 1 << 25
 
 
 def exact_attention(q, k, v, *, causal: bool = True, scale: float | None = None, attn_mask=None,
@@ -31,7 +31,7 @@ def exact_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
         if q.device.type == "cpu" and FA_CPU is not None and attn_mask is None and (not causal or nq == nk) \
                 and q.dtype in (torch.float32, torch.bfloat16, torch.float16):
             return CpuFlashLSE.apply(q, k, v, None, causal, scale)  # fused, differentiable in out and lse
-        return _exact_with_lse(q, k, v, causal, scale, attn_mask)
+        return exact_with_lse_reference(q, k, v, causal, scale, attn_mask)
     if q.is_cuda and attn_mask is None and _flash_attn_usable(q):
         return _flash_attn(q, k, v, causal, scale)
     mask = attn_mask
@@ -57,18 +57,23 @@ def _and_masks(mask: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     return mask.masked_fill(~visible, float("-inf"))
 
 
-def _exact_with_lse(q, k, v, causal, scale, attn_mask):
-    """Row-blocked exact attention that also returns the LSE; memory O(rows x kv_len)."""
+def exact_with_lse_reference(q, k, v, causal, scale, attn_mask=None):
+    """Plain-PyTorch exact attention with the LSE, in blocks of query rows (memory O(rows x kv_len)).
+
+    The readable twin of the fused and Triton paths (tests pair them with it); attn_mask as in
+    exact_attention. Rows that see no key get lse = -inf and a zero output.
+    """
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     qg = group_queries(q, hk)
     kf, vf = k.float().unsqueeze(2), v.float().unsqueeze(2)  # [b, hk, 1, nk, d]
+    rows = max(1, _LSE_BLOCK_ENTRIES // max(1, b * hq * nk))
     outs, lses = [], []
-    for s in range(0, nq, _LSE_ROWS):
-        e = min(s + _LSE_ROWS, nq)
+    for s in range(0, nq, rows):
+        e = min(s + rows, nq)
         scores = torch.matmul(qg[:, :, :, s:e].float(), kf.transpose(-1, -2)) * scale  # [b,hk,g,r,nk]
         if causal:
-            vis = causal_mask(nq, nk, q.device)[s:e]
+            vis = causal_mask(e - s, nk, q.device, q_offset=nk - nq + s)
             scores = scores.masked_fill(~vis, float("-inf"))
         if attn_mask is not None:
             m = attn_mask[..., s:e, :] if attn_mask.shape[-2] > 1 else attn_mask

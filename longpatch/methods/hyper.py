@@ -38,7 +38,7 @@ import torch
 from .base import Method, Param, optional_int, positive_int, register_method
 from .common import check_qkv, default_scale, merge_lse, resolve_backend
 from .cpu_flash import FA_CPU, CpuFlashLSE
-from .exact import exact_attention
+from .exact import exact_attention, exact_with_lse_reference
 
 DEFAULT_SEED = 0  # used when seed is None: HyperAttention is deterministic unless asked otherwise
 _SAMPLE_STREAM = 0x5EED_CAFE  # keeps the sampling stream apart from the direction stream of one seed
@@ -83,29 +83,11 @@ def attention_lse_reference(q, k, v, *, causal: bool, scale: float, bias=None):
     q [B, Hq, Lq, d], k/v [B, Hk, Lk, d] (Hk divides Hq; query head h reads KV head h // (Hq/Hk)),
     optional float additive ``bias`` [B, Hk or 1, Lk] (per key), causal aligned bottom-right (the
     queries are the last Lq positions). Returns (out in q.dtype, lse float32; rows that see no key get
-    lse = -inf and a zero output). Builds scores of up to ~2^25 entries at a time (query rows in
-    chunks): the oracle of the tests and the torch path on non-CPU devices."""
-    B, hq, lq, d = q.shape
-    hk, lk = k.shape[1], k.shape[2]
-    qg = q.reshape(B, hk, hq // hk, lq, d)
-    kt = k.float().unsqueeze(2).transpose(-1, -2)
-    vf = v.float().unsqueeze(2)
-    rows = max(1, (1 << 25) // max(1, B * hq * lk))
-    outs, lses = [], []
-    for r0 in range(0, lq, rows):
-        r1 = min(lq, r0 + rows)
-        s = torch.matmul(qg[:, :, :, r0:r1].float(), kt) * scale
-        if bias is not None:
-            s = s + bias.float().reshape(B, -1, 1, 1, lk)
-        if causal:
-            last_key = torch.arange(r0, r1, device=q.device).unsqueeze(1) + (lk - lq)
-            s = s.masked_fill(torch.arange(lk, device=q.device).unsqueeze(0) > last_key, float("-inf"))
-        lse = torch.logsumexp(s, dim=-1)
-        safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-        outs.append(torch.matmul(torch.exp(s - safe.unsqueeze(-1)), vf))
-        lses.append(lse)
-    out, lse = torch.cat(outs, dim=3), torch.cat(lses, dim=3)
-    return out.reshape(B, hq, lq, d).to(q.dtype), lse.reshape(B, hq, lq)
+    lse = -inf and a zero output): exact attention's row-blocked reference with the bias as a mask."""
+    mask = None
+    if bias is not None:  # per key -> additive mask per query head, broadcast over the query rows
+        mask = bias.float().repeat_interleave(q.shape[1] // bias.shape[1], dim=1).unsqueeze(2)
+    return exact_with_lse_reference(q, k, v, causal, scale, mask)
 
 
 def _attend(q, k, v, *, causal: bool, scale: float, bias, backend: str):
