@@ -2,8 +2,6 @@
 from .methods.common import merge_lse
 from .methods.exact import exact_attention
 from .methods.hyper import hyper_attention
+from .methods.moba import moba_attention, moba_chunk_means
 
-__all__ = ["exact_attention", "hyper_attention", "merge_lse"]
-from .methods.moba import moba_attention, moba_chunk_means  # noqa: E402
-
-__all__ += ["moba_attention", "moba_chunk_means"]
+__all__ = ["exact_attention", "hyper_attention", "merge_lse", "moba_attention", "moba_chunk_means"]

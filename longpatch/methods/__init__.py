@@ -1,7 +1,7 @@
 """Attention methods. Importing this package registers every method that exists."""
 from .base import Method, Param, available_methods, get_method, register_method
 from . import exact  # noqa: F401  (registers "exact")
-
-__all__ = ["Method", "Param", "available_methods", "get_method", "register_method"]
 from . import hyper  # noqa: F401  (registers "hyper")
 from . import moba  # noqa: F401  (registers "moba")
+
+__all__ = ["Method", "Param", "available_methods", "get_method", "register_method"]
