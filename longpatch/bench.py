@@ -38,9 +38,17 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _SLOW_CALL_S = 10.0
 
 
-def _inputs(batch, heads, n, d, dtype, seed=0):
+def _inputs(batch, heads, n, d, dtype, seed=0, kv_heads=None):
+    """q [batch, heads, n, d] and k, v [batch, kv_heads (default heads), n, d], all N(0, 1)."""
     g = torch.Generator().manual_seed(seed)
-    return tuple(torch.randn(batch, heads, n, d, generator=g).to(dtype) for _ in range(3))
+    kv_heads = heads if kv_heads is None else kv_heads
+    return tuple(torch.randn(batch, h, n, d, generator=g).to(dtype) for h in (heads, kv_heads, kv_heads))
+
+
+def _structured(batch, heads, kv_heads, n, d, dtype):
+    """``structured_inputs`` for GQA: each KV head's queries are shared by its group of query heads."""
+    q, k, v = structured_inputs(batch, kv_heads, n, d, dtype)
+    return q.repeat_interleave(heads // kv_heads, 1), k, v
 
 
 def structured_inputs(batch, heads, n, d, dtype, seed=0, strength=None, noise=0.05):
@@ -100,12 +108,12 @@ def _rel_err(a, b) -> float:
 
 
 def peak_memory_mb(method: str, params: dict, n: int, causal: bool, heads: int, head_dim: int, batch: int,
-                   dtype: str) -> float | None:
+                   dtype: str, kv_heads: int | None = None) -> float | None:
     """Peak RSS increase (MiB) of one forward call, in a fresh subprocess."""
     if not Path("/proc/self/clear_refs").exists():
         return None
     job = json.dumps(dict(method=method, params=params, n=n, causal=causal, heads=heads, head_dim=head_dim,
-                          batch=batch, dtype=dtype))
+                          batch=batch, dtype=dtype, kv_heads=kv_heads))
     code = "import sys, longpatch.bench as b; b._memory_worker(sys.argv[1])"
     try:
         res = subprocess.run([sys.executable, "-c", code, job], capture_output=True, text=True, timeout=3600)
@@ -124,7 +132,8 @@ def _status_kb(field: str) -> int:
 def _memory_worker(job_json: str) -> None:
     job = json.loads(job_json)
     call, _ = _caller(job["method"], job["params"], job["head_dim"])
-    q, k, v = _inputs(job["batch"], job["heads"], job["n"], job["head_dim"], _DTYPES[job["dtype"]])
+    q, k, v = _inputs(job["batch"], job["heads"], job["n"], job["head_dim"], _DTYPES[job["dtype"]],
+                      kv_heads=job.get("kv_heads"))
     before = _status_kb("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to the current RSS
     _fwd(call, q, k, v, job["causal"])
@@ -136,9 +145,11 @@ def run_attention_bench(methods=("exact", "hyper"), seq_lens=DEFAULT_SEQ_LENS, c
                         heads: int = 1, head_dim: int = 64, batch: int = 1, dtype: str = "float32",
                         backward: bool = False, repeats: int = 3, out_dir: str | os.PathLike = "runs/bench",
                         method_params: dict[str, dict] | None = None, progress: bool = True,
-                        max_exact_len: int | None = None, memory: bool = True, errors: bool = True) -> list[dict]:
+                        max_exact_len: int | None = None, memory: bool = True, errors: bool = True,
+                        kv_heads: int | None = None) -> list[dict]:
     """Benchmark ``methods`` (registry names) against exact attention; returns one row per
-    (method, length, mask mode) and writes JSON + PNG into ``out_dir``."""
+    (method, length, mask mode) and writes JSON + PNG into ``out_dir``. ``kv_heads`` (default
+    ``heads``) < ``heads`` benchmarks GQA: K/V have kv_heads heads, never repeated."""
     from rich.console import Console
     from rich.progress import Progress
 
@@ -146,6 +157,9 @@ def run_attention_bench(methods=("exact", "hyper"), seq_lens=DEFAULT_SEQ_LENS, c
     if dtype not in _DTYPES:
         raise ValueError(f"dtype: got {dtype!r}; allowed: {', '.join(_DTYPES)}")
     tdtype = _DTYPES[dtype]
+    kv_heads = heads if kv_heads is None else kv_heads
+    if kv_heads < 1 or heads % kv_heads:
+        raise ValueError(f"kv_heads: got {kv_heads}; allowed: a divisor of heads ({heads})")
     others = [m for m in methods if m != "exact"]
     callers = {m: _caller(m, method_params.get(m) or {}, head_dim) for m in ["exact", *others]}
     rows: list[dict] = []
@@ -156,7 +170,7 @@ def run_attention_bench(methods=("exact", "hyper"), seq_lens=DEFAULT_SEQ_LENS, c
         task = bar.add_task("attention bench", total=steps)
         for causal in causal_modes:
             for n in seq_lens:
-                q, k, v = _inputs(batch, heads, n, head_dim, tdtype)
+                q, k, v = _inputs(batch, heads, n, head_dim, tdtype, kv_heads=kv_heads)
                 mode = "causal" if causal else "non-causal"
                 ref = ref_s = None
                 exact_row = None
@@ -167,7 +181,8 @@ def run_attention_bench(methods=("exact", "hyper"), seq_lens=DEFAULT_SEQ_LENS, c
                         bar.advance(task)
                         continue
                     call, resolved = callers[name]
-                    row = dict(method=name, n=n, causal=causal, heads=heads, head_dim=head_dim, batch=batch,
+                    row = dict(method=name, n=n, causal=causal, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                               batch=batch,
                                dtype=dtype, params=resolved)
                     row["fwd_ms"], row["fwd_ms_min"], out = _time(lambda: _fwd(call, q, k, v, causal), repeats)
                     if backward:
@@ -176,14 +191,14 @@ def run_attention_bench(methods=("exact", "hyper"), seq_lens=DEFAULT_SEQ_LENS, c
                     if name == "exact":
                         ref = out
                         if errors:
-                            qs, ks, vs = structured_inputs(batch, heads, n, head_dim, tdtype)
+                            qs, ks, vs = _structured(batch, heads, kv_heads, n, head_dim, tdtype)
                             ref_s = _fwd(call, qs, ks, vs, causal)
                         row.update(err_random=0.0, err_structured=0.0, speedup_fwd=1.0)
                         exact_row = row
                     else:
                         row["err_random"] = _rel_err(out, ref) if ref is not None else None
                         if errors and ref_s is not None:
-                            qs, ks, vs = structured_inputs(batch, heads, n, head_dim, tdtype)
+                            qs, ks, vs = _structured(batch, heads, kv_heads, n, head_dim, tdtype)
                             o_s = _fwd(call, qs, ks, vs, causal)
                             cut = n // 3
                             row["err_structured"] = _rel_err(o_s[:, :, cut:], ref_s[:, :, cut:])
@@ -194,7 +209,7 @@ def run_attention_bench(methods=("exact", "hyper"), seq_lens=DEFAULT_SEQ_LENS, c
                         row["speedup_fwd_bwd"] = (exact_row["fwd_bwd_ms"] / row["fwd_bwd_ms"]) if exact_row else None
                     del out
                     row["mem_mb"] = peak_memory_mb(name, method_params.get(name) or {}, n, causal, heads, head_dim,
-                                                   batch, dtype) if memory else None
+                                                   batch, dtype, kv_heads) if memory else None
                     rows.append(row)
                     bar.advance(task)
                     if log_lines:
@@ -209,7 +224,8 @@ def run_attention_bench(methods=("exact", "hyper"), seq_lens=DEFAULT_SEQ_LENS, c
     out_path.mkdir(parents=True, exist_ok=True)
     (out_path / "attention_bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print_table(rows, console)
-    title = (f"speedup over exact attention (torch SDPA), {dtype}, batch {batch}, {heads} head(s), d={head_dim}, "
+    title = (f"speedup over exact attention (torch SDPA), {dtype}, batch {batch}, {heads} head(s)"
+             f"{'' if kv_heads == heads else f' sharing {kv_heads} KV head(s)'}, d={head_dim}, "
              f"CPU, {meta['threads']} thread(s)")
     plot(rows, out_path / "attention_bench.png", backward=backward, title=title)
     console.print(f"wrote {out_path / 'attention_bench.json'} and {out_path / 'attention_bench.png'}")

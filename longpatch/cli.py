@@ -149,7 +149,8 @@ def bench_attention(
     methods: str = typer.Option("exact,hyper", help="comma-separated methods; exact is always the baseline"),
     seq_lens: str = typer.Option("4096,8192,16384,32768,65536,131072", help="comma-separated sequence lengths"),
     mode: str = typer.Option("both", help="causal, non-causal or both"),
-    heads: int = typer.Option(1), head_dim: int = typer.Option(64), batch: int = typer.Option(1),
+    heads: int = typer.Option(1), kv_heads: Optional[int] = typer.Option(None, help="GQA: K/V heads (default: = heads)"),
+    head_dim: int = typer.Option(64), batch: int = typer.Option(1),
     dtype: str = typer.Option("float32"), backward: bool = typer.Option(False, help="also time forward+backward"),
     repeats: int = typer.Option(3), out: str = typer.Option("runs/bench", help="output dir for JSON + PNG"),
     set_: list[str] = typer.Option([], "--set", help="method params: hyper.block_size=128"),
@@ -163,7 +164,7 @@ def bench_attention(
     run_attention_bench(methods=tuple(m.strip() for m in methods.split(",") if m.strip()),
                         seq_lens=tuple(_ints("--seq-lens", seq_lens)), causal_modes=modes[mode], heads=heads,
                         head_dim=head_dim, batch=batch, dtype=dtype, backward=backward, repeats=repeats,
-                        out_dir=out, method_params=_method_params(set_))
+                        out_dir=out, method_params=_method_params(set_), kv_heads=kv_heads)
 
 
 @eval_app.command("ppl")

@@ -25,7 +25,8 @@ def main(argv=None) -> None:
     mode.add_argument("--causal", dest="modes", action="store_const", const=(True,), help="causal only")
     mode.add_argument("--non-causal", dest="modes", action="store_const", const=(False,), help="non-causal only")
     mode.add_argument("--both", dest="modes", action="store_const", const=(True, False), help="both (default)")
-    p.add_argument("--heads", type=int, default=1)
+    p.add_argument("--heads", type=int, default=1, help="query heads")
+    p.add_argument("--kv-heads", type=int, default=None, help="KV heads (GQA; default: = heads)")
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
@@ -45,7 +46,7 @@ def main(argv=None) -> None:
         methods=tuple(m for m in a.methods.split(",") if m), seq_lens=a.seq_lens, causal_modes=a.modes or (True, False),
         heads=a.heads, head_dim=a.head_dim, batch=a.batch, dtype=a.dtype, backward=a.backward, repeats=a.repeats,
         out_dir=a.out, method_params=json.loads(a.params) if a.params else None, max_exact_len=a.max_exact_len,
-        memory=not a.no_memory,
+        memory=not a.no_memory, kv_heads=a.kv_heads,
     )
 
 
