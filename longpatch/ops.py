@@ -2,6 +2,9 @@
 from .methods.common import merge_lse
 from .methods.exact import exact_attention
 from .methods.hyper import hyper_attention
+from .methods.linear import linear_attention
 from .methods.moba import moba_attention, moba_chunk_means
+from .methods.performer import performer_attention, redraw_features
 
-__all__ = ["exact_attention", "hyper_attention", "merge_lse", "moba_attention", "moba_chunk_means"]
+__all__ = ["exact_attention", "hyper_attention", "linear_attention", "merge_lse", "moba_attention", "moba_chunk_means",
+           "performer_attention", "redraw_features"]

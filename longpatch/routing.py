@@ -90,7 +90,9 @@ def attach_buffers(route: LayerRoute, owner: torch.nn.Module, head_dim: int, dev
     route.owner = owner
     if route.method is None or route.method.make_buffers is None:
         return
-    bufs = route.method.make_buffers(head_dim=head_dim, **route.params)
+    # layer_seed: every layer draws its own random buffers (LSH directions, random features) from the
+    # configured seed, as independently initialised layers would have
+    bufs = route.method.make_buffers(head_dim=head_dim, layer_seed=route.layer_idx, **route.params)
     for name, t in bufs.items():
         owner.register_buffer(BUFFER_PREFIX + name, t.to(device))
     route.buffer_names = tuple(bufs)

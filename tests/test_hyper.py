@@ -350,3 +350,13 @@ def test_lsh_directions_are_a_seeded_state_dict_buffer():
         sd[k] = torch.randn_like(sd[k])
     b.load_state_dict(sd)
     assert not torch.equal(_logits(a, ids), _logits(b, ids))
+
+
+def test_each_patched_layer_draws_its_own_directions():
+    from longpatch import patch_model
+    from longpatch.testing.tiny import tiny_model
+
+    model = tiny_model("llama")
+    patch_model(model, _PATCH)
+    dirs = [t for k, t in model.state_dict().items() if k.endswith("longpatch_lsh_dirs")]
+    assert len(dirs) == 2 and not torch.equal(dirs[0], dirs[1])

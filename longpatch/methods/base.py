@@ -51,8 +51,9 @@ class Method:
     ``prefill(q, k, v, *, causal, scale, **params)`` returns the output tensor.
     ``decode`` (optional) has the same signature and is called when q_len < kv_len; ``state``
     is a per-layer dict the method may use to keep decode-time summaries beside the KV cache.
-    ``make_buffers(layer_seed, head_dim, **params)`` (optional) returns tensors the patched layer
-    must keep in its state_dict (e.g. HyperAttention's LSH directions).
+    ``make_buffers(head_dim=, layer_seed=, **params)`` (optional) returns tensors the patched layer
+    must keep in its state_dict (e.g. HyperAttention's LSH directions); ``layer_seed`` is the layer
+    index (the patch passes it; benchmarks of a single layer leave it out).
     """
 
     name: str
@@ -77,7 +78,7 @@ class Method:
 
 _METHODS: dict[str, Method] = {}
 # Methods whose issue has not landed yet: listed so configs naming them fail with a clear message.
-PLANNED = ("nsa", "performer", "linear", "sparse")
+PLANNED = ("nsa", "sparse")
 
 
 def register_method(method: Method) -> Method:
