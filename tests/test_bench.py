@@ -12,7 +12,7 @@ from longpatch.methods import available_methods
 SMALL = {"hyper": {"min_seq_len": 64, "block_size": 32, "sample_size": 32},
          "moba": {"chunk_size": 64, "topk": 2},
          "nsa": {"compress_block": 16, "compress_stride": 8, "select_block": 16, "num_selected": 4, "window": 32},
-         "sparse": {"window": 32, "global_tokens": 8},
+         "sparse": {"window": 32, "global_tokens": 8, "random_blocks": 1, "block": 16},
          "performer": {"num_features": 32}}
 
 

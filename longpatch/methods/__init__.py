@@ -5,5 +5,6 @@ from . import hyper  # noqa: F401  (registers "hyper")
 from . import moba  # noqa: F401  (registers "moba")
 from . import linear  # noqa: F401  (registers "linear")
 from . import performer  # noqa: F401  (registers "performer")
+from . import sparse  # noqa: F401  (registers "sparse")
 
 __all__ = ["Method", "Param", "available_methods", "get_method", "register_method"]

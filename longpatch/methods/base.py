@@ -78,7 +78,7 @@ class Method:
 
 _METHODS: dict[str, Method] = {}
 # Methods whose issue has not landed yet: listed so configs naming them fail with a clear message.
-PLANNED = ("nsa", "sparse")
+PLANNED = ("nsa",)
 
 
 def register_method(method: Method) -> Method:

@@ -35,6 +35,14 @@ def group_queries(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return q.view(b, kv_heads, hq // kv_heads, n, d)
 
 
+def layer_seed_of(seed: int | None, layer: int | None) -> int:
+    """The seed a patched layer draws its random buffers from (LSH directions, random features, random
+    blocks): ``seed`` (None -> 0) itself for a lone call, mixed with the layer index when patching, so
+    that every layer gets its own draw and the same config always gives the same draws."""
+    base = 0 if seed is None else int(seed)
+    return base if layer is None else (base * 1_000_003 + int(layer) + 1) % (2 ** 63)
+
+
 def causal_mask(q_len: int, kv_len: int, device, q_offset: int | None = None) -> torch.Tensor:
     """Bool [q_len, kv_len], True = visible. Queries are the last q_len positions (bottom-right)."""
     off = kv_len - q_len if q_offset is None else q_offset

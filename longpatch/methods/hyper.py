@@ -36,7 +36,7 @@ import threading
 import torch
 
 from .base import Method, Param, optional_int, positive_int, register_method
-from .common import check_qkv, default_scale, merge_lse, resolve_backend
+from .common import check_qkv, default_scale, layer_seed_of, merge_lse, resolve_backend
 from .cpu_flash import FA_CPU, CpuFlashLSE
 from .exact import exact_attention, exact_with_lse_reference
 
@@ -426,9 +426,7 @@ def _make_buffers(*, head_dim: int, lsh_num_projs: int = 7, seed: int | None = N
                   **_):
     """{"lsh_dirs": [head_dim, lsh_num_projs]} from ``seed`` (None -> 0); an optional ``layer_seed``
     gives each layer its own directions."""
-    base = DEFAULT_SEED if seed is None else int(seed)
-    s = base if layer_seed is None else (base * 1_000_003 + int(layer_seed) + 1) % (2 ** 63)
-    return {"lsh_dirs": lsh_directions(head_dim, lsh_num_projs, s)}
+    return {"lsh_dirs": lsh_directions(head_dim, lsh_num_projs, layer_seed_of(seed, layer_seed))}
 
 
 HYPER = register_method(Method(

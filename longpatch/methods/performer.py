@@ -38,7 +38,7 @@ import math
 import torch
 
 from .base import Method, Param, optional_int, positive_int, register_method
-from .common import check_qkv, default_scale, resolve_backend
+from .common import check_qkv, default_scale, layer_seed_of, resolve_backend
 from .linear import build_state, feature_attention, finish, stateful_attention
 
 DEFAULT_SEED = 0  # seed=None gives these features: deterministic unless asked otherwise
@@ -247,16 +247,11 @@ def init_state(k, v, *, num_features=DEFAULT_NUM_FEATURES, feature_type="positiv
     return build_state(k, v, _key_featurizer(projection, feature_type, root), tag=_tag(projection, feature_type, root))
 
 
-def _layer_seed(seed: int | None, layer_seed: int | None) -> int:
-    base = DEFAULT_SEED if seed is None else int(seed)
-    return base if layer_seed is None else (base * 1_000_003 + int(layer_seed) + 1) % (2 ** 63)
-
-
 def _make_buffers(*, head_dim: int, num_features: int = DEFAULT_NUM_FEATURES, orthogonal: bool = True,
                   seed: int | None = None, layer_seed: int | None = None, **_):
     """{"projection": [num_features, head_dim]} from ``seed`` (None -> 0); an optional
     ``layer_seed`` gives each layer its own features."""
-    return {"projection": gaussian_projection(num_features, head_dim, seed=_layer_seed(seed, layer_seed),
+    return {"projection": gaussian_projection(num_features, head_dim, seed=layer_seed_of(seed, layer_seed),
                                               orthogonal=orthogonal)}
 
 
@@ -278,7 +273,7 @@ def redraw_features(model, seed: int | None = None) -> int:
         if route.method is None or route.method.name != "performer" or "projection" not in route.buffer_names:
             continue
         buf = getattr(route.owner, BUFFER_PREFIX + "projection")
-        new = gaussian_projection(buf.shape[0], buf.shape[1], seed=_layer_seed(base, route.layer_idx),
+        new = gaussian_projection(buf.shape[0], buf.shape[1], seed=layer_seed_of(base, route.layer_idx),
                                   orthogonal=route.params.get("orthogonal", True))
         with torch.no_grad():
             buf.copy_(new)

@@ -1,0 +1,573 @@
+"""Position-based sparse attention (seed 004; Longformer / BigBird style), training-free.
+
+A query at absolute position p (queries are the last q_len positions, bottom-right) attends to the
+UNION of these key sets, with one exact softmax over the union (a key in two sets counts once):
+
+* global keys: positions j < G (``global_tokens``), seen by every query ("attention sinks").
+  Non-causal: the G global *queries* (positions 0..G-1) also see every key. Causal: a global
+  query's whole past is already global keys, so nothing is added.
+* window: j = p - t*r for t = 0 .. window-1 (causal; r = ``dilation``, r = 1 is the plain sliding
+  window of the last ``window`` keys including the query itself); non-causal: j = p + t*r with
+  |t| <= window // 2 (a symmetric band of 2*(window//2) + 1 keys).
+* random blocks (BigBird): keys are cut into blocks of ``block`` positions; the query block
+  p // block gets ``random_blocks`` distinct key blocks, drawn uniformly from its strictly past
+  blocks (causal) or from all other blocks (non-causal), and all their keys join the union (causal:
+  all of them are in the past). The draw is a fixed function of (seed, query block): decode equals
+  prefill and no state is kept.
+
+Every query also obeys the causal mask (j <= p) when ``causal``.
+
+Computation (the ``torch`` backend). The union is split into DISJOINT parts, each attention part
+gives (out, lse) and the parts are merged by their LSEs (exact softmax over the union):
+
+1. global: keys [0, G) (causal: <= p); one fused attention call for all query rows;
+2. window: keys of the window that are >= G. A dilated window is a plain band inside one residue
+   class: queries and keys with position = c (mod r) form strided subsequences in which the
+   dilated window is the contiguous band [s - lo, s + hi] (lo = window-1, hi = 0 causal; lo = hi =
+   window//2 non-causal). The band is computed in tiles of query rows against their key span
+   (tile + lo + hi keys) with one additive [tile, span] bias for the band edges, shared by every
+   tile: the regular tiles are batched calls (tiles in the batch dim) of torch's fused CPU
+   flash-attention kernel on strided views of K/V (``unfold``: no copy by us), the few tiles
+   clipped at the sequence ends or at G are separate calls with a slice of the same bias;
+3. random: per query block, the keys of its random blocks are gathered and attended with a bias
+   that hides keys < G and keys already in the window (causal: the blocks are strictly past, so
+   no key is in the future); only the few query blocks whose windows reach a random block need a
+   row-level bias, the others share one key-level bias;
+4. non-causal only: the rows of the global queries are replaced by exact attention over all keys.
+
+No n x n mask or score matrix exists anywhere: temporaries are bounded by tile / group sizes and
+total work is O(n * (window + G + random_blocks * block) * d).
+
+Decoding (q_len = 1, the usual KV-cache step): the key indices of the union for p = kv_len - 1 are
+built directly (O(window + G + random_blocks * block)) and read from the cache as views of their
+contiguous runs (or gathered once): cost independent of the cache length. Any other q_len < kv_len
+goes through the prefill path with bottom-right positions, so chunked prefill works too.
+
+The Triton backend (``longpatch.kernels.sparse``) runs parts 1 and 2 in one flash-style kernel
+(forward with LSE and backward) that visits only the key tiles of the global prefix and of the
+band; parts 3 and 4 run in PyTorch and are merged by LSE.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .base import Method, Param, optional_int, positive_int, register_method
+from .common import check_qkv, default_scale, layer_seed_of, merge_lse, resolve_backend
+from .cpu_flash import FA_CPU, CpuFlashLSE
+
+DEFAULT_WINDOW = 1024
+DEFAULT_GLOBAL_TOKENS = 64
+DEFAULT_DILATION = 1
+DEFAULT_RANDOM_BLOCKS = 0
+DEFAULT_BLOCK = 64
+
+_FA_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+# Bounds of temporaries (elements): gathered/strided K rows per batched band call and gathered
+# random-block keys per group of query blocks.
+_BAND_KEY_ELEMS = 1 << 24
+_RANDOM_KEY_ELEMS = 1 << 22
+# One-token decode attends to views of the cache when the union has at most this many contiguous
+# runs of keys; beyond (dilated windows, random blocks) it gathers the union's rows once.
+_VIEW_RUNS = 8
+_MASK31 = (1 << 31) - 1
+_MASK32 = (1 << 32) - 1
+
+
+@dataclass(frozen=True)
+class SparsePattern:
+    """The key set of every query position; see the module docstring."""
+
+    window: int = DEFAULT_WINDOW
+    global_tokens: int = DEFAULT_GLOBAL_TOKENS
+    dilation: int = DEFAULT_DILATION
+    random_blocks: int = DEFAULT_RANDOM_BLOCKS
+    block: int = DEFAULT_BLOCK
+    seed: int = 0
+    causal: bool = True
+
+    def __post_init__(self):
+        for name, low in (("window", 1), ("global_tokens", 0), ("dilation", 1), ("random_blocks", 0),
+                          ("block", 1), ("seed", 0)):
+            val = getattr(self, name)
+            if isinstance(val, bool) or not isinstance(val, int) or val < low:
+                raise ValueError(f"{name} must be an int >= {low}; got {val!r}")
+
+    @property
+    def band(self) -> tuple[int, int]:
+        """(lo, hi): the window of subsequence index s is [s - lo, s + hi] in its residue class."""
+        if self.causal:
+            return self.window - 1, 0
+        half = self.window // 2
+        return half, half
+
+    def in_window(self, p: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+        """Bool: key position j is in the window of query position p (broadcasting)."""
+        lo, hi = self.band
+        dist = p - j
+        r = self.dilation
+        return (dist % r == 0) & (dist <= lo * r) & (dist >= -hi * r)
+
+
+# --------------------------------------------------------------------------- random blocks
+
+def _hash(seed: int, qblock: torch.Tensor, t: int) -> torch.Tensor:
+    """A 32-bit integer hash of (seed, query block, draw index) in int64 arithmetic that never
+    overflows (every product < 2^63), so CPU and CUDA agree bit for bit."""
+    x = (qblock + (1 << 30)) & _MASK31  # query blocks can be negative (non-causal q_len > kv_len)
+    x = (x * 0x165667B1 + (seed & _MASK31) * 0x27D4EB2D + t * 0x1B873593 + 0x5BD1E995) & _MASK32
+    for mult in (0x7FEB352D, 0x446CA68B):
+        x = x ^ (x >> 16)
+        x = (x * mult) & _MASK32
+    return x ^ (x >> 15)
+
+
+def random_key_blocks(qblocks: torch.Tensor, n_key_blocks: int, count: int, seed: int, causal: bool) -> torch.Tensor:
+    """The random key blocks of each query block: int64 [len(qblocks), count], -1 = empty slot.
+
+    Candidates: causal, blocks 0 .. qb-1 (strictly past); non-causal, every block of
+    [0, n_key_blocks) except qb. ``count`` distinct candidates are drawn with Floyd's algorithm
+    (exactly ``count`` hash draws, no rejection loop), so the set is a pure function of
+    (seed, qb, count, number of candidates); with fewer candidates than ``count`` all are taken.
+    """
+    qb = qblocks.to(torch.int64)
+    if causal:
+        n_cand = torch.clamp(torch.minimum(qb, torch.full_like(qb, n_key_blocks)), min=0)
+    else:
+        own_in = (qb >= 0) & (qb < n_key_blocks)
+        n_cand = n_key_blocks - own_in.to(torch.int64)
+    picks: list[torch.Tensor] = []
+    for t in range(count):
+        j = n_cand - count + t  # Floyd: draw from [0, j]; a repeat is replaced by j itself
+        r = _hash(seed, qb, t) % torch.clamp(j + 1, min=1)
+        dup = torch.zeros_like(r, dtype=torch.bool)
+        for prev in picks:
+            dup |= prev == r
+        pick = torch.where(dup, j, r)
+        picks.append(torch.where(j >= 0, pick, torch.full_like(pick, -1)))
+    if not picks:
+        return qb.new_zeros((qb.numel(), 0))
+    sel = torch.stack(picks, dim=-1)
+    if not causal:  # candidate u -> block u, skipping the own block
+        sel = torch.where((sel >= qb[:, None]) & own_in[:, None], sel + 1, sel)
+    return sel
+
+
+# --------------------------------------------------------------------------- attention primitive
+
+def _acc(dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _plain_attention(q, k, v, scale, bias=None):
+    """softmax attention with LSE in plain PyTorch (no fused kernel: CUDA torch path, odd dtypes).
+    q [..., Hq, m, d], k/v [..., Hk, n, d]; Hk divides Hq (repeated here: only on this fallback)."""
+    if k.shape[-3] != q.shape[-3]:
+        g = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(g, -3), v.repeat_interleave(g, -3)
+    acc = _acc(q.dtype)
+    s = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
+    if bias is not None:
+        s = s + bias.to(acc)
+    lse = torch.logsumexp(s, dim=-1)
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    out = torch.matmul(torch.exp(s - safe.unsqueeze(-1)), v.to(acc))
+    return out.to(q.dtype), lse
+
+
+def _attend(q, k, v, scale, bias=None):
+    """(out, lse float32/64) of q [B, Hq, m, d] vs k/v [B, Hk, n, d] (views allowed), non-causal,
+    additive ``bias`` broadcastable to [B, Hq, m, n]. Rows whose keys are all masked must be fixed
+    by the caller (the fused kernel returns lse = 0 for them): ``_hide_empty``."""
+    if FA_CPU is not None and q.device.type == "cpu" and q.dtype in _FA_DTYPES and k.dtype == q.dtype:
+        b = None if bias is None else bias.to(q.dtype)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            out, lse = CpuFlashLSE.apply(q, k, v, b, False, scale)
+        else:
+            out, lse = FA_CPU(q, k, v, 0.0, False, attn_mask=b, scale=scale)
+        return out, lse.to(_acc(q.dtype))
+    return _plain_attention(q, k, v, scale, bias)
+
+
+def _hide_empty(out, lse, visible_any):
+    """Rows that saw no key: lse = -inf and a zero output (the merge then ignores them)."""
+    if bool(visible_any.all()):
+        return out, lse
+    lse = torch.where(visible_any, lse, torch.full_like(lse, float("-inf")))
+    out = torch.where(visible_any.unsqueeze(-1), out, torch.zeros_like(out))
+    return out, lse
+
+
+def _neg_inf_bias(visible: torch.Tensor, dtype) -> torch.Tensor:
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, float("-inf"))
+
+
+# --------------------------------------------------------------------------- part 1: global keys
+
+def _global_part(q1, k1, v1, off: int, G: int, causal: bool, scale: float):
+    """q1 [Hq, nq, d], k1/v1 [Hk, nk, d] of one batch element vs keys [0, G) (causal: <= p).
+    Returns (out [Hq, nq, d], lse [Hq, nq]); rows that see no global key get -inf."""
+    hq, nq, d = q1.shape
+    gk = min(G, k1.shape[1])
+    kg, vg = k1[None, :, :gk], v1[None, :, :gk]
+    if not causal:
+        o, l = _attend(q1[None], kg, vg, scale)
+        return o[0], l[0]
+    # causal: rows with p >= gk - 1 see the whole prefix (one call); the first few rows see a part
+    first_full = max(0, gk - 1 - off)  # row index of the first query that sees all gk keys
+    out = q1.new_zeros((hq, nq, d))
+    lse = torch.full((hq, nq), float("-inf"), dtype=_acc(q1.dtype), device=q1.device)
+    if first_full < nq:
+        o, l = _attend(q1[None, :, first_full:], kg, vg, scale)
+        out[:, first_full:], lse[:, first_full:] = o[0], l[0]
+    if first_full > 0:
+        rows = min(first_full, nq)
+        p = torch.arange(off, off + rows, device=q1.device)[:, None]
+        vis = torch.arange(gk, device=q1.device)[None, :] <= p  # p >= 0 always (causal: nq <= nk)
+        o, l = _attend(q1[None, :, :rows], kg, vg, scale, _neg_inf_bias(vis, q1.dtype))
+        o, l = _hide_empty(o[0], l[0], vis.any(-1))
+        out[:, :rows], lse[:, :rows] = o, l
+    return out, lse
+
+
+# --------------------------------------------------------------------------- part 2: the band
+
+def _tile_rows(lo: int, hi: int) -> int:
+    """Query rows per band tile: the span is tile + lo + hi keys, of which lo + hi + 1 are used per
+    row, so a tile near the band width wastes about half; 64..256 rows keep the fused kernel busy."""
+    return int(min(256, max(64, 2 ** round(math.log2(max(1, (lo + hi + 1) // 2))))))
+
+
+def _band_bias(T: int, lo: int, hi: int, dtype, device) -> torch.Tensor:
+    """[T, T + lo + hi] additive bias of a tile: row a sees span columns a .. a + lo + hi."""
+    a = torch.arange(T, device=device)[:, None]
+    c = torch.arange(T + lo + hi, device=device)[None, :]
+    return _neg_inf_bias((c >= a) & (c <= a + lo + hi), dtype)
+
+
+def band_attention(qs, ks, vs, s0: int, lo: int, hi: int, kmin: int, scale: float):
+    """Banded attention on subsequences: qs [Hq, m, d] are the rows at subsequence indices
+    s0 .. s0+m-1, ks/vs [Hk, n, d]; row s sees keys [max(kmin, s - lo), min(n - 1, s + hi)].
+    Returns (out [Hq, m, d], lse [Hq, m]) with -inf on rows that see nothing. Views are fine."""
+    hq, m, d = qs.shape
+    hk, n = ks.shape[0], ks.shape[1]
+    out = qs.new_zeros((hq, m, d))
+    lse = torch.full((hq, m), float("-inf"), dtype=_acc(qs.dtype), device=qs.device)
+    first = max(s0, kmin - hi)  # first and last subsequence index with a non-empty key range
+    last = min(s0 + m - 1, n - 1 + lo)
+    if kmin >= n or first > last:
+        return out, lse
+    T = _tile_rows(lo, hi)
+    L = T + lo + hi
+    bias = _band_bias(T, lo, hi, qs.dtype, qs.device)
+    starts = list(range(first, last + 1, T))
+
+    def regular(t0):
+        return t0 - lo >= kmin and t0 + T - 1 + hi <= n - 1 and t0 + T - 1 <= last
+
+    reg = [t0 for t0 in starts if regular(t0)]  # a contiguous run: the conditions are monotone in t0
+    for t0 in starts:
+        if reg and reg[0] <= t0 <= reg[-1]:
+            continue
+        t1 = min(t0 + T, last + 1)
+        k0, k1 = max(kmin, t0 - lo), min(n, t1 + hi)
+        c0 = k0 - (t0 - lo)
+        b = bias[: t1 - t0, c0: c0 + (k1 - k0)]
+        o, l = _attend(qs[None, :, t0 - s0: t1 - s0], ks[None, :, k0:k1], vs[None, :, k0:k1], scale, b)
+        out[:, t0 - s0: t1 - s0], lse[:, t0 - s0: t1 - s0] = o[0], l[0]
+    if reg:
+        per_call = max(1, _BAND_KEY_ELEMS // max(1, hk * L * d))
+        for i in range(0, len(reg), per_call):
+            tiles = reg[i: i + per_call]
+            a, e = tiles[0], tiles[-1] + T
+            qt = qs[:, a - s0: e - s0].unflatten(1, (len(tiles), T)).transpose(0, 1)  # [R, Hq, T, d]
+            kt = ks[:, a - lo: e + hi].unfold(1, L, T).permute(1, 0, 3, 2)  # [R, Hk, L, d], a view
+            vt = vs[:, a - lo: e + hi].unfold(1, L, T).permute(1, 0, 3, 2)
+            o, l = _attend(qt, kt, vt, scale, bias)
+            out[:, a - s0: e - s0] = o.transpose(0, 1).flatten(1, 2)
+            lse[:, a - s0: e - s0] = l.transpose(0, 1).flatten(1, 2)
+    return out, lse
+
+
+def _window_part(q1, k1, v1, off: int, pat: SparsePattern, scale: float):
+    """Window keys >= G of every query row (q1 [Hq, nq, d], k1/v1 [Hk, nk, d]), residue class by
+    residue class of the dilation. Returns (out [Hq, nq, d], lse [Hq, nq])."""
+    hq, nq, d = q1.shape
+    nk = k1.shape[1]
+    r, G = pat.dilation, pat.global_tokens
+    lo, hi = pat.band
+    if r == 1:
+        return band_attention(q1, k1, v1, off, lo, hi, G, scale)
+    out = q1.new_zeros((hq, nq, d))
+    lse = torch.full((hq, nq), float("-inf"), dtype=_acc(q1.dtype), device=q1.device)
+    for c in range(min(r, nk)):
+        i0 = (c - off) % r  # first query row whose position is = c (mod r)
+        if i0 >= nq:
+            continue
+        s0 = (off + i0 - c) // r  # its index in the key subsequence of class c
+        kmin = max(0, -(-(G - c) // r))  # first subsequence index at position >= G
+        o, l = band_attention(q1[:, i0::r], k1[:, c::r], v1[:, c::r], s0, lo, hi, kmin, scale)
+        out[:, i0::r], lse[:, i0::r] = o, l
+    return out, lse
+
+
+# --------------------------------------------------------------------------- part 3: random blocks
+
+def _near_window(qbs, sel, pat: SparsePattern) -> torch.Tensor:
+    """Bool [nb]: query block qb has a random block within reach of its rows' windows (positions
+    [qb*B - lo*r, qb*B + B - 1 + hi*r]); only those need the per-key window test."""
+    B = pat.block
+    lo, hi = pat.band
+    first, last = qbs * B - lo * pat.dilation, qbs * B + B - 1 + hi * pat.dilation
+    blk0, blk1 = sel * B, sel * B + B - 1
+    return ((sel >= 0) & (blk1 >= first[:, None]) & (blk0 <= last[:, None])).any(-1)
+
+
+def _random_part(q1, k1, v1, off: int, pat: SparsePattern, scale: float):
+    """Keys of each query block's random blocks that are >= G and outside the window (causal: the
+    blocks are strictly past, so no key is in the future). Works in groups of query blocks; the
+    rows of a partial first/last block are padded by gathering and dropped afterwards."""
+    hq, nq, d = q1.shape
+    hk, nk = k1.shape[0], k1.shape[1]
+    B, R = pat.block, pat.random_blocks
+    dev = q1.device
+    out = q1.new_zeros((hq, nq, d))
+    lse = torch.full((hq, nq), float("-inf"), dtype=_acc(q1.dtype), device=dev)
+    qb_first, qb_last = math.floor(off / B), math.floor((off + nq - 1) / B)
+    per_group = max(1, _RANDOM_KEY_ELEMS // max(1, hk * R * B * d))
+    nkb = -(-nk // B)
+    for g0 in range(qb_first, qb_last + 1, per_group):
+        qbs = torch.arange(g0, min(g0 + per_group, qb_last + 1), device=dev)
+        nb = len(qbs)
+        sel = random_key_blocks(qbs, nkb, R, pat.seed, pat.causal)  # [nb, R]
+        r0 = g0 * B - off  # query row of the group's first position (may lie outside [0, nq))
+        r1 = r0 + nb * B
+        kpos = (sel[:, :, None] * B + torch.arange(B, device=dev)).reshape(nb, R * B)
+        key_ok = (sel.repeat_interleave(B, dim=1) >= 0) & (kpos < nk) & (kpos >= pat.global_tokens)
+        if not bool(key_ok.any()):
+            continue
+        if r0 >= 0 and r1 <= nq:  # whole blocks of real rows: a view
+            qt = q1[:, r0:r1].unflatten(1, (nb, B)).transpose(0, 1)  # [nb, Hq, B, d]
+        else:
+            qt = q1[:, torch.arange(r0, r1, device=dev).clamp(0, nq - 1)].unflatten(1, (nb, B)).transpose(0, 1)
+        kidx = kpos.clamp(0, nk - 1).reshape(-1)
+        kt = k1[:, kidx].unflatten(1, (nb, R * B)).transpose(0, 1)  # [nb, Hk, R*B, d]
+        vt = v1[:, kidx].unflatten(1, (nb, R * B)).transpose(0, 1)
+        o, l = _random_blocks_attention(qt, kt, vt, qbs, sel, kpos, key_ok, pat, scale)
+        o, l = o.transpose(0, 1).flatten(1, 2), l.transpose(0, 1).flatten(1, 2)  # [Hq, nb*B, ...]
+        a, e = max(r0, 0), min(r1, nq)
+        out[:, a:e], lse[:, a:e] = o[:, a - r0: e - r0], l[:, a - r0: e - r0]
+    return out, lse
+
+
+def _random_blocks_attention(qt, kt, vt, qbs, sel, kpos, key_ok, pat: SparsePattern, scale: float):
+    """Attention of query blocks qt [nb, Hq, B, d] to their gathered random keys kt/vt [nb, Hk, R*B, d]
+    (sel [nb, R] block ids, kpos/key_ok [nb, R*B] positions and validity of the gathered keys).
+
+    Most query blocks are far from their random blocks: no key can be in a window, so one key-level
+    bias [nb, 1, 1, R*B] serves all their rows. Only the blocks whose windows may reach a random
+    block ("near") are recomputed with a row-level [B, R*B] bias that hides the window keys."""
+    nb, hq, B, d = qt.shape
+    vis = key_ok[:, None, :]  # [nb, 1, R*B]: every row of a far block sees the same keys
+    out, lse = _attend(qt, kt, vt, scale, _neg_inf_bias(vis, qt.dtype)[:, None])
+    out, lse = _hide_empty(out, lse, vis.any(-1)[:, None])
+    near = _near_window(qbs, sel, pat)
+    if bool(near.any()):  # redo the few near blocks with the window keys hidden row by row
+        p = (qbs[near][:, None] * B + torch.arange(B, device=qt.device)).unsqueeze(-1)  # [n, B, 1]
+        vis = key_ok[near][:, None, :] & ~pat.in_window(p, kpos[near][:, None, :])  # [n, B, R*B]
+        o, l = _attend(qt[near], kt[near], vt[near], scale, _neg_inf_bias(vis, qt.dtype)[:, None])
+        o, l = _hide_empty(o, l, vis.any(-1)[:, None])
+        idx = (torch.nonzero(near).flatten(),)
+        out, lse = out.index_put(idx, o), lse.index_put(idx, l)  # out of place: `out` may be saved for backward
+    return out, lse
+
+
+# --------------------------------------------------------------------------- the torch path
+
+def _global_query_rows(off: int, nq: int, pat: SparsePattern) -> tuple[int, int]:
+    """Rows [a, e) whose positions are global queries with a full row (non-causal only)."""
+    if pat.causal or pat.global_tokens == 0:
+        return 0, 0
+    a = max(0, -off)
+    e = min(nq, pat.global_tokens - off)
+    return a, max(a, e)
+
+
+def _torch_sparse(q, k, v, pat: SparsePattern, scale: float, skip_window: bool = False):
+    """The union attention of every query, one batch element at a time (all heads at once; GQA by
+    head broadcasting in the fused kernel). ``skip_window``: parts 1-2 are supplied by the caller
+    (the Triton path); only parts 3-4 run here and are returned for merging."""
+    b, hq, nq, d = q.shape
+    nk = k.shape[2]
+    off = nk - nq
+    outs, lses = [], []
+    for bi in range(b):
+        q1, k1, v1 = q[bi], k[bi], v[bi]
+        o = q1.new_zeros((hq, nq, d))
+        l = torch.full((hq, nq), float("-inf"), dtype=_acc(q.dtype), device=q.device)
+        if not skip_window:
+            if pat.global_tokens:
+                o, l = _global_part(q1, k1, v1, off, pat.global_tokens, pat.causal, scale)
+            ow, lw = _window_part(q1, k1, v1, off, pat, scale)
+            o, l = merge_lse(o, l, ow, lw)
+        if pat.random_blocks:
+            orand, lrand = _random_part(q1, k1, v1, off, pat, scale)
+            o, l = merge_lse(o, l, orand, lrand)
+        outs.append(o)
+        lses.append(l)
+    out, lse = torch.stack(outs), torch.stack(lses)
+    a, e = _global_query_rows(off, nq, pat)
+    if e > a:  # non-causal global queries see every key: exact rows
+        og, lg = _attend(q[:, :, a:e], k, v, scale)
+        out, lse = _replace_rows(out, lse, a, e, og, lg)
+    return out, lse
+
+
+def _replace_rows(out, lse, a, e, o_rows, l_rows):
+    """out/lse with rows [a, e) replaced (out of place: keeps autograd simple)."""
+    out = torch.cat([out[:, :, :a], o_rows.to(out.dtype), out[:, :, e:]], dim=2)
+    lse = torch.cat([lse[:, :, :a], l_rows.to(lse.dtype), lse[:, :, e:]], dim=2)
+    return out, lse
+
+
+# --------------------------------------------------------------------------- decode: one query
+
+def union_key_positions(p: int, nk: int, pat: SparsePattern, device=None) -> torch.Tensor:
+    """Sorted int64 positions of every key the query at position p sees (causal or not), each once.
+    Cost O(window + G + random_blocks * block), independent of nk (except a global query of a
+    non-causal pattern, which sees all nk keys)."""
+    if not pat.causal and 0 <= p < pat.global_tokens:
+        return torch.arange(nk, device=device)
+    lim = min(nk - 1, p) if pat.causal else nk - 1
+    lo, hi = pat.band
+    r = pat.dilation
+    parts = [torch.arange(min(pat.global_tokens, lim + 1), device=device)]
+    t = torch.arange(-hi, lo + 1, device=device)
+    win = p - t * r
+    parts.append(win[(win >= pat.global_tokens) & (win <= lim) & (win >= 0)])
+    if pat.random_blocks:
+        B = pat.block
+        sel = random_key_blocks(torch.tensor([p // B], device=device), -(-nk // B), pat.random_blocks,
+                                pat.seed, pat.causal)[0]
+        sel = sel[sel >= 0]
+        kpos = (sel[:, None] * B + torch.arange(B, device=device)).reshape(-1)
+        keep = (kpos >= pat.global_tokens) & (kpos <= lim) & ~pat.in_window(torch.tensor(p, device=device), kpos)
+        parts.append(kpos[keep])
+    return torch.sort(torch.cat(parts)).values
+
+
+def _decode_one(q, k, v, pat: SparsePattern, scale: float):
+    """q [b, Hq, 1, d] at position kv_len - 1 against the cache: the union's keys, read as views of
+    its contiguous runs (merged by LSE) or, when there are many runs, gathered once."""
+    nk = k.shape[2]
+    p, G = nk - 1, min(pat.global_tokens, nk)
+    if pat.dilation == 1 and pat.random_blocks == 0:  # the common case, runs known without tensors
+        w0 = max(G, p - pat.window + 1)
+        runs = [(s, e) for s, e in ((0, G), (w0, p + 1)) if e > s]
+    else:
+        idx = union_key_positions(p, nk, pat, q.device)
+        cut = (torch.nonzero(idx[1:] - idx[:-1] != 1).flatten() + 1).tolist()
+        bounds = [0] + cut + [idx.numel()]
+        if len(bounds) - 1 > _VIEW_RUNS:  # e.g. a dilated window: one gather (a copy of the union only)
+            return _attend(q, k.index_select(2, idx), v.index_select(2, idx), scale)
+        first = idx[bounds[:-1]].tolist()
+        runs = [(s, s + e - a) for s, a, e in zip(first, bounds[:-1], bounds[1:])]
+    # few contiguous runs (plain window + global prefix): attend to views of the cache, no copy;
+    # a one-row fused call runs on the calling thread, a copy may wake the whole thread pool
+    parts = [_attend(q, k[:, :, s:e], v[:, :, s:e], scale) for s, e in runs]
+    out, lse = parts[0]
+    for o, l in parts[1:]:
+        out, lse = merge_lse(out, lse, o, l)
+    return out, lse
+
+
+# --------------------------------------------------------------------------- the triton path
+
+def _triton_path(q, k, v, pat: SparsePattern, scale: float):
+    from ..kernels.sparse import window_global_attention  # lazily: triton is optional
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    out, lse = window_global_attention(q, k, v, window=pat.window, global_tokens=pat.global_tokens,
+                                       dilation=pat.dilation, causal=pat.causal, scale=scale)
+    if pat.random_blocks or _global_query_rows(k.shape[2] - q.shape[2], q.shape[2], pat)[1]:
+        o2, l2 = _torch_sparse(q, k, v, pat, scale, skip_window=True)
+        a, e = _global_query_rows(k.shape[2] - q.shape[2], q.shape[2], pat)
+        out, lse = merge_lse(out, lse, o2, l2)
+        if e > a:  # exact rows came back in o2/l2 merged with -inf parts; take them as they are
+            out, lse = _replace_rows(out, lse, a, e, o2[:, :, a:e], l2[:, :, a:e])
+    return out, lse
+
+
+# --------------------------------------------------------------------------- the op
+
+def sparse_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
+                     window: int = DEFAULT_WINDOW, global_tokens: int = DEFAULT_GLOBAL_TOKENS,
+                     dilation: int = DEFAULT_DILATION, random_blocks: int = DEFAULT_RANDOM_BLOCKS,
+                     block: int = DEFAULT_BLOCK, seed: int | None = None, return_lse: bool = False,
+                     backend: str = "auto"):
+    """Position-based sparse attention (global + dilated window + random blocks) on the shared
+    layout: q [b, hq, nq, d], k/v [b, hk, nk, d], queries at the last nq positions.
+
+    window: keys per query in the (dilated) sliding window, the query itself included (non-causal:
+    window // 2 on each side plus itself). global_tokens: the first positions every query sees
+    (non-causal: those queries also see everything). dilation: stride of the window (1 = plain).
+    random_blocks: random key blocks of ``block`` keys per query block (BigBird); ``seed`` (None ->
+    0) fixes the draw. Exact softmax over the union of the key sets; returns out (and float32 LSE
+    [b, hq, nq] with ``return_lse``). backend: "auto" | "torch" | "triton".
+    """
+    check_qkv(q, k, v, causal)
+    pat = SparsePattern(window=window, global_tokens=global_tokens, dilation=dilation, random_blocks=random_blocks,
+                        block=block, seed=0 if seed is None else seed, causal=bool(causal))
+    scale = default_scale(scale, q.shape[-1])
+    backend = resolve_backend(backend, q, k, v)
+    b, hq, nq, d = q.shape
+    if nq == 0 or k.shape[2] == 0:
+        out = q.new_zeros(q.shape)
+        lse = torch.full((b, hq, nq), float("-inf"), dtype=torch.float32, device=q.device)
+        return (out, lse) if return_lse else out
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if nq == 1 and causal and not needs_grad and backend == "torch":
+        out, lse = _decode_one(q, k, v, pat, scale)
+    elif backend == "triton":
+        out, lse = _triton_path(q, k, v, pat, scale)
+    else:
+        out, lse = _torch_sparse(q, k, v, pat, scale)
+    out = out.to(q.dtype)
+    return (out, lse.float()) if return_lse else out
+
+
+def _run(q, k, v, *, causal=True, scale=None, backend="auto", buffers=None, window=DEFAULT_WINDOW,
+         global_tokens=DEFAULT_GLOBAL_TOKENS, dilation=DEFAULT_DILATION, random_blocks=DEFAULT_RANDOM_BLOCKS,
+         block=DEFAULT_BLOCK, seed=None, **_):
+    if buffers and "seed" in buffers:  # a patched layer: its own draw of random blocks
+        seed = int(buffers["seed"])
+    return sparse_attention(q, k, v, causal=causal, scale=scale, window=window, global_tokens=global_tokens,
+                            dilation=dilation, random_blocks=random_blocks, block=block, seed=seed, backend=backend)
+
+
+def _make_buffers(*, head_dim: int, seed: int | None = None, layer_seed: int | None = None, **_):
+    """{"seed": the layer's seed of the random blocks}, so that layers draw different blocks (as in
+    BigBird) and a saved patched model keeps its draw in the state_dict."""
+    return {"seed": torch.tensor(layer_seed_of(seed, layer_seed), dtype=torch.int64)}
+
+
+SPARSE = register_method(Method(
+    name="sparse",
+    summary="position-based sparse attention: global tokens + (dilated) sliding window + BigBird random blocks",
+    prefill=_run,
+    decode=_run,
+    params={
+        "window": positive_int("keys per query in the sliding window, the query included (non-causal: "
+                               "window // 2 each side)", DEFAULT_WINDOW),
+        "global_tokens": Param(DEFAULT_GLOBAL_TOKENS, (int,), "first positions every query attends to "
+                               "(attention sinks); non-causal: they also attend to everything",
+                               lambda x: x >= 0, "an int >= 0"),
+        "dilation": positive_int("stride between window keys (1 = plain sliding window)", DEFAULT_DILATION),
+        "random_blocks": Param(DEFAULT_RANDOM_BLOCKS, (int,), "random past key blocks per query block "
+                               "(BigBird); 0 = none", lambda x: x >= 0, "an int >= 0"),
+        "block": positive_int("block size of the random blocks", DEFAULT_BLOCK),
+        "seed": optional_int("seed of the random blocks (null -> 0); each patched layer mixes in its index"),
+    },
+    make_buffers=_make_buffers,
+))
