@@ -38,7 +38,6 @@ def list_cmd():
     from .config import bundled_configs, load_config
     from .families import available_families
     from .methods import available_methods
-    from .methods.base import PLANNED
 
     t = Table(title="families", title_justify="left")
     t.add_column("name"), t.add_column("what it patches")
@@ -47,13 +46,9 @@ def list_cmd():
     console.print(t)
     t = Table(title="methods", title_justify="left")
     t.add_column("name"), t.add_column("parameters (default)"), t.add_column("decode"), t.add_column("summary")
-    methods = available_methods()
-    for m in methods.values():
+    for m in available_methods().values():
         params = ", ".join(f"{n}={p.default!r}" for n, p in m.params.items()) or "-"
         t.add_row(m.name, params, "own" if m.decode else "exact", m.summary)
-    for name in PLANNED:
-        if name not in methods:
-            t.add_row(name, "-", "-", "not available yet")
     console.print(t)
     t = Table(title="bundled configs (use the alias with --model or --config)", title_justify="left")
     t.add_column("alias"), t.add_column("model"), t.add_column("method"), t.add_column("layers")

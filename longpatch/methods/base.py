@@ -77,8 +77,6 @@ class Method:
 
 
 _METHODS: dict[str, Method] = {}
-# Methods whose issue has not landed yet: listed so configs naming them fail with a clear message.
-PLANNED = ("nsa",)
 
 
 def register_method(method: Method) -> Method:
@@ -89,8 +87,6 @@ def register_method(method: Method) -> Method:
 def get_method(name: str) -> Method:
     if name in _METHODS:
         return _METHODS[name]
-    if name in PLANNED:
-        raise ConfigError(f"method: '{name}' is not available yet in this version of longpatch; available: {', '.join(sorted(_METHODS))}")
     raise ConfigError(f"method: got {name!r}; allowed: {', '.join(sorted(_METHODS))}")
 
 

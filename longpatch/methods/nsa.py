@@ -1,0 +1,727 @@
+"""NSA, Native Sparse Attention (DeepSeek, arXiv 2502.11089), training-free and trainable.
+
+Each query attends through three branches and sums them with gates (g_cmp, g_slc, g_win):
+
+* compressed: keys/values pooled in blocks of ``compress_block`` (l) positions with stride
+  ``compress_stride`` (s); block i covers keys [i*s, i*s + l) and a query at position t sees it only
+  when it lies wholly at or before t (i*s + l - 1 <= t). Pooling is the mean (training-free) or a
+  learned MLP (``NSAAttention``, trainable);
+* selected: keys cut into selection blocks of ``select_block`` (l') positions. The importance of
+  block j for a query is the compressed attention probability mass of the compressed blocks that
+  overlap j, summed over the query heads of the GQA group, so the group shares one selection. The
+  ``num_selected`` best blocks are attended to, always including the first ``init_blocks`` blocks
+  and the ``local_blocks`` blocks ending with the query's own block (causal inside it);
+* window: the last ``window`` keys (t - window, t].
+
+Only causal attention is defined (a query's compressed and selected blocks are chosen among the
+past); ``causal=False`` is an error. Positions are bottom-right: query row i of nq sits at
+nk - nq + i, so the same op serves prefill, chunked prefill and decoding.
+
+Readable PyTorch twins of the four primitives (``compressed_attention_reference``,
+``selection_scores_reference``, ``selected_attention_reference``, ``window_attention_reference``)
+plus the shared ``topk_blocks`` define the method; the Triton kernels in ``longpatch.kernels.nsa``
+are tested against them, and composed they are the differentiable path (gradients flow through
+every branch, the selection itself is discrete as in the paper).
+
+Fast CPU path (no gradient): per (batch, KV head) and per window of query rows, so every
+temporary is bounded by the window:
+
+1. compressed: one GEMM [g*rows, d] x [d, visible blocks] for the whole GQA group; the same
+   probabilities give the branch output (a second GEMM) and the importance (group sum, then a
+   banded gather-sum over the few compressed blocks overlapping each selection block), then top-k;
+2. selected, group-centric "varlen" grouping: (position, block) pairs are sorted by block; every
+   block is one batch item of a fused attention call over all g heads of every position that chose
+   it (items bucketed by padded length, a few calls per window), so a block is read once per
+   window whatever the group size; parts merge by LSE;
+3. window: query chunks of ``_WIN_CHUNK`` rows against their keys [start - window + 1, end) as
+   one batched fused call with a shared band mask (strided views of the cache, no copy).
+
+Decoding: ``compressed=(k_cmp, v_cmp)`` (``nsa_compress``) are reused instead of pooling the cache;
+the registered method keeps them in the layer state and appends the newly completed blocks, so a
+step costs O(compressed + selected + window), not O(cache).
+"""
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import torch
+
+from ..errors import ConfigError
+from .base import Method, Param, positive_int, register_method
+from .common import check_qkv, default_scale, group_queries, resolve_backend
+from .cpu_flash import FA_CPU
+
+DEFAULTS = dict(compress_block=32, compress_stride=16, select_block=64, num_selected=16, window=512,
+                init_blocks=1, local_blocks=2)
+DEFAULT_GATES = (1 / 3, 1 / 3, 1 / 3)  # the op's neutral default (issue #7's API)
+# Training-free patching of a pretrained model: the mean-pooled compressed branch only ranks the
+# selection blocks; mixing its blurred output in costs perplexity (docs/nsa.md, measured).
+TRAINING_FREE_GATES = (0.0, 0.75, 0.25)
+
+_FA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Bounds of temporaries: score elements per block of rows (references and the compressed GEMM),
+# (row, block) pair elements per window of rows, rows per window chunk, query rows per tile.
+_REF_ELEMS = 1 << 22
+_CMP_ELEMS = 1 << 19
+_PAIR_ELEMS = 1 << 22
+_WIN_CHUNK = 128
+_TILE_ROWS = 64
+
+
+# --------------------------------------------------------------------------- parameters
+
+def _check_params(compress_block, compress_stride, select_block, num_selected, window, init_blocks, local_blocks):
+    """One-line ValueErrors for bad block parameters."""
+    for name, val, low in (("compress_block", compress_block, 1), ("compress_stride", compress_stride, 1),
+                           ("select_block", select_block, 1), ("num_selected", num_selected, 1),
+                           ("window", window, 1), ("init_blocks", init_blocks, 0), ("local_blocks", local_blocks, 0)):
+        if not isinstance(val, int) or isinstance(val, bool) or val < low:
+            raise ValueError(f"{name} must be an int >= {low}; got {val!r}")
+    if compress_stride > compress_block:
+        raise ValueError(f"compress_stride ({compress_stride}) must be <= compress_block ({compress_block}): "
+                         "a larger stride would leave keys out of every compressed block")
+    if init_blocks + local_blocks > num_selected:
+        raise ValueError(f"num_selected ({num_selected}) must be >= init_blocks + local_blocks "
+                         f"({init_blocks} + {local_blocks}): the forced blocks must fit in the selection")
+
+
+def _acc(dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def num_compressed(kv_len: int, compress_block: int, compress_stride: int) -> int:
+    """Number of complete compressed blocks of a kv_len-key sequence."""
+    return 0 if kv_len < compress_block else (kv_len - compress_block) // compress_stride + 1
+
+
+def _visible_cmp(pos: torch.Tensor, l: int, s: int) -> torch.Tensor:
+    """Compressed blocks visible at absolute positions pos: count of i with i*s + l - 1 <= t."""
+    return torch.where(pos >= l - 1, torch.div(pos - (l - 1), s, rounding_mode="floor") + 1, torch.zeros_like(pos))
+
+
+# --------------------------------------------------------------------------- primitives: references
+
+def nsa_compress(k: torch.Tensor, v: torch.Tensor, *, compress_block: int = 32, compress_stride: int = 16):
+    """Mean-pooled compressed keys/values: k/v [b, hk, nk, d] -> [b, hk, nc, d], nc complete blocks
+    (block i = keys [i*s, i*s + l)); same dtype as k, summed in float32 (float64 for float64)."""
+    if not isinstance(compress_block, int) or compress_block < 1 or not isinstance(compress_stride, int) \
+            or not 1 <= compress_stride <= compress_block:
+        raise ValueError("need ints 1 <= compress_stride <= compress_block; "
+                         f"got {compress_stride!r}, {compress_block!r}")
+    if k.dim() != 4 or v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"k, v must be [b, kv_heads, n, d] with the same first 3 dims; "
+                         f"got {tuple(k.shape)}, {tuple(v.shape)}")
+    nc = num_compressed(k.shape[2], compress_block, compress_stride)
+
+    def pool(x):
+        if nc == 0:
+            return x.new_zeros((*x.shape[:2], 0, x.shape[-1]))
+        blocks = x[:, :, : (nc - 1) * compress_stride + compress_block].unfold(2, compress_block, compress_stride)
+        return (blocks.sum(-1, dtype=_acc(x.dtype)) / compress_block).to(x.dtype)  # [b, h, nc, d]
+
+    return pool(k), pool(v)
+
+
+def _row_blocks(nq: int, per_row: int):
+    rows = max(1, _REF_ELEMS // max(1, per_row))
+    for s in range(0, nq, rows):
+        yield s, min(nq, s + rows)
+
+
+def _softmax_parts(scores: torch.Tensor, vis: torch.Tensor):
+    """(p, lse) of masked scores; rows with nothing visible give p = 0 and lse = -inf."""
+    scores = scores.masked_fill(~vis, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    p = torch.exp(scores - safe.unsqueeze(-1)).masked_fill(~vis, 0.0)
+    return p, lse
+
+
+def compressed_attention_reference(q, k_cmp, v_cmp, *, scale, compress_block, compress_stride, kv_len):
+    """Compressed branch: softmax attention of each query to the compressed blocks wholly at or
+    before it. q [b, hq, nq, d], k_cmp/v_cmp [b, hk, nc, d] -> (out [b, hq, nq, d], lse [b, hq, nq])."""
+    b, hq, nq, d = q.shape
+    hk, nc = k_cmp.shape[1], k_cmp.shape[2]
+    acc = _acc(q.dtype)
+    qg = group_queries(q, hk).to(acc)
+    kc, vc = k_cmp.to(acc).unsqueeze(2), v_cmp.to(acc).unsqueeze(2)  # [b, hk, 1, nc, d]
+    outs, lses = [], []
+    for s, e in _row_blocks(nq, b * hq * nc):
+        pos = torch.arange(kv_len - nq + s, kv_len - nq + e, device=q.device)
+        vis = torch.arange(nc, device=q.device)[None, :] < _visible_cmp(pos, compress_block, compress_stride)[:, None]
+        p, lse = _softmax_parts(torch.matmul(qg[:, :, :, s:e], kc.transpose(-1, -2)) * scale, vis)
+        outs.append(torch.matmul(p, vc))
+        lses.append(lse)
+    out = torch.cat(outs, 3).reshape(b, hq, nq, d) if outs else q.new_zeros(q.shape, dtype=acc)
+    lse = torch.cat(lses, 3).reshape(b, hq, nq) if lses else q.new_zeros((b, hq, nq), dtype=acc)
+    return out.to(q.dtype), lse
+
+
+def _overlap_index(nc: int, ns: int, l: int, s: int, sb: int, device):
+    """Compressed blocks overlapping each selection block as a padded index [ns, K] (nc = padding):
+    block i ([i*s, i*s + l)) overlaps j ([j*sb, (j+1)*sb)) iff i*s < (j+1)*sb and i*s + l > j*sb."""
+    j = torch.arange(ns, device=device)
+    lo = torch.clamp(torch.div(j * sb - l, s, rounding_mode="floor") + 1, min=0)
+    hi = torch.clamp(torch.div((j + 1) * sb - 1, s, rounding_mode="floor"), max=nc - 1)  # last i with i*s < (j+1)*sb
+    width = max(1, int((hi - lo + 1).max()) if ns else 1)
+    idx = lo[:, None] + torch.arange(width, device=device)[None, :]
+    return torch.where(idx <= hi[:, None], idx, torch.full_like(idx, nc))
+
+
+def _force_and_mask(imp: torch.Tensor, pos: torch.Tensor, sb: int, init_blocks: int, local_blocks: int):
+    """imp [..., r, ns] float32: forced blocks (first init_blocks, and the local_blocks ending with
+    the own block) -> +inf; blocks starting after the query -> -inf."""
+    ns = imp.shape[-1]
+    j = torch.arange(ns, device=imp.device)[None, :]
+    own = torch.div(pos, sb, rounding_mode="floor")[:, None]
+    forced = (j < init_blocks) | ((j <= own) & (j > own - local_blocks))
+    imp = imp.masked_fill(forced, float("inf"))
+    return imp.masked_fill(j > own, float("-inf"))
+
+
+def selection_scores_reference(q, k_cmp, lse_cmp, *, scale, compress_block, compress_stride, select_block, kv_len,
+                               init_blocks, local_blocks):
+    """Importance [b, hk, nq, ns] float32 of each selection block (ns = ceil(kv_len / select_block))
+    for each query: the compressed probabilities exp(scale q.k_cmp_i - lse_cmp) of the visible
+    compressed blocks overlapping the block, summed over them and over the group's query heads.
+    Forced blocks are +inf, blocks starting after the query -inf. No gradient (selection is discrete)."""
+    b, hq, nq, d = q.shape
+    hk, nc = k_cmp.shape[1], k_cmp.shape[2]
+    ns = math.ceil(kv_len / select_block)
+    qg = group_queries(q.detach(), hk).double()
+    kc = k_cmp.detach().double().unsqueeze(2)
+    # overlap matrix [nc, ns]: column j sums the compressed blocks overlapping selection block j
+    i = torch.arange(nc, device=q.device)[:, None]
+    j = torch.arange(ns, device=q.device)[None, :]
+    start = i * compress_stride
+    overlap = ((start < (j + 1) * select_block) & (start + compress_block > j * select_block)).double()
+    out = torch.empty((b, hk, nq, ns), dtype=torch.float32, device=q.device)
+    for s, e in _row_blocks(nq, b * hq * max(nc, ns)):
+        pos = torch.arange(kv_len - nq + s, kv_len - nq + e, device=q.device)
+        vis = torch.arange(nc, device=q.device)[None, :] < _visible_cmp(pos, compress_block, compress_stride)[:, None]
+        lse = group_queries(lse_cmp[:, :, s:e].detach().unsqueeze(-1), hk).double()
+        lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+        p = torch.exp((torch.matmul(qg[:, :, :, s:e], kc.transpose(-1, -2)) * scale).float().double() - lse)
+        p = p.float().double().masked_fill(~vis, 0.0)  # probabilities are float32 values, as in the fast path
+        imp = torch.matmul(p.sum(2), overlap).float()
+        out[:, :, s:e] = _force_and_mask(imp, pos, select_block, init_blocks, local_blocks)
+    return out
+
+
+def _ordered_int(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> int32 with the same order (NaN -> -inf), so ties can be broken by block id."""
+    x = torch.nan_to_num(x.float() + 0.0, nan=float("-inf"))
+    bits = x.view(torch.int32)
+    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+def topk_blocks(scores: torch.Tensor, num_selected: int) -> torch.Tensor:
+    """The num_selected best blocks per row of scores [..., ns]: int64 [..., num_selected], sorted
+    ascending by block id, -1 (at the end) for empty slots and for blocks scored -inf. Ties go to
+    the later block (score and block id form one int64 key), whatever order torch.topk returns."""
+    *lead, ns = scores.shape
+    kk = min(num_selected, ns)
+    blk = torch.arange(ns, device=scores.device)
+    idx = torch.full((*lead, num_selected), -1, dtype=torch.long, device=scores.device)
+    if kk == 0:
+        return idx
+    key = (_ordered_int(scores).to(torch.int64) << 32) | blk
+    pick = torch.topk(key, kk, dim=-1, sorted=False).indices
+    ok = scores.gather(-1, pick) > float("-inf")
+    pick = torch.where(ok, pick, torch.full_like(pick, ns)).sort(-1).values
+    idx[..., :kk] = torch.where(pick == ns, torch.full_like(pick, -1), pick)
+    return idx
+
+
+def _gather_attention(q, k, v, tok, valid, scale):
+    """q [b, hk, g, r, d] attends per (b, hk, row) to the keys tok [b, hk, r, L] (valid [b, hk, r, L]).
+    Differentiable (gather). Returns out [b, hk, g, r, d] and lse [b, hk, g, r]."""
+    b, hk, n, d = k.shape
+    r, L = tok.shape[2], tok.shape[3]
+    acc = _acc(q.dtype)
+    flat = torch.where(valid, tok, torch.zeros_like(tok)).reshape(b, hk, r * L, 1).expand(b, hk, r * L, d)
+    ks = torch.gather(k.to(acc), 2, flat).view(b, hk, 1, r, L, d)
+    vs = torch.gather(v.to(acc), 2, flat).view(b, hk, 1, r, L, d)
+    scores = torch.einsum("bhgrd,bhgrld->bhgrl", q.to(acc), ks) * scale
+    p, lse = _softmax_parts(scores, valid.unsqueeze(2))
+    return torch.einsum("bhgrl,bhgrld->bhgrd", p, vs), lse
+
+
+def selected_attention_reference(q, k, v, idx, *, scale, select_block, kv_len):
+    """Selected branch: each query attends to the keys of its group's selected blocks idx
+    [b, hk, nq, S] (-1 = empty) at positions <= its own. Returns (out, lse) like the others."""
+    b, hq, nq, d = q.shape
+    hk = k.shape[1]
+    S = idx.shape[-1]
+    qg = group_queries(q, hk)
+    off = torch.arange(select_block, device=q.device)
+    outs, lses = [], []
+    for s, e in _row_blocks(nq, b * hq * S * select_block):
+        pos = torch.arange(kv_len - nq + s, kv_len - nq + e, device=q.device)
+        sel = idx[:, :, s:e]
+        tok = (sel.unsqueeze(-1) * select_block + off).flatten(-2)  # [b, hk, r, S*l']
+        valid = (sel >= 0).repeat_interleave(select_block, -1) & (tok <= pos[:, None]) & (tok < kv_len)
+        o, l = _gather_attention(qg[:, :, :, s:e], k, v, tok, valid, scale)
+        outs.append(o)
+        lses.append(l)
+    return _cat_rows(outs, lses, q)
+
+
+def window_attention_reference(q, k, v, *, scale, window, kv_len):
+    """Window branch: each query at position t attends to the keys (t - window, t]."""
+    b, hq, nq, d = q.shape
+    hk = k.shape[1]
+    qg = group_queries(q, hk)
+    off = torch.arange(-window + 1, 1, device=q.device)
+    outs, lses = [], []
+    for s, e in _row_blocks(nq, b * hq * window):
+        pos = torch.arange(kv_len - nq + s, kv_len - nq + e, device=q.device)
+        tok = (pos[:, None] + off[None, :]).expand(b, hk, e - s, window)
+        o, l = _gather_attention(qg[:, :, :, s:e], k, v, tok, tok >= 0, scale)
+        outs.append(o)
+        lses.append(l)
+    return _cat_rows(outs, lses, q)
+
+
+def _cat_rows(outs, lses, q):
+    b, hq, nq, d = q.shape
+    acc = _acc(q.dtype)
+    if not outs:
+        return q.new_zeros(q.shape), torch.full((b, hq, nq), float("-inf"), dtype=acc, device=q.device)
+    return torch.cat(outs, 3).reshape(b, hq, nq, d).to(q.dtype), torch.cat(lses, 3).reshape(b, hq, nq)
+
+
+REFERENCE = SimpleNamespace(compressed_attention=compressed_attention_reference,
+                            selection_scores=selection_scores_reference,
+                            selected_attention=selected_attention_reference,
+                            window_attention=window_attention_reference)
+
+
+def _compose(prims, q, k, v, k_cmp, v_cmp, cfg):
+    """The method from its four primitives (references or Triton kernels) and topk_blocks. Returns
+    the three branch outputs and LSEs."""
+    kw = dict(scale=cfg.scale, kv_len=cfg.nk)
+    blocks = dict(compress_block=cfg.l, compress_stride=cfg.s)
+    o_c, l_c = prims.compressed_attention(q, k_cmp, v_cmp, **blocks, **kw)
+    with torch.no_grad():
+        scores = prims.selection_scores(q, k_cmp, l_c, **blocks, select_block=cfg.sb, init_blocks=cfg.init_blocks,
+                                        local_blocks=cfg.local_blocks, **kw)
+        idx = topk_blocks(scores, cfg.num_selected)
+    o_s, l_s = prims.selected_attention(q, k, v, idx, select_block=cfg.sb, **kw)
+    o_w, l_w = prims.window_attention(q, k, v, window=cfg.window, **kw)
+    return (o_c, o_s, o_w), (l_c, l_s, l_w)
+
+
+# --------------------------------------------------------------------------- fast CPU path
+
+def _fa(q, k, v, scale, mask=None):
+    """(out, lse) of q [B, Hq, m, d] vs k/v [B, Hk, n, d] with torch's fused CPU kernel (additive mask)."""
+    if mask is not None:
+        mask = mask.to(q.dtype)
+    out, lse = FA_CPU(q, k, v, 0.0, False, attn_mask=mask, scale=scale)
+    return out, lse.float()
+
+
+def _band_bias(qpos: torch.Tensor, kpos: torch.Tensor, window: int | None, dtype) -> torch.Tensor:
+    """Additive mask hiding keys after each query (and, with window, keys at or before t - window)."""
+    hide = kpos[None, :] > qpos[:, None]
+    if window is not None:
+        hide |= kpos[None, :] <= qpos[:, None] - window
+    return torch.zeros(hide.shape, dtype=dtype, device=qpos.device).masked_fill(hide, float("-inf"))
+
+
+def _window_fast(qh, k1, v1, window: int, off: int, scale: float):
+    """Window branch of one KV group: qh [g, nq, d] at positions off.., k1/v1 [nk, d].
+    Full chunks of _WIN_CHUNK queries whose window starts inside the cache run as one batched call
+    on overlapping strided views of the keys with one shared band mask; the first chunks (window
+    reaching before key 0) and a partial last chunk run one by one."""
+    g, nq, d = qh.shape
+    W = _WIN_CHUNK
+    L = W + window - 1
+    out = torch.empty_like(qh)
+    lse = torch.empty((g, nq), dtype=torch.float32, device=qh.device)
+    p, end = off, off + nq
+    while p < end:
+        if p - window + 1 >= 0 and p + W <= end:  # a run of full chunks: batched
+            m = (end - p) // W
+            k0 = p - window + 1
+            kk = k1[k0: k0 + (m - 1) * W + L].unfold(0, L, W).transpose(1, 2).unsqueeze(1)  # [m, 1, L, d] view
+            vv = v1[k0: k0 + (m - 1) * W + L].unfold(0, L, W).transpose(1, 2).unsqueeze(1)
+            qq = qh[:, p - off: p - off + m * W].unflatten(1, (m, W)).transpose(0, 1)  # [m, g, W, d]
+            ar = torch.arange(L, device=qh.device)
+            bias = _band_bias(torch.arange(W, device=qh.device) + window - 1, ar, window, qh.dtype)
+            o, l = _fa(qq, kk, vv, scale, bias)
+            out[:, p - off: p - off + m * W] = o.transpose(0, 1).flatten(1, 2)
+            lse[:, p - off: p - off + m * W] = l.transpose(0, 1).flatten(1, 2)
+            p += m * W
+            continue
+        e = min(end, p + W)
+        ks = max(0, p - window + 1)
+        qpos = torch.arange(p, e, device=qh.device)
+        bias = _band_bias(qpos, torch.arange(ks, e, device=qh.device), window, qh.dtype)
+        o, l = _fa(qh[None, :, p - off: e - off], k1[None, None, ks:e], v1[None, None, ks:e], scale, bias)
+        out[:, p - off: e - off] = o[0]
+        lse[:, p - off: e - off] = l[0]
+        p = e
+    return out, lse
+
+
+def _compressed_select(qw, kc, vc, pos, cfg):
+    """Compressed branch and selection for one window of rows of one KV group: qw [g, r, d] at
+    positions pos [r], kc/vc [nc, d]. Returns out [g, r, d], lse [g, r] and idx [r, num_selected]."""
+    g, r, d = qw.shape
+    out = torch.zeros_like(qw)
+    lse = torch.full((g, r), float("-inf"), dtype=torch.float32, device=qw.device)
+    ns = int(pos[-1]) // cfg.sb + 1  # blocks that can hold a key <= the last query
+    imp = torch.zeros((r, ns), dtype=torch.float32, device=qw.device)
+    nvis = _visible_cmp(pos, cfg.l, cfg.s)
+    nv_max = int(nvis[-1])
+    if nv_max > 0:
+        ovl = _overlap_index(nv_max, ns, cfg.l, cfg.s, cfg.sb, qw.device)
+        step = max(1, _CMP_ELEMS // max(1, g * nv_max))
+        for a in range(0, r, step):
+            e = min(r, a + step)
+            nv = int(nvis[e - 1])
+            if nv == 0:
+                continue
+            qs = (qw[:, a:e] * cfg.scale).reshape(-1, d)  # one GEMM for the whole group
+            sc = torch.matmul(qs, kc[:nv].transpose(0, 1)).view(g, e - a, nv)  # scaled scores
+            lo = int(nvis[a])
+            if lo < nv:  # only the columns some row of the block cannot see need the causal mask
+                hide = torch.arange(lo, nv, device=qw.device)[None, :] >= nvis[a:e, None]
+                sc[:, :, lo:].masked_fill_(hide, float("-inf"))
+            mx = sc.amax(-1, keepdim=True)
+            mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
+            sc.sub_(mx).exp_()
+            tot = sc.sum(-1, keepdim=True)
+            sc.mul_(torch.where(tot > 0, 1.0 / tot, torch.zeros_like(tot)))  # probabilities
+            if cfg.cmp_out:  # a zero compressed gate (training-free default) needs only the probabilities
+                out[:, a:e] = torch.matmul(sc.view(-1, nv), vc[:nv]).view(g, e - a, d).to(qw.dtype)
+            lse[:, a:e] = (mx + torch.log(tot)).squeeze(-1).float()
+            grp = torch.nn.functional.pad(sc.sum(0), (0, nv_max + 1 - nv))  # [rows, nv_max + 1], group sum
+            imp[a:e] = grp[:, ovl].sum(-1)
+    imp = _force_and_mask(imp, pos, cfg.sb, cfg.init_blocks, cfg.local_blocks)
+    return out, lse, topk_blocks(imp, cfg.num_selected)
+
+
+def _blocks_of(x1: torch.Tensor, sb: int):
+    """x1 [n, d] as selection blocks: (a view [n // sb, sb, d] of the full blocks, the partial last
+    block zero-padded to sb rows [0 or 1, sb, d]). No copy of the cache (decoding reads O(selected))."""
+    nf = x1.shape[0] // sb
+    full = x1[: nf * sb].view(nf, sb, x1.shape[1])
+    tail = x1[nf * sb:]
+    last = torch.nn.functional.pad(tail, (0, 0, 0, sb - tail.shape[0])).unsqueeze(0) if tail.shape[0] else full[:0]
+    return full, last
+
+
+def _gather_blocks(xb, blocks: torch.Tensor) -> torch.Tensor:
+    """[len(blocks), 1, sb, d]: the selection blocks of ``_blocks_of`` (the padded tail is block nf)."""
+    full, last = xb
+    nf = full.shape[0]
+    if last.shape[0] == 0:
+        return full.index_select(0, blocks).unsqueeze(1)
+    if nf:
+        out = full.index_select(0, torch.clamp(blocks, max=nf - 1))
+    else:
+        out = last.expand(blocks.numel(), -1, -1).clone()
+    is_tail = blocks == nf
+    if bool(is_tail.any()):
+        out[is_tail] = last[0]
+    return out.unsqueeze(1)
+
+
+def _selected_fast(qw, kb, vb, idx, pos, cfg):
+    """Selected branch for one window of rows of one KV group, group-centric. qw [g, r, d] at
+    positions pos [r]; kb/vb the keys/values cut into selection blocks (``_blocks_of``).
+
+    Every (row, selected block) pair carries the g query heads of its row. Pairs are sorted by
+    block; the rows of one block form a segment, and segments are bucketed by their padded length
+    (T, 2T, 4T, ... rows, T * g ~ _TILE_ROWS query rows), so each bucket is ONE batched fused call
+    with one batch item per block: the block's K/V is read once for all heads and rows that chose
+    it. Own blocks (the only ones that can reach past a query) form their own buckets with a causal
+    mask. The parts merge by LSE per (row, head)."""
+    g, r, d = qw.shape
+    S = idx.shape[-1]
+    sb = cfg.sb
+    nb = kb[0].shape[0] + kb[1].shape[0]
+    dev = qw.device
+    T = max(1, _TILE_ROWS // g)
+    flat = idx.reshape(-1)
+    ent = torch.nonzero(flat >= 0).squeeze(1)  # pair = (row, slot)
+    row = torch.div(ent, S, rounding_mode="floor")
+    blk = flat[ent]
+    own = blk == torch.div(pos[row], sb, rounding_mode="floor")
+    key, order = torch.sort(blk + own.long() * nb, stable=True)
+    row = row[order]
+    seg_key, counts = torch.unique_consecutive(key, return_counts=True)
+    seg = torch.repeat_interleave(torch.arange(counts.numel(), device=dev), counts)
+    rank = torch.arange(row.numel(), device=dev) - (torch.cumsum(counts, 0) - counts)[seg]
+    # bucket = padded segment length T * 2^m (>= count); own blocks bucket apart (they need a mask)
+    size = T * torch.pow(2, torch.ceil(torch.log2(torch.clamp(counts.double() / T, min=1.0)))).long()
+    group = size * 2 + (seg_key >= nb).long()
+    qt = qw.transpose(0, 1).reshape(r, g * d)
+    parts = []
+    for gk in torch.unique(group).tolist():
+        B, is_own = gk // 2, gk % 2 == 1
+        segs = torch.nonzero(group == gk).squeeze(1)
+        local = torch.full((counts.numel(),), -1, dtype=torch.long, device=dev)
+        local[segs] = torch.arange(segs.numel(), device=dev)
+        pick = torch.nonzero(local[seg] >= 0).squeeze(1)
+        slot = local[seg[pick]] * B + rank[pick]
+        slot_row = torch.zeros(segs.numel() * B, dtype=torch.long, device=dev)
+        slot_row[slot] = row[pick]
+        real = torch.zeros(segs.numel() * B, dtype=torch.bool, device=dev)
+        real[slot] = True
+        blocks = seg_key[segs] % nb
+        qq = qt.index_select(0, slot_row).view(segs.numel(), 1, B * g, d)
+        kk, vv = _gather_blocks(kb, blocks), _gather_blocks(vb, blocks)
+        bias = None
+        if is_own:  # keys after the row's position are hidden; padding rows see everything
+            kpos = blocks[:, None] * sb + torch.arange(sb, device=dev)
+            ppos = torch.where(real, pos[slot_row], torch.full_like(slot_row, 1 << 62)).view(-1, B, 1)
+            hide = kpos[:, None, :] > ppos  # [segs, B, l']
+            bias = torch.zeros(hide.shape, dtype=qw.dtype, device=dev).masked_fill_(hide, float("-inf"))
+            bias = bias.unsqueeze(2).expand(-1, B, g, sb).reshape(-1, 1, B * g, sb)
+        o, l = _fa(qq, kk, vv, cfg.scale, bias)
+        parts.append((o.view(-1, g, d), l.view(-1, g).masked_fill_(~real[:, None], float("-inf")), slot_row))
+    # merge the parts of each (row, head) by LSE; padding rows weigh 0
+    mx = torch.full((r, g), float("-inf"), dtype=torch.float32, device=dev)
+    for _, l, rows_ in parts:
+        mx.scatter_reduce_(0, rows_[:, None].expand(-1, g), l, "amax")
+    mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
+    den = torch.zeros((r, g), dtype=torch.float32, device=dev)
+    acc = torch.zeros((r, g, d), dtype=torch.float32, device=dev)
+    for o, l, rows_ in parts:
+        w = torch.exp(l - mx.index_select(0, rows_))
+        den.index_add_(0, rows_, w)
+        acc.index_add_(0, rows_, o.mul_(w.unsqueeze(-1).to(o.dtype)).float())
+    lse = mx + torch.log(den)  # -inf where a (row, head) has no selected key
+    out = acc * torch.where(den > 0, 1.0 / den, torch.zeros_like(den)).unsqueeze(-1)
+    return out.transpose(0, 1).to(qw.dtype), lse.t()
+
+
+def _fast_forward(q, k, v, k_cmp, v_cmp, cfg, gates):
+    """The no-grad CPU path. Returns the gated output and the branch LSEs [b, hq, nq, 3]."""
+    b, hq, nq, d = q.shape
+    hk, nk = k.shape[1], k.shape[2]
+    g = hq // hk
+    off = nk - nq
+    out = torch.empty_like(q)
+    lse = torch.empty((b, hq, nq, 3), dtype=torch.float32, device=q.device)
+    kc_all, vc_all = k_cmp.to(q.dtype), v_cmp.to(q.dtype)
+    # rows per window: the window's gathered (row, block) pairs hold rows * num_selected * g * d
+    # elements; kept small so temporaries are reused from the heap rather than freshly mapped
+    rows = max(_WIN_CHUNK, _PAIR_ELEMS // (cfg.num_selected * g * d) // _WIN_CHUNK * _WIN_CHUNK)
+    for bi in range(b):
+        for hi in range(hk):
+            heads = slice(hi * g, (hi + 1) * g)
+            qh, k1, v1 = q[bi, heads], k[bi, hi], v[bi, hi]
+            kb, vb = _blocks_of(k1, cfg.sb), _blocks_of(v1, cfg.sb)
+            for a in range(0, nq, rows):
+                e = min(nq, a + rows)
+                pos = torch.arange(off + a, off + e, device=q.device)
+                qw = qh[:, a:e]
+                o_c, l_c, idx = _compressed_select(qw, kc_all[bi, hi], vc_all[bi, hi], pos, cfg)
+                o_s, l_s = _selected_fast(qw, kb, vb, idx, pos, cfg)
+                o_w, l_w = _window_fast(qw, k1, v1, cfg.window, off + a, cfg.scale)
+                gw = _gate_slice(gates, bi, heads, a, e)
+                out[bi, heads, a:e] = _gated_sum((o_c, o_s, o_w), gw).to(q.dtype)
+                lse[bi, heads, a:e] = torch.stack([l_c, l_s, l_w], -1)
+    return out, lse
+
+
+def _gate_slice(gates, bi, heads, a, e):
+    if isinstance(gates, torch.Tensor):
+        return gates[bi if gates.shape[0] > 1 else 0, heads if gates.shape[1] > 1 else slice(None),
+                     slice(a, e) if gates.shape[2] > 1 else slice(None)]
+    return gates
+
+
+def _gated_sum(outs, gates):
+    """sum_i gate_i * out_i; gates a 3-tuple of floats or a tensor [..., 3] broadcasting over rows."""
+    if isinstance(gates, torch.Tensor):
+        return sum(gates[..., i:i + 1].to(o.dtype) * o for i, o in enumerate(outs))
+    return sum(float(w) * o for w, o in zip(gates, outs))
+
+
+# --------------------------------------------------------------------------- the op
+
+def _check_gates(gates, q):
+    b, hq, nq, _ = q.shape
+    if isinstance(gates, torch.Tensor):
+        fits = all(s in (1, t) for s, t in zip(gates.shape[:3], (b, hq, nq)))
+        if gates.dim() != 4 or gates.shape[-1] != 3 or not fits:
+            raise ValueError(f"gates tensor must be [b, q_heads, n, 3] = [{b}, {hq}, {nq}, 3] (or broadcastable); "
+                             f"got {tuple(gates.shape)}")
+        return gates
+    try:
+        vals = tuple(float(x) for x in gates)
+    except (TypeError, ValueError):
+        raise ValueError(f"gates must be (g_cmp, g_slc, g_win) or a tensor [b, q_heads, n, 3]; got {gates!r}") from None
+    if len(vals) != 3 or not all(math.isfinite(x) for x in vals):
+        raise ValueError(f"gates must be 3 finite numbers (g_cmp, g_slc, g_win); got {gates!r}")
+    return vals
+
+
+def _compressed_for(k, v, compress, compressed, l, s):
+    nc = num_compressed(k.shape[2], l, s)
+    if compressed is not None:
+        kc, vc = compressed
+        want = (k.shape[0], k.shape[1])
+        if kc.dim() != 4 or kc.shape[:2] != want or vc.shape[:3] != kc.shape[:3] or kc.shape[-1] != k.shape[-1] \
+                or vc.shape[-1] != v.shape[-1] or kc.shape[2] < nc:
+            raise ValueError(f"compressed must be (k_cmp, v_cmp) [b, kv_heads, >= {nc}, d] for {k.shape[2]} keys with "
+                             f"compress_block={l}, compress_stride={s}; got {tuple(kc.shape)}, {tuple(vc.shape)}")
+        return kc[:, :, :nc], vc[:, :, :nc]
+    if compress == "mean":
+        return nsa_compress(k, v, compress_block=l, compress_stride=s)
+    if callable(compress):
+        kc, vc = compress(k, v, compress_block=l, compress_stride=s)
+        if kc.shape[2] != nc:
+            raise ValueError(f"compress callable returned {kc.shape[2]} blocks; expected {nc}")
+        return kc, vc
+    raise ValueError("compress must be 'mean' or a callable (k, v, compress_block, compress_stride) -> (k_cmp, v_cmp); "
+                     f"got {compress!r}")
+
+
+def nsa_attention(q, k, v, *, causal: bool = True, scale: float | None = None, compress_block: int = 32,
+                  compress_stride: int = 16, select_block: int = 64, num_selected: int = 16, window: int = 512,
+                  init_blocks: int = 1, local_blocks: int = 2, gates=DEFAULT_GATES, compress="mean",
+                  compressed=None, return_lse: bool = False, backend: str = "auto"):
+    """NSA attention on the shared layout (q [b, hq, nq, d], k/v [b, hk, nk, d]); causal only.
+
+    gates: (g_cmp, g_slc, g_win) floats, or a tensor [b, hq, nq, 3] (e.g. sigmoid of a projection
+    of the hidden state). compress: "mean" or a callable (k, v, compress_block=, compress_stride=)
+    -> (k_cmp, v_cmp). compressed: precomputed (k_cmp, v_cmp) covering at least the complete
+    blocks of k (decoding). return_lse: also return the three branches' LSEs [b, hq, nq, 3]
+    (compressed, selected, window; float32, float64 for float64 inputs), -inf where a branch is
+    empty. The gated sum itself is not a softmax, so it has no single LSE.
+    """
+    if not causal:
+        raise ValueError("nsa_attention supports causal attention only (compressed and selected blocks are chosen "
+                         "among past keys); use exact or moba for non-causal layers")
+    check_qkv(q, k, v, causal)
+    _check_params(compress_block, compress_stride, select_block, num_selected, window, init_blocks, local_blocks)
+    gates = _check_gates(gates, q)
+    scale = default_scale(scale, q.shape[-1])
+    backend = resolve_backend(backend, q, k, v)
+    b, hq, nq, d = q.shape
+    nk = k.shape[2]
+    if nq == 0 or nk == 0:
+        out = q.new_zeros(q.shape)
+        lse = torch.full((b, hq, nq, 3), float("-inf"), dtype=_acc(q.dtype), device=q.device)
+        return (out, lse) if return_lse else out
+    k_cmp, v_cmp = _compressed_for(k, v, compress, compressed, compress_block, compress_stride)
+    cfg = SimpleNamespace(scale=scale, nk=nk, l=compress_block, s=compress_stride, sb=select_block,
+                          num_selected=num_selected, window=window, init_blocks=init_blocks, local_blocks=local_blocks,
+                          cmp_out=isinstance(gates, torch.Tensor) or gates[0] != 0)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, k_cmp, v_cmp)) or \
+        (isinstance(gates, torch.Tensor) and gates.requires_grad and torch.is_grad_enabled())
+    if backend == "torch" and not needs_grad and q.device.type == "cpu" and FA_CPU is not None \
+            and q.dtype in _FA_DTYPES and k.dtype == q.dtype and v.dtype == q.dtype:
+        out, lse = _fast_forward(q, k, v, k_cmp, v_cmp, cfg, gates)
+        return (out, lse) if return_lse else out
+    if backend == "triton":
+        from ..kernels import nsa as tk  # lazily: triton is optional
+        prims = SimpleNamespace(compressed_attention=tk.compressed_attention, selection_scores=tk.selection_scores,
+                                selected_attention=tk.selected_attention, window_attention=tk.window_attention)
+    else:
+        prims = REFERENCE
+    outs, lses = _compose(prims, q, k, v, k_cmp, v_cmp, cfg)
+    out = _gated_sum(outs, gates).to(q.dtype)
+    if not return_lse:
+        return out
+    return out, torch.stack([l.to(_acc(q.dtype)) for l in lses], -1)
+
+
+# --------------------------------------------------------------------------- decode state and method
+
+def _state_compressed(state: dict, k, v, l: int, s: int):
+    """Compressed K/V of every complete block of the cache, kept in ``state`` and extended as blocks
+    complete: each block is pooled once. The key row closing each block is a fingerprint: if the
+    cache no longer holds it (new sequence, beam reordering, cropped cache) the state is rebuilt."""
+    nc = num_compressed(k.shape[2], l, s)
+    kc, vc, probe = state.get("k_cmp"), state.get("v_cmp"), state.get("probe")
+    ok = (kc is not None and state.get("blocks") == (l, s) and kc.shape[:2] == k.shape[:2]
+          and kc.shape[-1] == k.shape[-1] and kc.device == k.device and kc.dtype == k.dtype)
+    if ok:
+        m = min(kc.shape[2], nc)
+        ok = m == 0 or torch.equal(probe[:, :, :m], k[:, :, l - 1: (m - 1) * s + l: s])
+        kc, vc, probe = kc[:, :, :m], vc[:, :, :m], probe[:, :, :m]
+    if not ok:
+        kc, vc = nsa_compress(k[:, :, :0], v[:, :, :0], compress_block=l, compress_stride=s)
+        probe = k[:, :, :0]
+    m = kc.shape[2]
+    if m < nc:
+        nk_, nv_ = nsa_compress(k[:, :, m * s: (nc - 1) * s + l], v[:, :, m * s: (nc - 1) * s + l],
+                                compress_block=l, compress_stride=s)
+        kc, vc = torch.cat([kc, nk_], 2), torch.cat([vc, nv_], 2)
+        probe = torch.cat([probe, k[:, :, m * s + l - 1: (nc - 1) * s + l: s]], 2)
+    state.update(k_cmp=kc, v_cmp=vc, probe=probe, blocks=(l, s))
+    return kc, vc
+
+
+def init_state(k, v, *, compress_block: int = 32, compress_stride: int = 16, **_) -> dict:
+    """Decode state of a layer from an existing KV cache in one pass (its compressed K/V)."""
+    state: dict = {}
+    _state_compressed(state, k.detach(), v.detach(), compress_block, compress_stride)
+    return state
+
+
+def _run(q, k, v, *, causal=True, scale=None, backend="auto", buffers=None, state=None, gates=TRAINING_FREE_GATES,
+         **params):
+    compressed = None
+    if state is not None and causal:
+        l, s = params["compress_block"], params["compress_stride"]
+        compressed = _state_compressed(state, k.detach(), v.detach(), l, s)
+    return nsa_attention(q, k, v, causal=causal, scale=scale, gates=tuple(gates), compressed=compressed,
+                         backend=backend, **params)
+
+
+def _gates_ok(x) -> bool:
+    return isinstance(x, (list, tuple)) and len(x) == 3 and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0 for v in x)
+
+
+def _pint(name, doc):
+    return positive_int(doc, DEFAULTS[name])
+
+
+def _nonneg(name, doc):
+    return Param(DEFAULTS[name], (int,), doc, lambda x: x >= 0, "an int >= 0")
+
+
+class _NSAMethod(Method):
+    """Checks the relations between parameters (stride <= block, forced blocks fit) at config time."""
+
+    def resolve_params(self, given):
+        params = super().resolve_params(given)
+        blocks = {n: v for n, v in params.items() if n != "gates"}
+        try:
+            _check_params(**blocks)
+        except ValueError as e:
+            raise ConfigError(f"params of method 'nsa': {e}") from None
+        return params
+
+
+NSA = register_method(_NSAMethod(
+    name="nsa",
+    summary="NSA: gated sum of compressed-block, selected-block (top-k by compressed scores) and window attention",
+    prefill=_run,
+    decode=_run,
+    params={
+        "compress_block": _pint("compress_block", "keys per compressed block (mean-pooled)"),
+        "compress_stride": _pint("compress_stride", "stride between compressed blocks (<= compress_block)"),
+        "select_block": _pint("select_block", "keys per selection block"),
+        "num_selected": _pint("num_selected", "selection blocks per query, forced init/local blocks included"),
+        "window": _pint("window", "sliding-window length in keys"),
+        "init_blocks": _nonneg("init_blocks", "first selection blocks always selected"),
+        "local_blocks": _nonneg("local_blocks", "selection blocks ending with the query's own block, always selected"),
+        "gates": Param(list(TRAINING_FREE_GATES), (list, tuple),
+                       "fixed gates [g_cmp, g_slc, g_win] of the training-free mode (default measured: docs/nsa.md)",
+                       _gates_ok, "a list of 3 finite numbers >= 0"),
+    },
+    stateful=True,
+    init_state=init_state,
+))
