@@ -153,6 +153,8 @@ def run_attention_bench(methods=("exact", "hyper"), seq_lens=DEFAULT_SEQ_LENS, c
     from rich.console import Console
     from rich.progress import Progress
 
+    from .methods import get_method
+
     method_params = dict(method_params or {})
     if dtype not in _DTYPES:
         raise ValueError(f"dtype: got {dtype!r}; allowed: {', '.join(_DTYPES)}")
@@ -162,8 +164,9 @@ def run_attention_bench(methods=("exact", "hyper"), seq_lens=DEFAULT_SEQ_LENS, c
         raise ValueError(f"kv_heads: got {kv_heads}; allowed: a divisor of heads ({heads})")
     others = [m for m in methods if m != "exact"]
     callers = {m: _caller(m, method_params.get(m) or {}, head_dim) for m in ["exact", *others]}
+    causal_only = {m for m in others if get_method(m).causal_only}  # no non-causal rows for these
     rows: list[dict] = []
-    steps = len(seq_lens) * len(causal_modes) * (1 + len(others))
+    steps = len(seq_lens) * sum(1 + len(others) - (0 if causal else len(causal_only)) for causal in causal_modes)
     console = Console(width=max(Console().width, 140))
     log_lines = progress and not console.is_terminal  # no live bar in a log file: one line per step
     with Progress(console=console, disable=not progress or log_lines, transient=False) as bar:
@@ -175,7 +178,7 @@ def run_attention_bench(methods=("exact", "hyper"), seq_lens=DEFAULT_SEQ_LENS, c
                 ref = ref_s = None
                 exact_row = None
                 run_exact = max_exact_len is None or n <= max_exact_len
-                for name in ["exact", *others]:
+                for name in ["exact", *[m for m in others if causal or m not in causal_only]]:
                     bar.update(task, description=f"{name} n={n} {mode}")
                     if name == "exact" and not run_exact:
                         bar.advance(task)

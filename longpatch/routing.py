@@ -41,7 +41,7 @@ class LayerRoute:
     calls: Counter = field(default_factory=Counter)  # path -> number of calls
     seconds: Counter = field(default_factory=Counter)  # path -> wall time
 
-    def choose(self, q_len: int, kv_len: int, unsupported: str | None = None) -> str:
+    def choose(self, q_len: int, kv_len: int, unsupported: str | None = None, causal: bool = True) -> str:
         """Which path serves this call: 'method', 'exact' or 'original'.
 
         unsupported: why the call is not plain causal attention (a padding mask, a sliding window,
@@ -51,6 +51,8 @@ class LayerRoute:
         """
         if self.method is None:
             return "original"
+        if unsupported is None and not causal and self.method.causal_only:
+            unsupported = "a non-causal call"
         if unsupported is not None:
             warn_once(f"{unsupported}:{self.method.name}", f"longpatch: a patched layer got {unsupported}, which "
                       f"'{self.method.name}' does not handle; those calls use the model's own attention")

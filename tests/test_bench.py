@@ -23,10 +23,13 @@ def _methods():
 def test_attention_bench_gqa_rows(tmp_path, one_thread):
     methods = _methods()
     params = {m: p for m, p in SMALL.items() if m in methods}
-    rows = run_attention_bench(methods=("exact", *methods), seq_lens=(256,), causal_modes=(True,), heads=4,
+    rows = run_attention_bench(methods=("exact", *methods), seq_lens=(256,), causal_modes=(True, False), heads=4,
                                kv_heads=2, repeats=1, out_dir=tmp_path, method_params=params, progress=False,
                                memory=False)
-    assert {r["method"] for r in rows} == {"exact", *methods}
+    assert {r["method"] for r in rows if r["causal"]} == {"exact", *methods}
+    causal_only = {m for m in methods if available_methods()[m].causal_only}
+    assert "nsa" in causal_only  # NSA is defined for causal attention only: no non-causal rows
+    assert {r["method"] for r in rows if not r["causal"]} == {"exact", *methods} - causal_only
     for r in rows:
         assert r["kv_heads"] == 2 and r["fwd_ms"] > 0
         assert r["err_random"] is not None and r["err_random"] == r["err_random"]  # not NaN

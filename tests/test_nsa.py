@@ -462,3 +462,14 @@ def test_decode_bench_runs(tmp_path):
     rows = run_decode_bench(methods=("nsa",), cache_lens=(300,), heads=2, kv_heads=1, head_dim=16, repeats=1,
                             out_dir=tmp_path, method_params={"nsa": params}, progress=False)
     assert len(rows) == 1 and rows[0]["cache_len"] == 300 and rows[0]["init_state_ms"] is not None
+
+
+def test_non_causal_calls_keep_the_models_attention(caplog):
+    from longpatch.methods import get_method
+    from longpatch.routing import LayerRoute
+
+    route = LayerRoute(layer_idx=0, method=get_method("nsa"))
+    assert route.choose(100, 100) == "method"
+    with caplog.at_level("WARNING", logger="longpatch"):
+        assert route.choose(100, 100, causal=False) == "original"
+    assert "non-causal" in caplog.text

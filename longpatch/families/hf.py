@@ -67,7 +67,8 @@ def _make_attention(base: str):
         route: LayerRoute | None = getattr(module, ROUTE_ATTR, None)
         if route is None:
             return original()
-        path = route.choose(query.shape[2], key.shape[2], _unsupported(module, attention_mask, dropout, key, kwargs))
+        path = route.choose(query.shape[2], key.shape[2], _unsupported(module, attention_mask, dropout, key, kwargs),
+                            causal=causal)
         if path == "original":
             return route.run(path, query, key, value, causal=causal, scale=scaling, original=original)
         out = route.run(path, query, key, value, causal=causal, scale=scaling)

@@ -63,6 +63,7 @@ class Method:
     decode: Callable[..., Any] | None = None
     make_buffers: Callable[..., dict] | None = None
     approximate: bool = True
+    causal_only: bool = False  # non-causal calls keep the model's own attention (and are not benchmarked)
     stateful: bool = False
     init_state: Callable[..., dict] | None = None
 

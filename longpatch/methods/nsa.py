@@ -722,6 +722,7 @@ NSA = register_method(_NSAMethod(
                        "fixed gates [g_cmp, g_slc, g_win] of the training-free mode (default measured: docs/nsa.md)",
                        _gates_ok, "a list of 3 finite numbers >= 0"),
     },
+    causal_only=True,
     stateful=True,
     init_state=init_state,
 ))
