@@ -34,17 +34,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .moba import _dot  # exact fp32 / interpreter-safe dots, shared with the MoBA kernels
+
 _LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _dot(a, b, UPCAST: tl.constexpr):
-    # UPCAST: exact fp32 (no tf32) for fp32 inputs, and in the CPU interpreter whose half-precision
-    # dots are wrong.
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        return tl.dot(a, b)
 
 
 @triton.jit

@@ -282,10 +282,12 @@ def plot(rows: list[dict], path, backward: bool = False, title: str | None = Non
     import matplotlib.pyplot as plt
 
     kinds = [("speedup_fwd", "forward")] + ([("speedup_fwd_bwd", "forward + backward")] if backward else [])
-    fig, axes = plt.subplots(len(kinds), 2, figsize=(10, 3.6 * len(kinds)), squeeze=False)
+    modes = [c for c in (False, True) if any(r["causal"] == c for r in rows)]  # a panel per mask mode run
+    fig, axes = plt.subplots(len(kinds), len(modes), figsize=(5 * len(modes), 3.6 * len(kinds)), squeeze=False)
     methods = sorted({r["method"] for r in rows if r["method"] != "exact"})
+    annotate = len(methods) <= 3  # labels on every point only while they stay readable
     for i, (key, label) in enumerate(kinds):
-        for j, causal in enumerate((False, True)):
+        for j, causal in enumerate(modes):
             ax = axes[i][j]
             drawn = False
             for m in methods:
@@ -295,17 +297,18 @@ def plot(rows: list[dict], path, backward: bool = False, title: str | None = Non
                     drawn = True
                     xs, ys = zip(*pts)
                     ax.plot(xs, ys, marker="o", label=m)
-                    for x, y in pts:
+                    for x, y in pts if annotate else ():
                         ax.annotate(f"{y:.1f}×", (x, y), textcoords="offset points", xytext=(0, 6),
                                     ha="center", fontsize=8)
             ax.axhline(1.0, color="gray", lw=0.8, ls="--")
             ax.set_xscale("log", base=2)
+            ax.set_yscale("log")  # speedups span 0.3× .. 100×+: a log axis keeps every method readable
             ax.set_title(f"{'causal' if causal else 'non-causal'}, {label}")
             ax.set_xlabel("sequence length n")
             ax.set_ylabel("speedup over exact (SDPA)")
-            ax.grid(alpha=0.3)
+            ax.grid(alpha=0.3, which="both")
             if drawn:
-                ax.legend()
+                ax.legend(fontsize=8)
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()

@@ -72,6 +72,8 @@ CASES = [  # b, hq, hk, nq, nk, causal, pattern
     (1, 4, 2, 50, 70, False, dict(window=6, global_tokens=3, dilation=2, random_blocks=2, block=8)),
     (1, 2, 1, 90, 70, False, dict(window=6, global_tokens=3, dilation=2, random_blocks=2, block=8)),  # nq > nk
     (1, 2, 2, 40, 40, True, dict(window=100, global_tokens=50)),               # window/global beyond n
+    (1, 4, 2, 60, 60, True, dict(window=4, global_tokens=2, random_blocks=3, block=1)),   # random keys per query
+    (1, 2, 2, 40, 40, False, dict(window=4, random_blocks=3, block=1)),
 ]
 
 

@@ -43,6 +43,18 @@ def layer_seed_of(seed: int | None, layer: int | None) -> int:
     return base if layer is None else (base * 1_000_003 + int(layer) + 1) % (2 ** 63)
 
 
+def probe_positions(n: int) -> list[int]:
+    """Which of n cached rows a decode state checks, each step, to notice that the cache is no
+    longer the one it summarises (a new sequence, beam reordering, a cropped cache): n-1, n-2, n-4,
+    ... (log2(n) + 1 rows), dense where two cached sequences (beams) usually differ, the recent rows,
+    and O(log n) so that the check never costs O(cache)."""
+    out, step = [], 1
+    while step <= n:
+        out.append(n - step)
+        step *= 2
+    return out
+
+
 def causal_mask(q_len: int, kv_len: int, device, q_offset: int | None = None) -> torch.Tensor:
     """Bool [q_len, kv_len], True = visible. Queries are the last q_len positions (bottom-right)."""
     off = kv_len - q_len if q_offset is None else q_offset

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from .base import Method, Param, register_method
-from .common import check_qkv, resolve_backend
+from .common import check_qkv, probe_positions, resolve_backend
 
 DEFAULT_CHUNK = 64
 # Chunk summaries materialised at once (elements of [chunks, m, dv] over batch*heads): bounds the
@@ -160,18 +160,8 @@ def feature_attention(qf, kf, v, *, causal: bool, backend: str = "torch"):
 KeyFeaturizer = Callable[[torch.Tensor, "torch.Tensor | None"], "tuple[torch.Tensor, torch.Tensor | None]"]
 
 
-def _probe_positions(n: int) -> list[int]:
-    """Rows checked by the fingerprint: n-1, n-2, n-4, ... (log2(n) + 1 rows). Recent rows are
-    where two cached sequences (beams) usually differ."""
-    out, step = [], 1
-    while step <= n:
-        out.append(n - step)
-        step *= 2
-    return out
-
-
 def _fingerprint(k: torch.Tensor, v: torch.Tensor, n: int) -> tuple[list[int], torch.Tensor]:
-    pos = _probe_positions(n)
+    pos = probe_positions(n)
     idx = torch.tensor(pos, dtype=torch.long, device=k.device)
     return pos, torch.cat([k.index_select(2, idx), v.index_select(2, idx)], -1)
 

@@ -49,7 +49,7 @@ import torch
 
 from ..errors import ConfigError
 from .base import Method, Param, positive_int, register_method
-from .common import check_qkv, default_scale, group_queries, resolve_backend
+from .common import check_qkv, default_scale, group_queries, probe_positions, resolve_backend
 from .cpu_flash import FA_CPU
 
 DEFAULTS = dict(compress_block=32, compress_stride=16, select_block=64, num_selected=16, window=512,
@@ -639,15 +639,18 @@ def nsa_attention(q, k, v, *, causal: bool = True, scale: float | None = None, c
 
 def _state_compressed(state: dict, k, v, l: int, s: int):
     """Compressed K/V of every complete block of the cache, kept in ``state`` and extended as blocks
-    complete: each block is pooled once. The key row closing each block is a fingerprint: if the
-    cache no longer holds it (new sequence, beam reordering, cropped cache) the state is rebuilt."""
+    complete: each block is pooled once. The key row closing each block is a fingerprint, checked at
+    log2(blocks) + 1 blocks (``probe_positions``: the recent ones densely): if the cache no longer
+    holds those rows (new sequence, beam reordering, cropped cache) the state is rebuilt."""
     nc = num_compressed(k.shape[2], l, s)
     kc, vc, probe = state.get("k_cmp"), state.get("v_cmp"), state.get("probe")
     ok = (kc is not None and state.get("blocks") == (l, s) and kc.shape[:2] == k.shape[:2]
           and kc.shape[-1] == k.shape[-1] and kc.device == k.device and kc.dtype == k.dtype)
     if ok:
         m = min(kc.shape[2], nc)
-        ok = m == 0 or torch.equal(probe[:, :, :m], k[:, :, l - 1: (m - 1) * s + l: s])
+        if m:
+            blocks = torch.tensor(probe_positions(m), dtype=torch.long, device=k.device)
+            ok = torch.equal(probe.index_select(2, blocks), k.index_select(2, blocks * s + l - 1))
         kc, vc, probe = kc[:, :, :m], vc[:, :, :m], probe[:, :, :m]
     if not ok:
         kc, vc = nsa_compress(k[:, :, :0], v[:, :, :0], compress_block=l, compress_stride=s)
