@@ -2,6 +2,7 @@
 path, causality, exactness when the branches cover everything, decode with state, gradients, the
 trainable module and patched models."""
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -473,3 +474,23 @@ def test_non_causal_calls_keep_the_models_attention(caplog):
     with caplog.at_level("WARNING", logger="longpatch"):
         assert route.choose(100, 100, causal=False) == "original"
     assert "non-causal" in caplog.text
+
+
+@pytest.mark.parametrize("g,hk,nk", [(1, 2, 5), (4, 1, 131), (16, 1, 300), (4, 2, 64)])
+@pytest.mark.parametrize("gates", [(1 / 3, 1 / 3, 1 / 3), (0.0, 0.75, 0.25), "tensor"])
+def test_one_token_decode_path_equals_the_windowed_path(g, hk, nk, gates):
+    """A decode step (q_len = 1) takes its own batched path; it must give what the general windowed
+    path and the float64 references give, branch LSEs included (nk = 5 has no compressed block)."""
+    q, k, v = rand(2, g * hk, hk, 1, nk)
+    gt = torch.rand(2, g * hk, 1, 3) if gates == "tensor" else gates
+    blocks = dict(compress_block=8, compress_stride=4, select_block=16, num_selected=4, window=24)
+    out, lse = nsa_attention(q, k, v, gates=gt, return_lse=True, **blocks)
+    kc, vc = nsa_compress(k, v, compress_block=8, compress_stride=4)
+    cfg = SimpleNamespace(scale=8 ** -0.5, nk=nk, l=8, s=4, sb=16, num_selected=4, window=24, init_blocks=1,
+                          local_blocks=2, cmp_out=True)
+    ref_out, ref_lse = nsa_mod._fast_forward(q, k, v, kc, vc, cfg, nsa_mod._check_gates(gt, q))
+    torch.testing.assert_close(out, ref_out, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=2e-6, rtol=1e-5)
+    g64 = gt.double() if isinstance(gt, torch.Tensor) else gt
+    ref64 = nsa_attention(q.double(), k.double(), v.double(), gates=g64, **blocks)
+    torch.testing.assert_close(out.double(), ref64, atol=1e-5, rtol=1e-5)

@@ -531,6 +531,45 @@ def _fast_forward(q, k, v, k_cmp, v_cmp, cfg, gates):
     return out, lse
 
 
+def _decode_one(q, k, v, k_cmp, v_cmp, cfg, gates):
+    """``_fast_forward`` for one query per head (q_len = 1, the last position), every batch and KV
+    head at once: a handful of batched calls instead of the windowed machinery, so a decode step is
+    O(compressed + selected + window) tensor work with a fixed, small number of ops. The g query
+    heads of a KV group are the rows of one attention call (they share the selection and K/V)."""
+    b, hq, _, d = q.shape
+    hk, nk = k.shape[1], k.shape[2]
+    g, t = hq // hk, nk - 1
+    qg = q.view(b, hk, g, d)
+    nc = k_cmp.shape[2]
+    ns = t // cfg.sb + 1
+    o_c = torch.zeros_like(qg)
+    l_c = torch.full((b, hk, g), float("-inf"), dtype=torch.float32, device=q.device)
+    imp = torch.zeros((b, hk, 1, ns), dtype=torch.float32, device=q.device)
+    if nc:  # every complete block ends at or before the last position: all are visible
+        sc = torch.matmul(qg * cfg.scale, k_cmp.to(q.dtype).transpose(-1, -2)).float()  # [b, hk, g, nc]
+        l_c = torch.logsumexp(sc, -1)
+        p = torch.exp(sc - l_c.unsqueeze(-1))
+        if cfg.cmp_out:
+            o_c = torch.matmul(p.to(q.dtype), v_cmp.to(q.dtype))
+        grp = torch.nn.functional.pad(p.sum(2), (0, 1))  # [b, hk, nc + 1], column nc = 0 (padding)
+        imp[:, :, 0] = grp[..., _overlap_index(nc, ns, cfg.l, cfg.s, cfg.sb, q.device)].sum(-1)
+    pos = torch.full((1,), t, dtype=torch.long, device=q.device)
+    idx = topk_blocks(_force_and_mask(imp, pos, cfg.sb, cfg.init_blocks, cfg.local_blocks), cfg.num_selected)[:, :, 0]
+    tok = (idx.clamp(min=0).unsqueeze(-1) * cfg.sb + torch.arange(cfg.sb, device=q.device)).flatten(-2)  # [b, hk, S*sb]
+    hide = (idx.unsqueeze(-1) < 0).expand(-1, -1, -1, cfg.sb).flatten(-2) | (tok > t)
+    flat = (torch.arange(b * hk, device=q.device).view(b, hk, 1) * nk + tok.clamp(max=t)).view(-1)
+    ks = k.reshape(b * hk * nk, d).index_select(0, flat).view(b, hk, -1, d)
+    vs = v.reshape(b * hk * nk, d).index_select(0, flat).view(b, hk, -1, d)
+    bias = torch.zeros(hide.shape, dtype=q.dtype, device=q.device).masked_fill_(hide, float("-inf")).unsqueeze(2)
+    o_s, l_s = _fa(qg, ks, vs, cfg.scale, bias)
+    w0 = max(0, nk - cfg.window)
+    o_w, l_w = _fa(qg, k[:, :, w0:], v[:, :, w0:], cfg.scale)
+    gw = gates if not isinstance(gates, torch.Tensor) else gates.expand(b, hq, 1, 3).reshape(b, hk, g, 3)
+    out = _gated_sum((o_c, o_s, o_w), gw).to(q.dtype).reshape(b, hq, 1, d)
+    lse = torch.stack([l_c, l_s, l_w], -1).reshape(b, hq, 1, 3)
+    return out, lse
+
+
 def _gate_slice(gates, bi, heads, a, e):
     if isinstance(gates, torch.Tensor):
         return gates[bi if gates.shape[0] > 1 else 0, heads if gates.shape[1] > 1 else slice(None),
@@ -620,7 +659,8 @@ def nsa_attention(q, k, v, *, causal: bool = True, scale: float | None = None, c
         (isinstance(gates, torch.Tensor) and gates.requires_grad and torch.is_grad_enabled())
     if backend == "torch" and not needs_grad and q.device.type == "cpu" and FA_CPU is not None \
             and q.dtype in _FA_DTYPES and k.dtype == q.dtype and v.dtype == q.dtype:
-        out, lse = _fast_forward(q, k, v, k_cmp, v_cmp, cfg, gates)
+        one = nq == 1 and k.stride(-1) == 1 and v.stride(-1) == 1  # a decode step (cache rows contiguous)
+        out, lse = (_decode_one if one else _fast_forward)(q, k, v, k_cmp, v_cmp, cfg, gates)
         return (out, lse) if return_lse else out
     if backend == "triton":
         from ..kernels import nsa as tk  # lazily: triton is optional
