@@ -39,6 +39,22 @@ def _dot(a, b, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _softmax_step(q, k_ptrs, v_ptrs, kmask, visible, m_i, l_i, acc, qk_scale, UPCAST: tl.constexpr):
+    # one key tile of the online softmax (log2 domain); rows with nothing visible yet keep m = -inf
+    kt = tl.load(k_ptrs, mask=kmask, other=0.0)
+    vt = tl.load(v_ptrs, mask=kmask, other=0.0)
+    s = _dot(q, tl.trans(kt), UPCAST) * qk_scale
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, UPCAST)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _row_addr(row, HQ, NQ, sb, sh, sm):
     # flat query row (b * HQ + h) * NQ + i -> element offset of that row in a strided [b, h, n, d] tensor
     i = row % NQ
@@ -78,20 +94,12 @@ def _fwd_kernel(Q, K, V, Row, Pos, TileSeg, TileRow, SegEnd, SegKv, SegK0, SegK1
     for start in range(k0, end, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < k1
-        kt = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        vt = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        s = _dot(q, tl.trans(kt), UPCAST) * qk_scale  # log2 domain
         visible = r_ok[:, None] & n_ok[None, :]
         if CAUSAL:
             visible = visible & (offs_n[None, :] <= qpos[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, UPCAST)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_step(q, k_base + offs_n[:, None] * skn + offs_d[None, :],
+                                      v_base + offs_n[:, None] * svn + offs_d[None, :], n_ok[:, None] & d_ok[None, :],
+                                      visible, m_i, l_i, acc, qk_scale, UPCAST)
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) / 1.4426950408889634, float("-inf"))

@@ -34,25 +34,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .moba import _dot  # exact fp32 / interpreter-safe dots, shared with the MoBA kernels
+from .moba import _dot, _softmax_step  # exact fp32 / interpreter-safe dots and the online-softmax step
 
 _LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _softmax_step(q, k_ptrs, v_ptrs, kmask, visible, m_i, l_i, acc, qk_scale, UPCAST: tl.constexpr):
-    # one key tile of the online softmax (log2 domain); rows with nothing visible yet keep m = -inf
-    kt = tl.load(k_ptrs, mask=kmask, other=0.0)
-    vt = tl.load(v_ptrs, mask=kmask, other=0.0)
-    s = _dot(q, tl.trans(kt), UPCAST) * qk_scale
-    s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, UPCAST)
-    return m_new, l_i, acc
 
 
 @triton.jit
