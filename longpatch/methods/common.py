@@ -35,6 +35,20 @@ def group_queries(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return q.view(b, kv_heads, hq // kv_heads, n, d)
 
 
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype of the CPU paths: float64 for float64 inputs (gradcheck), else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def ordered_int(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> int32 with the same order (NaN -> -inf, -0 -> +0), so that top-k selections can
+    pack (score, index) into one int64 key and break ties by index exactly, whatever order
+    torch.topk returns equal values in (MoBA's chunks, NSA's blocks)."""
+    x = torch.nan_to_num(x.float() + 0.0, nan=float("-inf"))
+    bits = x.view(torch.int32)
+    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
 def layer_seed_of(seed: int | None, layer: int | None) -> int:
     """The seed a patched layer draws its random buffers from (LSH directions, random features, random
     blocks): ``seed`` (None -> 0) itself for a lone call, mixed with the layer index when patching, so

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from .base import Method, Param, register_method
-from .common import check_qkv, probe_positions, resolve_backend
+from .common import acc_dtype, check_qkv, probe_positions, resolve_backend
 
 DEFAULT_CHUNK = 64
 # Chunk summaries materialised at once (elements of [chunks, m, dv] over batch*heads): bounds the
@@ -44,22 +44,18 @@ FEATURE_MAPS = ("elu+1", "relu")
 _RELU_EPS = 1e-6  # relu features may give a zero denominator; elu+1 never does
 
 
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 # --------------------------------------------------------------------------- feature maps
 
 def elu_plus_one(x: torch.Tensor) -> torch.Tensor:
     """φ(x) = elu(x) + 1: positive, so the normaliser φ(q)ᵀz never vanishes (the paper's choice)."""
-    return F.elu(x.to(_acc(x.dtype))) + 1.0
+    return F.elu(x.to(acc_dtype(x.dtype))) + 1.0
 
 
 def linear_features(x: torch.Tensor, feature_map: str) -> torch.Tensor:
     if feature_map == "elu+1":
         return elu_plus_one(x)
     if feature_map == "relu":
-        return F.relu(x.to(_acc(x.dtype))) + _RELU_EPS
+        return F.relu(x.to(acc_dtype(x.dtype))) + _RELU_EPS
     raise ValueError(f"feature_map must be one of {', '.join(FEATURE_MAPS)}; got {feature_map!r}")
 
 
@@ -67,7 +63,7 @@ def linear_features(x: torch.Tensor, feature_map: str) -> torch.Tensor:
 
 def prefix_sums(kf: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """S = kfᵀ v [b, hk, m, dv] and z = Σ kf [b, hk, m] over all rows (accumulation dtype)."""
-    kf = kf.to(_acc(kf.dtype))
+    kf = kf.to(acc_dtype(kf.dtype))
     return torch.matmul(kf.transpose(-1, -2), v.to(kf.dtype)), kf.sum(-2)
 
 
@@ -91,7 +87,7 @@ def causal_prefix_reference(qf, kf, v, s0=None, z0=None, chunk_size: int | None 
     b, hq, n, m = qf.shape
     hk, dv = kf.shape[1], v.shape[-1]
     g = hq // hk
-    acc = _acc(qf.dtype)
+    acc = acc_dtype(qf.dtype)
     C = max(1, min(chunk_size or DEFAULT_CHUNK, n))
     nc = -(-n // C)
     pad = nc * C - n
@@ -230,7 +226,7 @@ def stateful_attention(qf, k, v, featurize: KeyFeaturizer, *, state: dict | None
         return readout(qf, st["S"], st["z"])
     p = nk - nq
     b, hk, m, dv = k.shape[0], k.shape[1], qf.shape[-1], v.shape[-1]
-    acc = _acc(qf.dtype)
+    acc = acc_dtype(qf.dtype)
     if usable and st["length"] <= p:
         S, z, shift, start = st["S"], st["z"], st["shift"], st["length"]
     else:

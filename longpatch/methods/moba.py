@@ -47,7 +47,7 @@ import math
 import torch
 
 from .base import Method, Param, positive_int, register_method
-from .common import check_qkv, default_scale, resolve_backend
+from .common import acc_dtype, check_qkv, default_scale, ordered_int, resolve_backend
 from .cpu_flash import FA_CPU
 from .exact import exact_attention
 
@@ -113,13 +113,6 @@ def _prefix_means(k: torch.Tensor, C: int, count: int, given: torch.Tensor | Non
     return rest if have == 0 else torch.cat([given[:, :, :have].to(rest.dtype), rest], dim=2)
 
 
-def _ordered_int(s: torch.Tensor) -> torch.Tensor:
-    """float32 -> int32 with the same order (NaN -> -inf, -0 -> +0), so ties can be broken exactly."""
-    s = torch.nan_to_num(s.float() + 0.0, nan=float("-inf"))
-    bits = s.view(torch.int32)
-    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-
-
 def _select(qw: torch.Tensor, means: torch.Tensor, pos: torch.Tensor, C: int, topk: int, scale: float,
             causal: bool, shared: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The gate, for one window of query positions of one or more KV groups.
@@ -153,7 +146,7 @@ def _select(qw: torch.Tensor, means: torch.Tensor, pos: torch.Tensor, C: int, to
         scores = (torch.matmul(qb, mt) * scale).float()  # [..., hs, r, nc]
         o = own[s:e, None]
         valid = chunk[None, :] < o if causal else chunk[None, :] != o
-        key = (_ordered_int(scores).to(torch.int64) << 32) | chunk  # the later chunk wins a tie
+        key = (ordered_int(scores).to(torch.int64) << 32) | chunk  # the later chunk wins a tie
         key = torch.where(valid, key, torch.full_like(key, _INT64_MIN))
         val, idx = torch.topk(key, kk, dim=-1, sorted=True)
         other[..., s:e, :] = torch.where(val > _INT64_MIN, idx, torch.full_like(idx, -1))
@@ -167,15 +160,10 @@ def _select(qw: torch.Tensor, means: torch.Tensor, pos: torch.Tensor, C: int, to
 
 # --------------------------------------------------------------------------- attention primitive
 
-def _acc(dtype) -> torch.dtype:
-    """Accumulation dtype: float64 for float64 inputs, float32 otherwise."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _plain_attention(q, k, v, scale, causal=False, mask=None):
     """softmax attention with LSE in plain PyTorch (fallback when the fused kernel cannot run).
     q [..., m, d], k/v [..., n, d] (broadcast over leading dims), causal top-left, additive mask."""
-    acc = _acc(q.dtype)
+    acc = acc_dtype(q.dtype)
     s = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
     if mask is not None:
         s = s + mask
@@ -199,7 +187,7 @@ def _attend(q, k, v, scale, causal=False, mask=None):
             mask = mask.to(q.dtype)
         try:
             out, lse = FA_CPU(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
-            return out, lse.to(_acc(q.dtype))
+            return out, lse.to(acc_dtype(q.dtype))
         except RuntimeError:  # dtype or layout the kernel does not take: fall back
             pass
     if k.shape[1] != q.shape[1]:
@@ -238,7 +226,7 @@ def _own_attention(qw, k1, v1, pos0: int, C: int, causal: bool, scale: float):
     g, m, d = qw.shape
     nk = k1.shape[0]
     out = qw.new_zeros((g, m, d))
-    lse = torch.full((g, m), float("-inf"), dtype=_acc(qw.dtype), device=qw.device)
+    lse = torch.full((g, m), float("-inf"), dtype=acc_dtype(qw.dtype), device=qw.device)
     start = max(pos0, 0)
     for kind, qs, qe, ks, ke in _own_pieces(start, pos0 + m, nk, C, causal):
         a, b = qs - pos0, qe - pos0
@@ -315,7 +303,7 @@ def _past_attention(qw, k1, v1, other, C: int, scale: float):
     slots = other.shape[-1]
     nk = k1.shape[0]
     out = qw.new_zeros((g * m * slots, d))
-    lse = torch.full((g * m * slots,), float("-inf"), dtype=_acc(qw.dtype), device=qw.device)
+    lse = torch.full((g * m * slots,), float("-inf"), dtype=acc_dtype(qw.dtype), device=qw.device)
     ent, row, ch = _pairs(other, g, m)
     if ent.numel() == 0:
         return out.view(g, m, slots, d), lse.view(g, m, slots)
@@ -374,7 +362,7 @@ class _Plan:
 
 def _torch_forward(q, k, v, plan: _Plan):
     out = torch.empty_like(q)
-    lse = torch.empty(q.shape[:3], dtype=_acc(q.dtype), device=q.device)
+    lse = torch.empty(q.shape[:3], dtype=acc_dtype(q.dtype), device=q.device)
     g, C = plan.g, plan.C
     for bi in range(plan.b):
         for hi in range(plan.hk):
@@ -408,7 +396,7 @@ def _block_grads(qb, kb, vb, dob, lseb, deltab, scale, mask=None):
 
 
 def _torch_backward(q, k, v, out, lse, dout, dlse, plan: _Plan):
-    acc = _acc(q.dtype)
+    acc = acc_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=q.device)
     dv = torch.zeros(v.shape, dtype=acc, device=q.device)
@@ -505,7 +493,7 @@ def _gate_one(q, means, scale: float, shared: bool, topk: int):
     qd = qd.sum(2, keepdim=True) if shared else qd
     scores = ((qd.unsqueeze(-2) * means.double().unsqueeze(2)).sum(-1) * scale).float()  # [b, hk, hs, nc]
     chunk = torch.arange(nc, device=q.device)
-    key = (_ordered_int(scores).to(torch.int64) << 32) | chunk  # the later chunk wins a tie
+    key = (ordered_int(scores).to(torch.int64) << 32) | chunk  # the later chunk wins a tie
     return torch.topk(key, kk, dim=-1, sorted=True).indices
 
 
@@ -517,7 +505,7 @@ def _decode_views(q, k, v, sel, own: int, C: int, scale: float):
     g = hq // hk
     hs = sel.shape[2]
     out = torch.empty_like(q)
-    lse = torch.empty((b, hq, 1), dtype=_acc(q.dtype), device=q.device)
+    lse = torch.empty((b, hq, 1), dtype=acc_dtype(q.dtype), device=q.device)
     chunks = sel.tolist()
     for bi in range(b):
         for hi in range(hk):

@@ -49,7 +49,7 @@ import torch
 
 from ..errors import ConfigError
 from .base import Method, Param, positive_int, register_method
-from .common import check_qkv, default_scale, group_queries, probe_positions, resolve_backend
+from .common import acc_dtype, check_qkv, default_scale, group_queries, ordered_int, probe_positions, resolve_backend
 from .cpu_flash import FA_CPU
 
 DEFAULTS = dict(compress_block=32, compress_stride=16, select_block=64, num_selected=16, window=512,
@@ -86,10 +86,6 @@ def _check_params(compress_block, compress_stride, select_block, num_selected, w
                          f"({init_blocks} + {local_blocks}): the forced blocks must fit in the selection")
 
 
-def _acc(dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def num_compressed(kv_len: int, compress_block: int, compress_stride: int) -> int:
     """Number of complete compressed blocks of a kv_len-key sequence."""
     return 0 if kv_len < compress_block else (kv_len - compress_block) // compress_stride + 1
@@ -118,7 +114,7 @@ def nsa_compress(k: torch.Tensor, v: torch.Tensor, *, compress_block: int = 32, 
         if nc == 0:
             return x.new_zeros((*x.shape[:2], 0, x.shape[-1]))
         blocks = x[:, :, : (nc - 1) * compress_stride + compress_block].unfold(2, compress_block, compress_stride)
-        return (blocks.sum(-1, dtype=_acc(x.dtype)) / compress_block).to(x.dtype)  # [b, h, nc, d]
+        return (blocks.sum(-1, dtype=acc_dtype(x.dtype)) / compress_block).to(x.dtype)  # [b, h, nc, d]
 
     return pool(k), pool(v)
 
@@ -143,7 +139,7 @@ def compressed_attention_reference(q, k_cmp, v_cmp, *, scale, compress_block, co
     before it. q [b, hq, nq, d], k_cmp/v_cmp [b, hk, nc, d] -> (out [b, hq, nq, d], lse [b, hq, nq])."""
     b, hq, nq, d = q.shape
     hk, nc = k_cmp.shape[1], k_cmp.shape[2]
-    acc = _acc(q.dtype)
+    acc = acc_dtype(q.dtype)
     qg = group_queries(q, hk).to(acc)
     kc, vc = k_cmp.to(acc).unsqueeze(2), v_cmp.to(acc).unsqueeze(2)  # [b, hk, 1, nc, d]
     outs, lses = [], []
@@ -209,13 +205,6 @@ def selection_scores_reference(q, k_cmp, lse_cmp, *, scale, compress_block, comp
     return out
 
 
-def _ordered_int(x: torch.Tensor) -> torch.Tensor:
-    """float32 -> int32 with the same order (NaN -> -inf), so ties can be broken by block id."""
-    x = torch.nan_to_num(x.float() + 0.0, nan=float("-inf"))
-    bits = x.view(torch.int32)
-    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-
-
 def topk_blocks(scores: torch.Tensor, num_selected: int) -> torch.Tensor:
     """The num_selected best blocks per row of scores [..., ns]: int64 [..., num_selected], sorted
     ascending by block id, -1 (at the end) for empty slots and for blocks scored -inf. Ties go to
@@ -226,7 +215,7 @@ def topk_blocks(scores: torch.Tensor, num_selected: int) -> torch.Tensor:
     idx = torch.full((*lead, num_selected), -1, dtype=torch.long, device=scores.device)
     if kk == 0:
         return idx
-    key = (_ordered_int(scores).to(torch.int64) << 32) | blk
+    key = (ordered_int(scores).to(torch.int64) << 32) | blk
     pick = torch.topk(key, kk, dim=-1, sorted=False).indices
     ok = scores.gather(-1, pick) > float("-inf")
     pick = torch.where(ok, pick, torch.full_like(pick, ns)).sort(-1).values
@@ -239,7 +228,7 @@ def _gather_attention(q, k, v, tok, valid, scale):
     Differentiable (gather). Returns out [b, hk, g, r, d] and lse [b, hk, g, r]."""
     b, hk, n, d = k.shape
     r, L = tok.shape[2], tok.shape[3]
-    acc = _acc(q.dtype)
+    acc = acc_dtype(q.dtype)
     flat = torch.where(valid, tok, torch.zeros_like(tok)).reshape(b, hk, r * L, 1).expand(b, hk, r * L, d)
     ks = torch.gather(k.to(acc), 2, flat).view(b, hk, 1, r, L, d)
     vs = torch.gather(v.to(acc), 2, flat).view(b, hk, 1, r, L, d)
@@ -286,7 +275,7 @@ def window_attention_reference(q, k, v, *, scale, window, kv_len):
 
 def _cat_rows(outs, lses, q):
     b, hq, nq, d = q.shape
-    acc = _acc(q.dtype)
+    acc = acc_dtype(q.dtype)
     if not outs:
         return q.new_zeros(q.shape), torch.full((b, hq, nq), float("-inf"), dtype=acc, device=q.device)
     return torch.cat(outs, 3).reshape(b, hq, nq, d).to(q.dtype), torch.cat(lses, 3).reshape(b, hq, nq)
@@ -649,7 +638,7 @@ def nsa_attention(q, k, v, *, causal: bool = True, scale: float | None = None, c
     nk = k.shape[2]
     if nq == 0 or nk == 0:
         out = q.new_zeros(q.shape)
-        lse = torch.full((b, hq, nq, 3), float("-inf"), dtype=_acc(q.dtype), device=q.device)
+        lse = torch.full((b, hq, nq, 3), float("-inf"), dtype=acc_dtype(q.dtype), device=q.device)
         return (out, lse) if return_lse else out
     k_cmp, v_cmp = _compressed_for(k, v, compress, compressed, compress_block, compress_stride)
     cfg = SimpleNamespace(scale=scale, nk=nk, l=compress_block, s=compress_stride, sb=select_block,
@@ -672,7 +661,7 @@ def nsa_attention(q, k, v, *, causal: bool = True, scale: float | None = None, c
     out = _gated_sum(outs, gates).to(q.dtype)
     if not return_lse:
         return out
-    return out, torch.stack([l.to(_acc(q.dtype)) for l in lses], -1)
+    return out, torch.stack([l.to(acc_dtype(q.dtype)) for l in lses], -1)
 
 
 # --------------------------------------------------------------------------- decode state and method

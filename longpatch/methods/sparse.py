@@ -55,7 +55,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import Method, Param, optional_int, positive_int, register_method
-from .common import check_qkv, default_scale, layer_seed_of, merge_lse, resolve_backend
+from .common import acc_dtype, check_qkv, default_scale, layer_seed_of, merge_lse, resolve_backend
 from .cpu_flash import FA_CPU, CpuFlashLSE
 
 DEFAULT_WINDOW = 1024
@@ -157,17 +157,13 @@ def random_key_blocks(qblocks: torch.Tensor, n_key_blocks: int, count: int, seed
 
 # --------------------------------------------------------------------------- attention primitive
 
-def _acc(dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _plain_attention(q, k, v, scale, bias=None):
     """softmax attention with LSE in plain PyTorch (no fused kernel: CUDA torch path, odd dtypes).
     q [..., Hq, m, d], k/v [..., Hk, n, d]; Hk divides Hq (repeated here: only on this fallback)."""
     if k.shape[-3] != q.shape[-3]:
         g = q.shape[-3] // k.shape[-3]
         k, v = k.repeat_interleave(g, -3), v.repeat_interleave(g, -3)
-    acc = _acc(q.dtype)
+    acc = acc_dtype(q.dtype)
     s = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
     if bias is not None:
         s = s + bias.to(acc)
@@ -187,7 +183,7 @@ def _attend(q, k, v, scale, bias=None):
             out, lse = CpuFlashLSE.apply(q, k, v, b, False, scale)
         else:
             out, lse = FA_CPU(q, k, v, 0.0, False, attn_mask=b, scale=scale)
-        return out, lse.to(_acc(q.dtype))
+        return out, lse.to(acc_dtype(q.dtype))
     return _plain_attention(q, k, v, scale, bias)
 
 
@@ -218,7 +214,7 @@ def _global_part(q1, k1, v1, off: int, G: int, causal: bool, scale: float):
     # causal: rows with p >= gk - 1 see the whole prefix (one call); the first few rows see a part
     first_full = max(0, gk - 1 - off)  # row index of the first query that sees all gk keys
     out = q1.new_zeros((hq, nq, d))
-    lse = torch.full((hq, nq), float("-inf"), dtype=_acc(q1.dtype), device=q1.device)
+    lse = torch.full((hq, nq), float("-inf"), dtype=acc_dtype(q1.dtype), device=q1.device)
     if first_full < nq:
         o, l = _attend(q1[None, :, first_full:], kg, vg, scale)
         out[:, first_full:], lse[:, first_full:] = o[0], l[0]
@@ -254,7 +250,7 @@ def band_attention(qs, ks, vs, s0: int, lo: int, hi: int, kmin: int, scale: floa
     hq, m, d = qs.shape
     hk, n = ks.shape[0], ks.shape[1]
     out = qs.new_zeros((hq, m, d))
-    lse = torch.full((hq, m), float("-inf"), dtype=_acc(qs.dtype), device=qs.device)
+    lse = torch.full((hq, m), float("-inf"), dtype=acc_dtype(qs.dtype), device=qs.device)
     first = max(s0, kmin - hi)  # first and last subsequence index with a non-empty key range
     last = min(s0 + m - 1, n - 1 + lo)
     if kmin >= n or first > last:
@@ -301,7 +297,7 @@ def _window_part(q1, k1, v1, off: int, pat: SparsePattern, scale: float):
     if r == 1:
         return band_attention(q1, k1, v1, off, lo, hi, G, scale)
     out = q1.new_zeros((hq, nq, d))
-    lse = torch.full((hq, nq), float("-inf"), dtype=_acc(q1.dtype), device=q1.device)
+    lse = torch.full((hq, nq), float("-inf"), dtype=acc_dtype(q1.dtype), device=q1.device)
     for c in range(min(r, nk)):
         i0 = (c - off) % r  # first query row whose position is = c (mod r)
         if i0 >= nq:
@@ -334,7 +330,7 @@ def _random_part(q1, k1, v1, off: int, pat: SparsePattern, scale: float):
     B, R = pat.block, pat.random_blocks
     dev = q1.device
     out = q1.new_zeros((hq, nq, d))
-    lse = torch.full((hq, nq), float("-inf"), dtype=_acc(q1.dtype), device=dev)
+    lse = torch.full((hq, nq), float("-inf"), dtype=acc_dtype(q1.dtype), device=dev)
     qb_first, qb_last = math.floor(off / B), math.floor((off + nq - 1) / B)
     per_group = max(1, _RANDOM_KEY_ELEMS // max(1, hk * R * B * d))
     nkb = -(-nk // B)
@@ -406,7 +402,7 @@ def _torch_sparse(q, k, v, pat: SparsePattern, scale: float, skip_window: bool =
     for bi in range(b):
         q1, k1, v1 = q[bi], k[bi], v[bi]
         o = q1.new_zeros((hq, nq, d))
-        l = torch.full((hq, nq), float("-inf"), dtype=_acc(q.dtype), device=q.device)
+        l = torch.full((hq, nq), float("-inf"), dtype=acc_dtype(q.dtype), device=q.device)
         if not skip_window:
             if pat.global_tokens:
                 o, l = _global_part(q1, k1, v1, off, pat.global_tokens, pat.causal, scale)
