@@ -49,6 +49,22 @@ def ordered_int(x: torch.Tensor) -> torch.Tensor:
     return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
 
+def gather_rows(x: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
+    """x [b, hk, n, d], token ids tok [b, hk, ...] -> [b, hk, ..., d]: one index_select of whole rows
+    of a KV cache (a flat view of it when its layout allows; never a copy of the whole cache), so a
+    decode step reads only the rows it attends to."""
+    b, hk, n, d = x.shape
+    lead = (1,) * (tok.dim() - 2)
+    try:
+        flat = x.view(b * hk * n, d)
+    except RuntimeError:  # a strided view (e.g. a transposed cache): advanced indexing, still row by row
+        bi = torch.arange(b, device=x.device).view(b, 1, *lead)
+        hi = torch.arange(hk, device=x.device).view(1, hk, *lead)
+        return x[bi, hi, tok]
+    base = (torch.arange(b * hk, device=x.device) * n).view(b, hk, *lead)
+    return flat.index_select(0, (tok + base).view(-1)).view(*tok.shape, d)
+
+
 def layer_seed_of(seed: int | None, layer: int | None) -> int:
     """The seed a patched layer draws its random buffers from (LSH directions, random features, random
     blocks): ``seed`` (None -> 0) itself for a lone call, mixed with the layer index when patching, so

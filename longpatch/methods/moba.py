@@ -47,7 +47,7 @@ import math
 import torch
 
 from .base import Method, Param, positive_int, register_method
-from .common import acc_dtype, check_qkv, default_scale, ordered_int, resolve_backend
+from .common import acc_dtype, check_qkv, default_scale, gather_rows, ordered_int, resolve_backend
 from .cpu_flash import FA_CPU
 from .exact import exact_attention
 
@@ -467,20 +467,6 @@ class _MobaTorch(torch.autograd.Function):
         return dq, dk, dv, None
 
 
-def _gather_rows(x, tok):
-    """x [b, hk, n, d], token ids tok [b, hk, hs, L] -> [b, hk, hs, L, d]: one index_select of whole
-    rows of the cache (a view of it when possible; never a copy of the whole cache)."""
-    b, hk, n, d = x.shape
-    try:
-        flat = x.view(b * hk * n, d)
-    except RuntimeError:
-        bi = torch.arange(b, device=x.device).view(b, 1, 1, 1)
-        hi = torch.arange(hk, device=x.device).view(1, hk, 1, 1)
-        return x[bi, hi, tok]
-    base = (torch.arange(b * hk, device=x.device) * n).view(b, hk, 1, 1)
-    return flat.index_select(0, (tok + base).view(-1)).view(*tok.shape, d)
-
-
 def _gate_one(q, means, scale: float, shared: bool, topk: int):
     """Gate of one query per head: q [b, hk, g, d], means [b, hk, nc, d] -> [b, hk, hs, kk] chunk ids
     (-1 = empty). Elementwise float64 products (no BLAS call: a one-row GEMV would wake a thread
@@ -544,8 +530,8 @@ def _decode_one(q, k, v, means, C: int, topk: int, scale: float, shared: bool):
         return _decode_views(q, k, v, sel, own, C, scale)
     tok = (sel.unsqueeze(-1) * C + torch.arange(C, device=q.device)).flatten(-2)  # [b, hk, hs, kk*C]
     tok = torch.cat([tok, own_tok.expand(b, hk, hs, own_tok.numel())], dim=-1)
-    ks = _gather_rows(k, tok).flatten(1, 2)  # [b, hk*hs, L, d]: per query head, or per KV head if shared
-    vs = _gather_rows(v, tok).flatten(1, 2)
+    ks = gather_rows(k, tok).flatten(1, 2)  # [b, hk*hs, L, d]: per query head, or per KV head if shared
+    vs = gather_rows(v, tok).flatten(1, 2)
     return _attend(q, ks, vs, scale)
 
 

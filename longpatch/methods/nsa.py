@@ -49,7 +49,8 @@ import torch
 
 from ..errors import ConfigError
 from .base import Method, Param, positive_int, register_method
-from .common import acc_dtype, check_qkv, default_scale, group_queries, ordered_int, probe_positions, resolve_backend
+from .common import (acc_dtype, check_qkv, default_scale, gather_rows, group_queries, ordered_int, probe_positions,
+                     resolve_backend)
 from .cpu_flash import FA_CPU
 
 DEFAULTS = dict(compress_block=32, compress_stride=16, select_block=64, num_selected=16, window=512,
@@ -546,9 +547,8 @@ def _decode_one(q, k, v, k_cmp, v_cmp, cfg, gates):
     idx = topk_blocks(_force_and_mask(imp, pos, cfg.sb, cfg.init_blocks, cfg.local_blocks), cfg.num_selected)[:, :, 0]
     tok = (idx.clamp(min=0).unsqueeze(-1) * cfg.sb + torch.arange(cfg.sb, device=q.device)).flatten(-2)  # [b, hk, S*sb]
     hide = (idx.unsqueeze(-1) < 0).expand(-1, -1, -1, cfg.sb).flatten(-2) | (tok > t)
-    flat = (torch.arange(b * hk, device=q.device).view(b, hk, 1) * nk + tok.clamp(max=t)).view(-1)
-    ks = k.reshape(b * hk * nk, d).index_select(0, flat).view(b, hk, -1, d)
-    vs = v.reshape(b * hk * nk, d).index_select(0, flat).view(b, hk, -1, d)
+    rows = tok.clamp(max=t)  # hidden rows past the query read a valid row; the bias masks them
+    ks, vs = gather_rows(k, rows), gather_rows(v, rows)
     bias = torch.zeros(hide.shape, dtype=q.dtype, device=q.device).masked_fill_(hide, float("-inf")).unsqueeze(2)
     o_s, l_s = _fa(qg, ks, vs, cfg.scale, bias)
     w0 = max(0, nk - cfg.window)
