@@ -487,7 +487,7 @@ def test_one_token_decode_path_equals_the_windowed_path(g, hk, nk, gates):
     out, lse = nsa_attention(q, k, v, gates=gt, return_lse=True, **blocks)
     kc, vc = nsa_compress(k, v, compress_block=8, compress_stride=4)
     cfg = SimpleNamespace(scale=8 ** -0.5, nk=nk, l=8, s=4, sb=16, num_selected=4, window=24, init_blocks=1,
-                          local_blocks=2, cmp_out=True)
+                          local_blocks=2, cmp_out=True, need_lse=True)
     ref_out, ref_lse = nsa_mod._fast_forward(q, k, v, kc, vc, cfg, nsa_mod._check_gates(gt, q))
     torch.testing.assert_close(out, ref_out, atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(lse, ref_lse, atol=2e-6, rtol=1e-5)

@@ -43,14 +43,15 @@ step costs O(compressed + selected + window), not O(cache).
 from __future__ import annotations
 
 import math
+import threading
 from types import SimpleNamespace
 
 import torch
 
 from ..errors import ConfigError
 from .base import Method, Param, positive_int, register_method
-from .common import (acc_dtype, check_qkv, default_scale, gather_rows, group_queries, ordered_int, probe_positions,
-                     resolve_backend)
+from .common import (acc_dtype, check_qkv, default_scale, gather_rows, group_queries, merge_lse, ordered_int,
+                     probe_positions, resolve_backend, run_units)
 from .cpu_flash import FA_CPU
 
 DEFAULTS = dict(compress_block=32, compress_stride=16, select_block=64, num_selected=16, window=512,
@@ -153,17 +154,6 @@ def compressed_attention_reference(q, k_cmp, v_cmp, *, scale, compress_block, co
     out = torch.cat(outs, 3).reshape(b, hq, nq, d) if outs else q.new_zeros(q.shape, dtype=acc)
     lse = torch.cat(lses, 3).reshape(b, hq, nq) if lses else q.new_zeros((b, hq, nq), dtype=acc)
     return out.to(q.dtype), lse
-
-
-def _overlap_index(nc: int, ns: int, l: int, s: int, sb: int, device):
-    """Compressed blocks overlapping each selection block as a padded index [ns, K] (nc = padding):
-    block i ([i*s, i*s + l)) overlaps j ([j*sb, (j+1)*sb)) iff i*s < (j+1)*sb and i*s + l > j*sb."""
-    j = torch.arange(ns, device=device)
-    lo = torch.clamp(torch.div(j * sb - l, s, rounding_mode="floor") + 1, min=0)
-    hi = torch.clamp(torch.div((j + 1) * sb - 1, s, rounding_mode="floor"), max=nc - 1)  # last i with i*s < (j+1)*sb
-    width = max(1, int((hi - lo + 1).max()) if ns else 1)
-    idx = lo[:, None] + torch.arange(width, device=device)[None, :]
-    return torch.where(idx <= hi[:, None], idx, torch.full_like(idx, nc))
 
 
 def _force_and_mask(imp: torch.Tensor, pos: torch.Tensor, sb: int, init_blocks: int, local_blocks: int):
@@ -313,84 +303,131 @@ def _fa(q, k, v, scale, mask=None):
     return out, lse.float()
 
 
-def _band_bias(qpos: torch.Tensor, kpos: torch.Tensor, window: int | None, dtype) -> torch.Tensor:
-    """Additive mask hiding keys after each query (and, with window, keys at or before t - window)."""
-    hide = kpos[None, :] > qpos[:, None]
-    if window is not None:
-        hide |= kpos[None, :] <= qpos[:, None] - window
-    return torch.zeros(hide.shape, dtype=dtype, device=qpos.device).masked_fill(hide, float("-inf"))
-
-
-def _window_fast(qh, k1, v1, window: int, off: int, scale: float):
-    """Window branch of one KV group: qh [g, nq, d] at positions off.., k1/v1 [nk, d].
-    Full chunks of _WIN_CHUNK queries whose window starts inside the cache run as one batched call
-    on overlapping strided views of the keys with one shared band mask; the first chunks (window
-    reaching before key 0) and a partial last chunk run one by one."""
+def _banded(qh, k1, v1, off: int, C: int, A: int, B: int, hide, scale: float):
+    """Attention of one KV group's rows qh [g, nq, d] (absolute positions off..) to a band of keys:
+    rows go in chunks of C aligned to absolute multiples of C, and the chunk [p, p + C) reads the
+    keys [p + A, p + B) (B <= C) minus those hide(t [R, 1], key [1, L]) -> bool marks for row t.
+    ``hide`` must be the same for every chunk when rows and keys shift by C. Runs of full chunks
+    are one batched fused call on overlapping strided views of the keys (no copy) with one shared
+    mask; chunks cut by the rows' ends or by key 0 run one by one. Rows that see no key get
+    out 0 and lse -inf. Returns out [g, nq, d] and lse [g, nq] float32."""
     g, nq, d = qh.shape
-    W = _WIN_CHUNK
-    L = W + window - 1
+    dev = qh.device
     out = torch.empty_like(qh)
-    lse = torch.empty((g, nq), dtype=torch.float32, device=qh.device)
+    lse = torch.empty((g, nq), dtype=torch.float32, device=dev)
     p, end = off, off + nq
     while p < end:
-        if p - window + 1 >= 0 and p + W <= end:  # a run of full chunks: batched
-            m = (end - p) // W
-            k0 = p - window + 1
-            kk = k1[k0: k0 + (m - 1) * W + L].unfold(0, L, W).transpose(1, 2).unsqueeze(1)  # [m, 1, L, d] view
-            vv = v1[k0: k0 + (m - 1) * W + L].unfold(0, L, W).transpose(1, 2).unsqueeze(1)
-            qq = qh[:, p - off: p - off + m * W].unflatten(1, (m, W)).transpose(0, 1)  # [m, g, W, d]
-            ar = torch.arange(L, device=qh.device)
-            bias = _band_bias(torch.arange(W, device=qh.device) + window - 1, ar, window, qh.dtype)
-            o, l = _fa(qq, kk, vv, scale, bias)
-            out[:, p - off: p - off + m * W] = o.transpose(0, 1).flatten(1, 2)
-            lse[:, p - off: p - off + m * W] = l.transpose(0, 1).flatten(1, 2)
-            p += m * W
-            continue
-        e = min(end, p + W)
-        ks = max(0, p - window + 1)
-        qpos = torch.arange(p, e, device=qh.device)
-        bias = _band_bias(qpos, torch.arange(ks, e, device=qh.device), window, qh.dtype)
-        o, l = _fa(qh[None, :, p - off: e - off], k1[None, None, ks:e], v1[None, None, ks:e], scale, bias)
-        out[:, p - off: e - off] = o[0]
-        lse[:, p - off: e - off] = l[0]
+        c0 = p - p % C
+        m = (end - p) // C if p == c0 and p + A >= 0 else 0  # full chunks from p whose keys start at >= 0
+        e = p + m * C if m else min(end, c0 + C)
+        ks = max(0, c0 + A)
+        ke = max(ks, min(c0 + B, e))
+        qpos = torch.arange(p, p + C if m else e, device=dev)
+        kpos = torch.arange(ks, ke, device=dev)
+        seen = ~hide(qpos[:, None], kpos[None, :])
+        rows = slice(p - off, e - off)
+        if ke > ks:
+            bias = torch.zeros(seen.shape, dtype=qh.dtype, device=dev).masked_fill_(~seen, float("-inf"))
+            if m:  # chunk i reads keys [p + i*C + A, p + i*C + B): an unfold view of the cache
+                kk = k1[ks: ks + (m - 1) * C + ke - ks].unfold(0, ke - ks, C).transpose(1, 2).unsqueeze(1)
+                vv = v1[ks: ks + (m - 1) * C + ke - ks].unfold(0, ke - ks, C).transpose(1, 2).unsqueeze(1)
+                qq = qh[:, rows].unflatten(1, (m, C)).transpose(0, 1)  # [m, g, C, d]
+                o, l = _fa(qq, kk, vv, scale, bias)
+                out[:, rows] = o.transpose(0, 1).flatten(1, 2)
+                lse[:, rows] = l.transpose(0, 1).flatten(1, 2)
+            else:
+                o, l = _fa(qh[None, :, rows], k1[None, None, ks:ke], v1[None, None, ks:ke], scale, bias)
+                out[:, rows], lse[:, rows] = o[0], l[0]
+        else:
+            out[:, rows] = 0
+        none = ~seen.any(-1)  # the fused kernel gives lse 0 to a row with every key masked
+        if ke <= ks or bool(none.any()):
+            blank = torch.ones_like(none) if ke <= ks else none
+            lse[:, rows].view(g, -1, blank.numel()).masked_fill_(blank, float("-inf"))
         p = e
     return out, lse
 
 
-def _compressed_select(qw, kc, vc, pos, cfg):
+def _shares_local(cfg) -> bool:
+    """The local blocks lie inside every query's window: their attention is computed once and is
+    both the selected branch's local part and part of the window branch."""
+    return cfg.local_blocks > 0 and cfg.window >= cfg.sb * cfg.local_blocks
+
+
+def _local_part(qw, k1, v1, p0: int, cfg):
+    """Attention of rows qw [g, r, d] (positions p0..) to their local blocks: keys from the start of
+    block (t // sb - local_blocks + 1) up to t; chunks of one selection block of rows."""
+    sb, first = cfg.sb, cfg.local_blocks - 1
+
+    def hide(t, key):
+        return (key > t) | (key < (torch.div(t, sb, rounding_mode="floor") - first) * sb)
+
+    return _banded(qw, k1, v1, p0, sb, -sb * first, sb, hide, cfg.scale)
+
+
+def _window_part(qw, k1, v1, p0: int, cfg, local):
+    """Window branch of rows qw [g, r, d] (positions p0..): keys (t - window, t]. With ``local``
+    (the local-block part, when the window contains it) only the window's keys before the local
+    blocks are computed here and merged with it."""
+    w, sb = cfg.window, cfg.sb
+    if local is None:
+        return _banded(qw, k1, v1, p0, _WIN_CHUNK, 1 - w, _WIN_CHUNK, lambda t, key: (key > t) | (key <= t - w),
+                       cfg.scale)
+    first = cfg.local_blocks - 1
+
+    def hide(t, key):
+        return (key <= t - w) | (key >= (torch.div(t, sb, rounding_mode="floor") - first) * sb)
+
+    o, l = _banded(qw, k1, v1, p0, sb, 1 - w, -sb * first, hide, cfg.scale)
+    return merge_lse(o, l, *local)
+
+
+def _overlap_sum(grp: torch.Tensor, ns: int, cfg) -> torch.Tensor:
+    """Importance [r, ns] float32 of each selection block: grp [r, nv] (compressed probabilities
+    summed over the group) summed over the compressed blocks overlapping the block. A float64
+    prefix sum, read at each block's first and last overlapping compressed block: two columns per
+    block instead of a gathered [r, ns, overlap] copy, for any block/stride/select sizes."""
+    r, nv = grp.shape
+    csum = torch.zeros((r, nv + 1), dtype=torch.float64, device=grp.device)
+    torch.cumsum(grp, -1, dtype=torch.float64, out=csum[:, 1:])
+    j = torch.arange(ns, device=grp.device)
+    lo = torch.clamp(torch.div(j * cfg.sb - cfg.l, cfg.s, rounding_mode="floor") + 1, min=0, max=nv)
+    hi = torch.clamp(torch.div((j + 1) * cfg.sb - 1, cfg.s, rounding_mode="floor") + 1, min=0, max=nv)
+    return (csum.index_select(1, hi) - csum.index_select(1, lo)).float()
+
+
+def _compressed_select(qw, kc, vc, pos, cfg, ws=None):
     """Compressed branch and selection for one window of rows of one KV group: qw [g, r, d] at
-    positions pos [r], kc/vc [nc, d]. Returns out [g, r, d], lse [g, r] and idx [r, num_selected]."""
+    positions pos [r], kc/vc [nc, d]. Returns out [g, r, d], lse [g, r] (None unless cfg.need_lse)
+    and idx [r, num_selected]. Rows go in chunks whose [g, rows, nv] scores stay in cache; each
+    chunk is one GEMM for the whole group and one fused softmax."""
     g, r, d = qw.shape
     out = torch.zeros_like(qw)
-    lse = torch.full((g, r), float("-inf"), dtype=torch.float32, device=qw.device)
+    lse = torch.full((g, r), float("-inf"), dtype=torch.float32, device=qw.device) if cfg.need_lse else None
     ns = int(pos[-1]) // cfg.sb + 1  # blocks that can hold a key <= the last query
     imp = torch.zeros((r, ns), dtype=torch.float32, device=qw.device)
     nvis = _visible_cmp(pos, cfg.l, cfg.s)
-    nv_max = int(nvis[-1])
-    if nv_max > 0:
-        ovl = _overlap_index(nv_max, ns, cfg.l, cfg.s, cfg.sb, qw.device)
-        step = max(1, _CMP_ELEMS // max(1, g * nv_max))
-        for a in range(0, r, step):
-            e = min(r, a + step)
-            nv = int(nvis[e - 1])
-            if nv == 0:
-                continue
-            qs = (qw[:, a:e] * cfg.scale).reshape(-1, d)  # one GEMM for the whole group
-            sc = torch.matmul(qs, kc[:nv].transpose(0, 1)).view(g, e - a, nv)  # scaled scores
-            lo = int(nvis[a])
-            if lo < nv:  # only the columns some row of the block cannot see need the causal mask
-                hide = torch.arange(lo, nv, device=qw.device)[None, :] >= nvis[a:e, None]
-                sc[:, :, lo:].masked_fill_(hide, float("-inf"))
-            mx = sc.amax(-1, keepdim=True)
-            mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
-            sc.sub_(mx).exp_()
-            tot = sc.sum(-1, keepdim=True)
-            sc.mul_(torch.where(tot > 0, 1.0 / tot, torch.zeros_like(tot)))  # probabilities
-            if cfg.cmp_out:  # a zero compressed gate (training-free default) needs only the probabilities
-                out[:, a:e] = torch.matmul(sc.view(-1, nv), vc[:nv]).view(g, e - a, d).to(qw.dtype)
-            lse[:, a:e] = (mx + torch.log(tot)).squeeze(-1).float()
-            grp = torch.nn.functional.pad(sc.sum(0), (0, nv_max + 1 - nv))  # [rows, nv_max + 1], group sum
-            imp[a:e] = grp[:, ovl].sum(-1)
+    step = max(1, _CMP_ELEMS // max(1, g * int(nvis[-1])))
+    for a in range(0, r, step):
+        e = min(r, a + step)
+        nv = int(nvis[e - 1])
+        if nv == 0:
+            continue
+        qs = (qw[:, a:e] * cfg.scale).reshape(-1, d)
+        sc = torch.matmul(qs, kc[:nv].transpose(0, 1), out=_buffer(ws, "scores", (qs.shape[0], nv), qs))
+        sc = sc.view(g, e - a, nv)  # scaled scores
+        lo = int(nvis[a])
+        if lo < nv:  # only the columns some row of the chunk cannot see need the causal mask
+            hide = torch.arange(lo, nv, device=qw.device)[None, :] >= nvis[a:e, None]
+            sc[:, :, lo:].masked_fill_(hide, float("-inf"))
+        if lse is not None:
+            lse[:, a:e] = torch.logsumexp(sc, -1).float()
+        p = torch.softmax(sc, -1)
+        if lo == 0:  # rows that see no compressed block: softmax of all -inf is nan; they get p = 0
+            p.masked_fill_((nvis[a:e] == 0)[None, :, None], 0.0)
+        if cfg.cmp_out:  # a zero compressed gate (training-free default) needs only the probabilities
+            out[:, a:e] = torch.matmul(p.view(-1, nv), vc[:nv]).view(g, e - a, d).to(qw.dtype)
+        imp[a:e] = _overlap_sum(p.sum(0, dtype=torch.float32), ns, cfg)
     imp = _force_and_mask(imp, pos, cfg.sb, cfg.init_blocks, cfg.local_blocks)
     return out, lse, topk_blocks(imp, cfg.num_selected)
 
@@ -405,14 +442,34 @@ def _blocks_of(x1: torch.Tensor, sb: int):
     return full, last
 
 
-def _gather_blocks(xb, blocks: torch.Tensor) -> torch.Tensor:
+def _buffer(ws: dict | None, key: str, shape, like: torch.Tensor) -> torch.Tensor | None:
+    """A tensor of ``shape`` (dtype/device of ``like``) from the workspace ``ws`` of the calling
+    thread, reused from call to call, or None without a workspace. On the CPU, writing a GEMM or a
+    gather into a warm buffer is 1.3x (GEMM) to 3-5x (index_select) faster than into a fresh tensor
+    (measured for the MB-sized temporaries here). Valid until the next request of the same key."""
+    if ws is None:
+        return None
+    n = math.prod(shape)
+    buf = ws.get(key)
+    if buf is None or buf.numel() < n or buf.dtype != like.dtype:
+        buf = ws[key] = torch.empty(n + n // 4, dtype=like.dtype, device=like.device)
+    return buf[:n].view(shape)
+
+
+def _take(x: torch.Tensor, index: torch.Tensor, ws: dict | None, key: str) -> torch.Tensor:
+    """x.index_select(0, index), into the workspace buffer ``key`` when there is a workspace."""
+    out = _buffer(ws, key, (index.numel(), *x.shape[1:]), x)
+    return x.index_select(0, index) if out is None else torch.index_select(x, 0, index, out=out)
+
+
+def _gather_blocks(xb, blocks: torch.Tensor, ws: dict | None = None, key: str = "") -> torch.Tensor:
     """[len(blocks), 1, sb, d]: the selection blocks of ``_blocks_of`` (the padded tail is block nf)."""
     full, last = xb
     nf = full.shape[0]
     if last.shape[0] == 0:
-        return full.index_select(0, blocks).unsqueeze(1)
+        return _take(full, blocks, ws, key).unsqueeze(1)
     if nf:
-        out = full.index_select(0, torch.clamp(blocks, max=nf - 1))
+        out = _take(full, torch.clamp(blocks, max=nf - 1), ws, key)
     else:
         out = last.expand(blocks.numel(), -1, -1).clone()
     is_tail = blocks == nf
@@ -421,16 +478,17 @@ def _gather_blocks(xb, blocks: torch.Tensor) -> torch.Tensor:
     return out.unsqueeze(1)
 
 
-def _selected_fast(qw, kb, vb, idx, pos, cfg):
+def _selected_fast(qw, kb, vb, idx, pos, cfg, shared=None, ws=None):
     """Selected branch for one window of rows of one KV group, group-centric. qw [g, r, d] at
     positions pos [r]; kb/vb the keys/values cut into selection blocks (``_blocks_of``).
 
     Every (row, selected block) pair carries the g query heads of its row. Pairs are sorted by
-    block; the rows of one block form a segment, and segments are bucketed by their padded length
-    (T, 2T, 4T, ... rows, T * g ~ _TILE_ROWS query rows), so each bucket is ONE batched fused call
-    with one batch item per block: the block's K/V is read once for all heads and rows that chose
-    it. Own blocks (the only ones that can reach past a query) form their own buckets with a causal
-    mask. The parts merge by LSE per (row, head)."""
+    block; the rows of one block form a segment, cut into items of T * 2^j rows (T * g ~
+    _TILE_ROWS query rows), and the items of one size are ONE batched fused call: a block's K/V is
+    read once per item for all heads and rows in it. Own blocks (the only ones that can reach past a query) form their own buckets with a causal
+    mask. With ``shared`` (out, lse of the local blocks, see ``_local_part``) the local blocks are
+    left out of the pairs and that part joins the merge instead. The parts merge by LSE per (row, head).
+    ``ws``: a workspace dict of the calling thread for the gathers (``_take``)."""
     g, r, d = qw.shape
     S = idx.shape[-1]
     sb = cfg.sb
@@ -438,7 +496,11 @@ def _selected_fast(qw, kb, vb, idx, pos, cfg):
     dev = qw.device
     T = max(1, _TILE_ROWS // g)
     flat = idx.reshape(-1)
-    ent = torch.nonzero(flat >= 0).squeeze(1)  # pair = (row, slot)
+    keep = flat >= 0
+    if shared is not None:  # blocks after (own - local_blocks) are in the local part
+        own_blk = torch.div(pos, sb, rounding_mode="floor")
+        keep &= (idx <= (own_blk - cfg.local_blocks)[:, None]).reshape(-1)
+    ent = torch.nonzero(keep).squeeze(1)  # pair = (row, slot)
     row = torch.div(ent, S, rounding_mode="floor")
     blk = flat[ent]
     own = blk == torch.div(pos[row], sb, rounding_mode="floor")
@@ -447,25 +509,27 @@ def _selected_fast(qw, kb, vb, idx, pos, cfg):
     seg_key, counts = torch.unique_consecutive(key, return_counts=True)
     seg = torch.repeat_interleave(torch.arange(counts.numel(), device=dev), counts)
     rank = torch.arange(row.numel(), device=dev) - (torch.cumsum(counts, 0) - counts)[seg]
-    # bucket = padded segment length T * 2^m (>= count); own blocks bucket apart (they need a mask)
-    size = T * torch.pow(2, torch.ceil(torch.log2(torch.clamp(counts.double() / T, min=1.0)))).long()
-    group = size * 2 + (seg_key >= nb).long()
+    # a segment of c rows (m = ceil(c / T) units of T rows) is cut into items of T * 2^j rows, one
+    # per set bit j of m, largest first: padding only inside the last unit. The item holding unit u
+    # is the highest bit in which u and m differ. Items of one size (and own-ness) are one call.
+    m = torch.div(counts + T - 1, T, rounding_mode="floor")[seg]
+    bit = torch.floor(torch.log2((torch.div(rank, T, rounding_mode="floor") ^ m).double())).long()
+    within = rank - ((m >> (bit + 1)) << (bit + 1)) * T  # row offset inside its item
+    group = bit * 2 + (seg_key >= nb).long()[seg]
     qt = qw.transpose(0, 1).reshape(r, g * d)
     parts = []
     for gk in torch.unique(group).tolist():
-        B, is_own = gk // 2, gk % 2 == 1
-        segs = torch.nonzero(group == gk).squeeze(1)
-        local = torch.full((counts.numel(),), -1, dtype=torch.long, device=dev)
-        local[segs] = torch.arange(segs.numel(), device=dev)
-        pick = torch.nonzero(local[seg] >= 0).squeeze(1)
-        slot = local[seg[pick]] * B + rank[pick]
+        B, is_own = T << (gk // 2), gk % 2 == 1
+        pick = torch.nonzero(group == gk).squeeze(1)
+        segs, item = torch.unique_consecutive(seg[pick], return_inverse=True)  # pairs are sorted by segment
+        slot = item * B + within[pick]
         slot_row = torch.zeros(segs.numel() * B, dtype=torch.long, device=dev)
         slot_row[slot] = row[pick]
         real = torch.zeros(segs.numel() * B, dtype=torch.bool, device=dev)
         real[slot] = True
         blocks = seg_key[segs] % nb
-        qq = qt.index_select(0, slot_row).view(segs.numel(), 1, B * g, d)
-        kk, vv = _gather_blocks(kb, blocks), _gather_blocks(vb, blocks)
+        qq = _take(qt, slot_row, ws, "q").view(segs.numel(), 1, B * g, d)
+        kk, vv = _gather_blocks(kb, blocks, ws, "k"), _gather_blocks(vb, blocks, ws, "v")
         bias = None
         if is_own:  # keys after the row's position are hidden; padding rows see everything
             kpos = blocks[:, None] * sb + torch.arange(sb, device=dev)
@@ -476,12 +540,19 @@ def _selected_fast(qw, kb, vb, idx, pos, cfg):
         o, l = _fa(qq, kk, vv, cfg.scale, bias)
         parts.append((o.view(-1, g, d), l.view(-1, g).masked_fill_(~real[:, None], float("-inf")), slot_row))
     # merge the parts of each (row, head) by LSE; padding rows weigh 0
-    mx = torch.full((r, g), float("-inf"), dtype=torch.float32, device=dev)
+    if shared is not None:
+        mx = shared[1].t().clone(memory_format=torch.contiguous_format)  # a copy: scatter_reduce_ writes it
+    else:
+        mx = torch.full((r, g), float("-inf"), dtype=torch.float32, device=dev)
     for _, l, rows_ in parts:
         mx.scatter_reduce_(0, rows_[:, None].expand(-1, g), l, "amax")
     mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
-    den = torch.zeros((r, g), dtype=torch.float32, device=dev)
-    acc = torch.zeros((r, g, d), dtype=torch.float32, device=dev)
+    if shared is not None:
+        den = torch.exp(shared[1].t() - mx).contiguous()
+        acc = (shared[0].transpose(0, 1) * den.unsqueeze(-1)).contiguous()  # index_add_ wants it dense
+    else:
+        den = torch.zeros((r, g), dtype=torch.float32, device=dev)
+        acc = torch.zeros((r, g, d), dtype=torch.float32, device=dev)
     for o, l, rows_ in parts:
         w = torch.exp(l - mx.index_select(0, rows_))
         den.index_add_(0, rows_, w)
@@ -492,32 +563,48 @@ def _selected_fast(qw, kb, vb, idx, pos, cfg):
 
 
 def _fast_forward(q, k, v, k_cmp, v_cmp, cfg, gates):
-    """The no-grad CPU path. Returns the gated output and the branch LSEs [b, hq, nq, 3]."""
+    """The no-grad CPU path. Returns the gated output and the branch LSEs [b, hq, nq, 3] (None
+    unless cfg.need_lse)."""
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     g = hq // hk
     off = nk - nq
     out = torch.empty_like(q)
-    lse = torch.empty((b, hq, nq, 3), dtype=torch.float32, device=q.device)
+    lse = torch.empty((b, hq, nq, 3), dtype=torch.float32, device=q.device) if cfg.need_lse else None
     kc_all, vc_all = k_cmp.to(q.dtype), v_cmp.to(q.dtype)
     # rows per window: the window's gathered (row, block) pairs hold rows * num_selected * g * d
-    # elements; kept small so temporaries are reused from the heap rather than freshly mapped
-    rows = max(_WIN_CHUNK, _PAIR_ELEMS // (cfg.num_selected * g * d) // _WIN_CHUNK * _WIN_CHUNK)
+    # elements; kept small so temporaries are reused from the heap rather than freshly mapped.
+    # Windows end at absolute multiples of rows (a multiple of the chunk sizes of ``_banded``).
+    align = math.lcm(cfg.sb, _WIN_CHUNK)
+    rows = max(align, _PAIR_ELEMS // (cfg.num_selected * g * d) // align * align)
+    cuts = [0, *range(rows - off % rows, nq, rows), nq] if off % rows else [*range(0, nq, rows), nq]
+    blocks = {}
+    per_thread = threading.local()  # each worker's gather workspace, dropped with this call
+
+    def window(unit):  # one window of rows of one (batch, KV head); writes its slice of out / lse
+        bi, hi, a, e = unit
+        heads = slice(hi * g, (hi + 1) * g)
+        k1, v1 = k[bi, hi], v[bi, hi]
+        kb, vb = blocks[bi, hi]
+        pos = torch.arange(off + a, off + e, device=q.device)
+        qw = q[bi, heads, a:e]
+        if not hasattr(per_thread, "ws"):
+            per_thread.ws = {}
+        o_c, l_c, idx = _compressed_select(qw, kc_all[bi, hi], vc_all[bi, hi], pos, cfg, per_thread.ws)
+        local = _local_part(qw, k1, v1, off + a, cfg) if _shares_local(cfg) else None
+        o_s, l_s = _selected_fast(qw, kb, vb, idx, pos, cfg, local, per_thread.ws)
+        o_w, l_w = _window_part(qw, k1, v1, off + a, cfg, local)
+        out[bi, heads, a:e] = _gated_sum((o_c, o_s, o_w), _gate_slice(gates, bi, heads, a, e)).to(q.dtype)
+        if lse is not None:
+            lse[bi, heads, a:e] = torch.stack([l_c, l_s, l_w], -1)
+
     for bi in range(b):
         for hi in range(hk):
-            heads = slice(hi * g, (hi + 1) * g)
-            qh, k1, v1 = q[bi, heads], k[bi, hi], v[bi, hi]
-            kb, vb = _blocks_of(k1, cfg.sb), _blocks_of(v1, cfg.sb)
-            for a in range(0, nq, rows):
-                e = min(nq, a + rows)
-                pos = torch.arange(off + a, off + e, device=q.device)
-                qw = qh[:, a:e]
-                o_c, l_c, idx = _compressed_select(qw, kc_all[bi, hi], vc_all[bi, hi], pos, cfg)
-                o_s, l_s = _selected_fast(qw, kb, vb, idx, pos, cfg)
-                o_w, l_w = _window_fast(qw, k1, v1, cfg.window, off + a, cfg.scale)
-                gw = _gate_slice(gates, bi, heads, a, e)
-                out[bi, heads, a:e] = _gated_sum((o_c, o_s, o_w), gw).to(q.dtype)
-                lse[bi, heads, a:e] = torch.stack([l_c, l_s, l_w], -1)
+            blocks[bi, hi] = (_blocks_of(k[bi, hi], cfg.sb), _blocks_of(v[bi, hi], cfg.sb))
+    # the costliest windows (last rows: most compressed and selectable blocks) first, so the
+    # workers of run_units finish together
+    run_units(window, [(bi, hi, a, e) for a, e in reversed(list(zip(cuts[:-1], cuts[1:])))
+                       for bi in range(b) for hi in range(hk)])
     return out, lse
 
 
@@ -541,8 +628,7 @@ def _decode_one(q, k, v, k_cmp, v_cmp, cfg, gates):
         p = torch.exp(sc - l_c.unsqueeze(-1))
         if cfg.cmp_out:
             o_c = torch.matmul(p.to(q.dtype), v_cmp.to(q.dtype))
-        grp = torch.nn.functional.pad(p.sum(2), (0, 1))  # [b, hk, nc + 1], column nc = 0 (padding)
-        imp[:, :, 0] = grp[..., _overlap_index(nc, ns, cfg.l, cfg.s, cfg.sb, q.device)].sum(-1)
+        imp[:, :, 0] = _overlap_sum(p.sum(2).view(b * hk, nc), ns, cfg).view(b, hk, ns)
     pos = torch.full((1,), t, dtype=torch.long, device=q.device)
     idx = topk_blocks(_force_and_mask(imp, pos, cfg.sb, cfg.init_blocks, cfg.local_blocks), cfg.num_selected)[:, :, 0]
     tok = (idx.clamp(min=0).unsqueeze(-1) * cfg.sb + torch.arange(cfg.sb, device=q.device)).flatten(-2)  # [b, hk, S*sb]
@@ -643,7 +729,7 @@ def nsa_attention(q, k, v, *, causal: bool = True, scale: float | None = None, c
     k_cmp, v_cmp = _compressed_for(k, v, compress, compressed, compress_block, compress_stride)
     cfg = SimpleNamespace(scale=scale, nk=nk, l=compress_block, s=compress_stride, sb=select_block,
                           num_selected=num_selected, window=window, init_blocks=init_blocks, local_blocks=local_blocks,
-                          cmp_out=isinstance(gates, torch.Tensor) or gates[0] != 0)
+                          cmp_out=isinstance(gates, torch.Tensor) or gates[0] != 0, need_lse=return_lse)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, k_cmp, v_cmp)) or \
         (isinstance(gates, torch.Tensor) and gates.requires_grad and torch.is_grad_enabled())
     if backend == "torch" and not needs_grad and q.device.type == "cpu" and FA_CPU is not None \
