@@ -174,6 +174,47 @@ def test_fast_path_small_windows(monkeypatch):
     torch.testing.assert_close(lse.double(), ref_lse, atol=2e-6, rtol=1e-5)
 
 
+# local blocks shared with the window (window >= select_block * local_blocks, also exactly equal:
+# the last row of each block then has an empty rest-of-window), not shared (window too short),
+# no local blocks (own blocks go through the masked bucket), a block size that does not divide
+# the window chunk, and query offsets that are not block-aligned
+@pytest.mark.parametrize("params,nq,nk", [
+    (dict(select_block=8, num_selected=4, window=24, local_blocks=2), 61, 61),
+    (dict(select_block=8, num_selected=4, window=16, local_blocks=2), 45, 77),
+    (dict(select_block=8, num_selected=4, window=12, local_blocks=2), 50, 50),
+    (dict(select_block=8, num_selected=3, window=12, local_blocks=0), 50, 63),
+    (dict(select_block=12, num_selected=4, window=30, local_blocks=1, init_blocks=2), 70, 83),
+])
+def test_fast_path_block_regimes(params, nq, nk, monkeypatch):
+    monkeypatch.setattr(nsa_mod, "_PAIR_ELEMS", 1)  # several windows of rows, cut at odd offsets
+    monkeypatch.setattr(nsa_mod, "_WIN_CHUNK", 8)
+    full = {"compress_block": 8, "compress_stride": 4, "init_blocks": 1, **params}
+    q, k, v = rand(2, 4, 2, nq, nk)
+    out, lse = nsa_attention(q, k, v, return_lse=True, **full)
+    ref, ref_lse = nsa_attention(q.double(), k.double(), v.double(), return_lse=True, **full)
+    torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-6, rtol=1e-5)
+
+
+def test_fast_path_on_worker_threads_equals_one_thread(monkeypatch):
+    """With 2 torch threads the windows run on 2 single-threaded workers: same answer as one
+    thread, torch's thread count is restored, and the output tensor is complete."""
+    monkeypatch.setattr(nsa_mod, "_PAIR_ELEMS", 1)
+    params = dict(compress_block=16, compress_stride=8, select_block=16, num_selected=5, window=40)
+    q, k, v = rand(1, 8, 2, 300, 300, d=16)
+    one = nsa_attention(q, k, v, **params)
+    torch.set_num_threads(2)
+    try:
+        two = nsa_attention(q, k, v, **params)
+        assert torch.get_num_threads() == 2
+        with torch.inference_mode():  # as in an evaluation: the workers write an inference tensor
+            three = nsa_attention(q, k, v, **params)
+    finally:
+        torch.set_num_threads(1)
+    torch.testing.assert_close(two, one, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(three, one, atol=2e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_causal_by_perturbation(dtype):
     q, k, v = rand(1, 4, 2, 60, 60, dtype=dtype)

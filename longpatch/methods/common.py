@@ -112,18 +112,20 @@ def run_units(fn, units) -> None:
     outputs). With torch using T > 1 threads, T Python workers each run whole units on one thread:
     a unit made of many mid-sized ops (NSA's windows of rows) leaves cores idle between and inside
     ops when one caller runs them T-threaded, and the workers keep every core busy (NSA prefill at
-    32k: 1.4x from a second thread inside ops, 1.8x across units). Workers run without grad and
-    autocast (their thread-local state starts fresh), so the serial path is taken under autocast."""
+    32k: 1.4x from a second thread inside ops, 1.8x across units). Grad mode, inference mode and
+    autocast are thread-local: workers run without grad and in the caller's inference mode (so they
+    may write into its inference tensors); under autocast the units run serially in the caller."""
     units = list(units)
     threads = torch.get_num_threads()
     if threads < 2 or len(units) < 2 or torch.is_autocast_enabled("cpu"):
         for unit in units:
             fn(unit)
         return
+    inference = torch.is_inference_mode_enabled()
 
     def call(unit):
         torch.set_num_threads(1)  # per thread for OpenMP; also torch's global count, restored below
-        with torch.no_grad():
+        with torch.inference_mode(inference), torch.no_grad():
             fn(unit)
 
     try:

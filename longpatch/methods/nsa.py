@@ -24,17 +24,23 @@ are tested against them, and composed they are the differentiable path (gradient
 every branch, the selection itself is discrete as in the paper).
 
 Fast CPU path (no gradient): per (batch, KV head) and per window of query rows, so every
-temporary is bounded by the window:
+temporary is bounded by the window; the windows are independent units spread over torch's threads
+as single-threaded workers (``run_units``), each with its own warm workspace for gathers and GEMMs:
 
-1. compressed: one GEMM [g*rows, d] x [d, visible blocks] for the whole GQA group; the same
-   probabilities give the branch output (a second GEMM) and the importance (group sum, then a
-   banded gather-sum over the few compressed blocks overlapping each selection block), then top-k;
-2. selected, group-centric "varlen" grouping: (position, block) pairs are sorted by block; every
-   block is one batch item of a fused attention call over all g heads of every position that chose
-   it (items bucketed by padded length, a few calls per window), so a block is read once per
-   window whatever the group size; parts merge by LSE;
-3. window: query chunks of ``_WIN_CHUNK`` rows against their keys [start - window + 1, end) as
-   one batched fused call with a shared band mask (strided views of the cache, no copy).
+1. compressed: one GEMM [g*rows, d] x [d, visible blocks] for the whole GQA group and one fused
+   softmax; the probabilities give the branch output (a second GEMM) and the importance (group sum,
+   then a prefix sum read at each selection block's first and last overlapping compressed block),
+   then top-k;
+2. local blocks: the keys from the start of block (own - local_blocks + 1) up to the query, per
+   block of rows as one batched fused call. When the window contains them (window >= select_block
+   * local_blocks) this one result is both the selected branch's local part and part of the window;
+3. selected, group-centric "varlen" grouping: the other (position, block) pairs are sorted by
+   block; the rows of one block are cut into items of T * 2^j rows, and all items of one size are
+   one batched fused call over all g heads of their rows, so a block is read once per item
+   whatever the group size; parts merge by LSE;
+4. window: the keys of the window before the local blocks (or the whole window when it does not
+   contain them), per chunk of rows as one batched fused call with a shared band mask (strided
+   views of the cache, no copy), merged with the local part.
 
 Decoding: ``compressed=(k_cmp, v_cmp)`` (``nsa_compress``) are reused instead of pooling the cache;
 the registered method keeps them in the layer state and appends the newly completed blocks, so a
@@ -63,10 +69,12 @@ TRAINING_FREE_GATES = (0.0, 0.75, 0.25)
 
 _FA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Bounds of temporaries: score elements per block of rows (references and the compressed GEMM),
-# (row, block) pair elements per window of rows, rows per window chunk, query rows per tile.
+# (row, block) pair elements and (row, selection block) scores per window of rows, rows per window
+# chunk, query rows per tile.
 _REF_ELEMS = 1 << 22
 _CMP_ELEMS = 1 << 19
 _PAIR_ELEMS = 1 << 22
+_IMP_ELEMS = 1 << 21
 _WIN_CHUNK = 128
 _TILE_ROWS = 64
 
@@ -400,7 +408,7 @@ def _compressed_select(qw, kc, vc, pos, cfg, ws=None):
     """Compressed branch and selection for one window of rows of one KV group: qw [g, r, d] at
     positions pos [r], kc/vc [nc, d]. Returns out [g, r, d], lse [g, r] (None unless cfg.need_lse)
     and idx [r, num_selected]. Rows go in chunks whose [g, rows, nv] scores stay in cache; each
-    chunk is one GEMM for the whole group and one fused softmax."""
+    chunk is one GEMM for the whole group (into the workspace ``ws``) and one fused softmax."""
     g, r, d = qw.shape
     out = torch.zeros_like(qw)
     lse = torch.full((g, r), float("-inf"), dtype=torch.float32, device=qw.device) if cfg.need_lse else None
@@ -575,8 +583,10 @@ def _fast_forward(q, k, v, k_cmp, v_cmp, cfg, gates):
     # rows per window: the window's gathered (row, block) pairs hold rows * num_selected * g * d
     # elements; kept small so temporaries are reused from the heap rather than freshly mapped.
     # Windows end at absolute multiples of rows (a multiple of the chunk sizes of ``_banded``).
+    # Also the window's [rows, selection blocks] importance and top-k keys are bounded (_IMP_ELEMS).
     align = math.lcm(cfg.sb, _WIN_CHUNK)
-    rows = max(align, _PAIR_ELEMS // (cfg.num_selected * g * d) // align * align)
+    rows = min(_PAIR_ELEMS // (cfg.num_selected * g * d), _IMP_ELEMS // -(-nk // cfg.sb))
+    rows = max(align, rows // align * align)
     cuts = [0, *range(rows - off % rows, nq, rows), nq] if off % rows else [*range(0, nq, rows), nq]
     blocks = {}
     per_thread = threading.local()  # each worker's gather workspace, dropped with this call

@@ -1,0 +1,69 @@
+"""Shared helpers of the methods: run_units (independent CPU work spread over single-threaded workers)."""
+import threading
+
+import pytest
+import torch
+
+from longpatch.methods.common import run_units
+
+
+@pytest.fixture
+def two_threads():
+    n = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_run_units_runs_every_unit_on_workers_without_grad(two_threads):
+    seen, lock = {}, threading.Lock()
+    out = torch.zeros(10)
+
+    def fn(i):
+        x = torch.ones(3, requires_grad=True)
+        with lock:
+            seen[i] = (threading.current_thread() is threading.main_thread(), torch.get_num_threads(),
+                       (x * 2).requires_grad)
+        out[i] = i  # each unit writes its own slice
+
+    run_units(fn, range(10))
+    assert sorted(seen) == list(range(10))
+    assert not any(main for main, _, _ in seen.values())  # workers, not the caller
+    assert {n for _, n, _ in seen.values()} == {1}  # one torch thread each
+    assert not any(grad for _, _, grad in seen.values())
+    assert torch.get_num_threads() == 2  # restored for the caller
+    torch.testing.assert_close(out, torch.arange(10.0))
+
+
+def test_run_units_serial_with_one_thread_or_one_unit():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        where = []
+        run_units(lambda i: where.append(threading.current_thread() is threading.main_thread()), range(3))
+        assert where == [True, True, True]
+    finally:
+        torch.set_num_threads(n)
+
+
+def test_run_units_raises_a_workers_error_and_restores_threads(two_threads):
+    def fn(i):
+        if i == 3:
+            raise ValueError("unit 3 failed")
+
+    with pytest.raises(ValueError, match="unit 3 failed"):
+        run_units(fn, range(6))
+    assert torch.get_num_threads() == 2
+
+
+def test_run_units_keeps_the_callers_inference_mode(two_threads):
+    """A patched model evaluated under torch.inference_mode: the workers write into the caller's
+    inference tensors."""
+    with torch.inference_mode():
+        out = torch.zeros(6)
+
+        def fn(i):
+            out[i] = torch.ones(1) * i
+
+        run_units(fn, range(6))
+    torch.testing.assert_close(out, torch.arange(6.0))
