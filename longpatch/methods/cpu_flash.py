@@ -1,5 +1,7 @@
 """torch's fused CPU flash-attention kernel (it returns the LSE), shared by the methods that need
-(out, lse) of many attention calls on the CPU: exact (return_lse), HyperAttention, MoBA.
+(out, lse) of many attention calls on the CPU: exact (return_lse) and HyperAttention through
+``CpuFlashLSE``; MoBA, NSA and sparse through ``flash_lse`` (one entry: mask cast, autograd only
+when needed, LSE dtype).
 
 The aten op is private; where a torch build lacks it, FA_CPU is None and callers use plain PyTorch.
 Its causal flag aligns top-left: use it for squares (q_len == kv_len) or non-causal calls only.
@@ -8,8 +10,32 @@ from __future__ import annotations
 
 import torch
 
+from .common import acc_dtype
+
 FA_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 FA_CPU_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+FUSED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def fused_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the fused kernel exists and takes these inputs (CPU tensors of one float dtype)."""
+    return (FA_CPU is not None and q.device.type == "cpu" and q.dtype in FUSED_DTYPES
+            and k.dtype == q.dtype and v.dtype == q.dtype)
+
+
+def flash_lse(q, k, v, scale: float, mask=None, causal: bool = False):
+    """(out, lse) of q [B, Hq, m, d] against k/v [B, Hk, n, d] with the fused kernel (``fused_ok``
+    inputs; Hk divides Hq, so GQA needs no repeat; strided views are fine; m > 0). ``mask`` is
+    additive, broadcastable to [B, Hq, m, n]; causal aligns top-left. lse is float32 (float64 for
+    float64). Differentiable in out and lse when an input requires grad. A row whose keys are all
+    masked gets out 0 and lse 0 from the kernel: the caller marks such rows."""
+    if mask is not None:
+        mask = mask.to(q.dtype)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        out, lse = CpuFlashLSE.apply(q, k, v, mask, causal, scale)
+    else:
+        out, lse = FA_CPU(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+    return out, lse.to(acc_dtype(q.dtype))
 
 
 class CpuFlashLSE(torch.autograd.Function):

@@ -48,14 +48,13 @@ import torch
 
 from .base import Method, Param, positive_int, register_method
 from .common import acc_dtype, check_qkv, default_scale, gather_rows, ordered_int, resolve_backend
-from .cpu_flash import FA_CPU
+from .cpu_flash import flash_lse, fused_ok
 from .exact import exact_attention
 
 DEFAULT_CHUNK_SIZE = 2048
 DEFAULT_TOPK = 4
 
 _INT64_MIN = -(2 ** 63)
-_FA_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 # Bounds of temporaries: gathered pair rows per window, score elements per gate block, and score
 # elements per block of the backward recomputation.
 _PAIR_ROWS = 1 << 19
@@ -182,13 +181,10 @@ def _attend(q, k, v, scale, causal=False, mask=None):
     Uses torch's fused CPU flash-attention kernel (it returns the LSE, supports GQA by head
     broadcasting and strided views), else plain PyTorch. Never called with m == 0 (the fused kernel
     crashes on empty queries)."""
-    if FA_CPU is not None and q.device.type == "cpu" and q.dtype in _FA_DTYPES and k.dtype == q.dtype:
-        if mask is not None:
-            mask = mask.to(q.dtype)
+    if fused_ok(q, k, v):
         try:
-            out, lse = FA_CPU(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
-            return out, lse.to(acc_dtype(q.dtype))
-        except RuntimeError:  # dtype or layout the kernel does not take: fall back
+            return flash_lse(q, k, v, scale, mask, causal)
+        except RuntimeError:  # a layout the kernel does not take: fall back
             pass
     if k.shape[1] != q.shape[1]:
         g = q.shape[1] // k.shape[1]

@@ -58,7 +58,7 @@ from ..errors import ConfigError
 from .base import Method, Param, positive_int, register_method
 from .common import (acc_dtype, check_qkv, default_scale, gather_rows, group_queries, merge_lse, ordered_int,
                      probe_positions, resolve_backend, run_units)
-from .cpu_flash import FA_CPU
+from .cpu_flash import flash_lse, fused_ok
 
 DEFAULTS = dict(compress_block=32, compress_stride=16, select_block=64, num_selected=16, window=512,
                 init_blocks=1, local_blocks=2)
@@ -67,7 +67,6 @@ DEFAULT_GATES = (1 / 3, 1 / 3, 1 / 3)  # the op's neutral default (issue #7's AP
 # selection blocks; mixing its blurred output in costs perplexity (docs/nsa.md, measured).
 TRAINING_FREE_GATES = (0.0, 0.75, 0.25)
 
-_FA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Bounds of temporaries: score elements per block of rows (references and the compressed GEMM),
 # (row, block) pair elements and (row, selection block) scores per window of rows, rows per window
 # chunk, query rows per tile.
@@ -303,14 +302,6 @@ def _compose(prims, q, k, v, k_cmp, v_cmp, cfg):
 
 # --------------------------------------------------------------------------- fast CPU path
 
-def _fa(q, k, v, scale, mask=None):
-    """(out, lse) of q [B, Hq, m, d] vs k/v [B, Hk, n, d] with torch's fused CPU kernel (additive mask)."""
-    if mask is not None:
-        mask = mask.to(q.dtype)
-    out, lse = FA_CPU(q, k, v, 0.0, False, attn_mask=mask, scale=scale)
-    return out, lse.float()
-
-
 def _banded(qh, k1, v1, off: int, C: int, A: int, B: int, hide, scale: float):
     """Attention of one KV group's rows qh [g, nq, d] (absolute positions off..) to a band of keys:
     rows go in chunks of C aligned to absolute multiples of C, and the chunk [p, p + C) reads the
@@ -340,11 +331,11 @@ def _banded(qh, k1, v1, off: int, C: int, A: int, B: int, hide, scale: float):
                 kk = k1[ks: ks + (m - 1) * C + ke - ks].unfold(0, ke - ks, C).transpose(1, 2).unsqueeze(1)
                 vv = v1[ks: ks + (m - 1) * C + ke - ks].unfold(0, ke - ks, C).transpose(1, 2).unsqueeze(1)
                 qq = qh[:, rows].unflatten(1, (m, C)).transpose(0, 1)  # [m, g, C, d]
-                o, l = _fa(qq, kk, vv, scale, bias)
+                o, l = flash_lse(qq, kk, vv, scale, bias)
                 out[:, rows] = o.transpose(0, 1).flatten(1, 2)
                 lse[:, rows] = l.transpose(0, 1).flatten(1, 2)
             else:
-                o, l = _fa(qh[None, :, rows], k1[None, None, ks:ke], v1[None, None, ks:ke], scale, bias)
+                o, l = flash_lse(qh[None, :, rows], k1[None, None, ks:ke], v1[None, None, ks:ke], scale, bias)
                 out[:, rows], lse[:, rows] = o[0], l[0]
         else:
             out[:, rows] = 0
@@ -545,7 +536,7 @@ def _selected_fast(qw, kb, vb, idx, pos, cfg, shared=None, ws=None):
             hide = kpos[:, None, :] > ppos  # [segs, B, l']
             bias = torch.zeros(hide.shape, dtype=qw.dtype, device=dev).masked_fill_(hide, float("-inf"))
             bias = bias.unsqueeze(2).expand(-1, B, g, sb).reshape(-1, 1, B * g, sb)
-        o, l = _fa(qq, kk, vv, cfg.scale, bias)
+        o, l = flash_lse(qq, kk, vv, cfg.scale, bias)
         parts.append((o.view(-1, g, d), l.view(-1, g).masked_fill_(~real[:, None], float("-inf")), slot_row))
     # merge the parts of each (row, head) by LSE; padding rows weigh 0
     if shared is not None:
@@ -646,9 +637,9 @@ def _decode_one(q, k, v, k_cmp, v_cmp, cfg, gates):
     rows = tok.clamp(max=t)  # hidden rows past the query read a valid row; the bias masks them
     ks, vs = gather_rows(k, rows), gather_rows(v, rows)
     bias = torch.zeros(hide.shape, dtype=q.dtype, device=q.device).masked_fill_(hide, float("-inf")).unsqueeze(2)
-    o_s, l_s = _fa(qg, ks, vs, cfg.scale, bias)
+    o_s, l_s = flash_lse(qg, ks, vs, cfg.scale, bias)
     w0 = max(0, nk - cfg.window)
-    o_w, l_w = _fa(qg, k[:, :, w0:], v[:, :, w0:], cfg.scale)
+    o_w, l_w = flash_lse(qg, k[:, :, w0:], v[:, :, w0:], cfg.scale)
     gw = gates if not isinstance(gates, torch.Tensor) else gates.expand(b, hq, 1, 3).reshape(b, hk, g, 3)
     out = _gated_sum((o_c, o_s, o_w), gw).to(q.dtype).reshape(b, hq, 1, d)
     lse = torch.stack([l_c, l_s, l_w], -1).reshape(b, hq, 1, 3)
@@ -742,8 +733,7 @@ def nsa_attention(q, k, v, *, causal: bool = True, scale: float | None = None, c
                           cmp_out=isinstance(gates, torch.Tensor) or gates[0] != 0, need_lse=return_lse)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, k_cmp, v_cmp)) or \
         (isinstance(gates, torch.Tensor) and gates.requires_grad and torch.is_grad_enabled())
-    if backend == "torch" and not needs_grad and q.device.type == "cpu" and FA_CPU is not None \
-            and q.dtype in _FA_DTYPES and k.dtype == q.dtype and v.dtype == q.dtype:
+    if backend == "torch" and not needs_grad and fused_ok(q, k, v) and q.dtype != torch.float64:  # float64: references
         one = nq == 1 and k.stride(-1) == 1 and v.stride(-1) == 1  # a decode step (cache rows contiguous)
         out, lse = (_decode_one if one else _fast_forward)(q, k, v, k_cmp, v_cmp, cfg, gates)
         return (out, lse) if return_lse else out

@@ -56,7 +56,7 @@ import torch
 
 from .base import Method, Param, optional_int, positive_int, register_method
 from .common import acc_dtype, check_qkv, default_scale, layer_seed_of, merge_lse, resolve_backend
-from .cpu_flash import FA_CPU, CpuFlashLSE
+from .cpu_flash import flash_lse, fused_ok
 
 DEFAULT_WINDOW = 1024
 DEFAULT_GLOBAL_TOKENS = 64
@@ -64,7 +64,6 @@ DEFAULT_DILATION = 1
 DEFAULT_RANDOM_BLOCKS = 0
 DEFAULT_BLOCK = 64
 
-_FA_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 # Bounds of temporaries (elements): gathered/strided K rows per batched band call and gathered
 # random-block keys per group of query blocks.
 _BAND_KEY_ELEMS = 1 << 24
@@ -177,13 +176,8 @@ def _attend(q, k, v, scale, bias=None):
     """(out, lse float32/64) of q [B, Hq, m, d] vs k/v [B, Hk, n, d] (views allowed), non-causal,
     additive ``bias`` broadcastable to [B, Hq, m, n]. Rows whose keys are all masked must be fixed
     by the caller (the fused kernel returns lse = 0 for them): ``_hide_empty``."""
-    if FA_CPU is not None and q.device.type == "cpu" and q.dtype in _FA_DTYPES and k.dtype == q.dtype:
-        b = None if bias is None else bias.to(q.dtype)
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-            out, lse = CpuFlashLSE.apply(q, k, v, b, False, scale)
-        else:
-            out, lse = FA_CPU(q, k, v, 0.0, False, attn_mask=b, scale=scale)
-        return out, lse.to(acc_dtype(q.dtype))
+    if fused_ok(q, k, v):
+        return flash_lse(q, k, v, scale, bias)
     return _plain_attention(q, k, v, scale, bias)
 
 
