@@ -23,12 +23,27 @@ def fused_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
             and k.dtype == q.dtype and v.dtype == q.dtype)
 
 
+def additive_mask(visible: torch.Tensor, dtype) -> torch.Tensor:
+    """The additive mask ``flash_lse`` takes: 0 where ``visible`` (bool), -inf elsewhere."""
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
+
+
+def hide_empty(out, lse, visible_any):
+    """Rows that saw no key (``visible_any`` False, broadcast over out's rows): lse = -inf and a
+    zero output, so an LSE merge ignores them (the fused kernel gives them lse = 0)."""
+    if bool(visible_any.all()):
+        return out, lse
+    lse = torch.where(visible_any, lse, torch.full_like(lse, float("-inf")))
+    out = torch.where(visible_any.unsqueeze(-1), out, torch.zeros_like(out))
+    return out, lse
+
+
 def flash_lse(q, k, v, scale: float, mask=None, causal: bool = False):
     """(out, lse) of q [B, Hq, m, d] against k/v [B, Hk, n, d] with the fused kernel (``fused_ok``
     inputs; Hk divides Hq, so GQA needs no repeat; strided views are fine; m > 0). ``mask`` is
     additive, broadcastable to [B, Hq, m, n]; causal aligns top-left. lse is float32 (float64 for
     float64). Differentiable in out and lse when an input requires grad. A row whose keys are all
-    masked gets out 0 and lse 0 from the kernel: the caller marks such rows."""
+    masked gets out 0 and lse 0 from the kernel: the caller marks such rows (``hide_empty``)."""
     if mask is not None:
         mask = mask.to(q.dtype)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):

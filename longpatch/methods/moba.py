@@ -48,7 +48,7 @@ import torch
 
 from .base import Method, Param, positive_int, register_method
 from .common import acc_dtype, check_qkv, default_scale, gather_rows, ordered_int, resolve_backend
-from .cpu_flash import flash_lse, fused_ok
+from .cpu_flash import additive_mask, flash_lse, fused_ok
 from .exact import exact_attention
 
 DEFAULT_CHUNK_SIZE = 2048
@@ -249,7 +249,7 @@ def _piece_mask(qs, qe, ks, ke, causal, device):
         return None
     qpos = torch.arange(qs, qe, device=device)[:, None]
     kpos = torch.arange(ks, ke, device=device)[None, :]
-    return torch.zeros(qe - qs, ke - ks, device=device).masked_fill(kpos > qpos, float("-inf"))
+    return additive_mask(kpos <= qpos, torch.float32)
 
 
 def _own_tiles(p0: int, p1: int, nk: int, C: int, causal: bool, heads: int, device):

@@ -58,7 +58,7 @@ from ..errors import ConfigError
 from .base import Method, Param, positive_int, register_method
 from .common import (acc_dtype, check_qkv, default_scale, gather_rows, group_queries, merge_lse, ordered_int,
                      probe_positions, resolve_backend, run_units)
-from .cpu_flash import flash_lse, fused_ok
+from .cpu_flash import additive_mask, flash_lse, fused_ok, hide_empty
 
 DEFAULTS = dict(compress_block=32, compress_stride=16, select_block=64, num_selected=16, window=512,
                 init_blocks=1, local_blocks=2)
@@ -325,24 +325,19 @@ def _banded(qh, k1, v1, off: int, C: int, A: int, B: int, hide, scale: float):
         kpos = torch.arange(ks, ke, device=dev)
         seen = ~hide(qpos[:, None], kpos[None, :])
         rows = slice(p - off, e - off)
-        if ke > ks:
-            bias = torch.zeros(seen.shape, dtype=qh.dtype, device=dev).masked_fill_(~seen, float("-inf"))
-            if m:  # chunk i reads keys [p + i*C + A, p + i*C + B): an unfold view of the cache
-                kk = k1[ks: ks + (m - 1) * C + ke - ks].unfold(0, ke - ks, C).transpose(1, 2).unsqueeze(1)
-                vv = v1[ks: ks + (m - 1) * C + ke - ks].unfold(0, ke - ks, C).transpose(1, 2).unsqueeze(1)
-                qq = qh[:, rows].unflatten(1, (m, C)).transpose(0, 1)  # [m, g, C, d]
-                o, l = flash_lse(qq, kk, vv, scale, bias)
-                out[:, rows] = o.transpose(0, 1).flatten(1, 2)
-                lse[:, rows] = l.transpose(0, 1).flatten(1, 2)
-            else:
-                o, l = flash_lse(qh[None, :, rows], k1[None, None, ks:ke], v1[None, None, ks:ke], scale, bias)
-                out[:, rows], lse[:, rows] = o[0], l[0]
+        if ke <= ks:  # no key at all
+            out[:, rows], lse[:, rows] = 0, float("-inf")
+        elif m:  # chunk i reads keys [p + i*C + A, p + i*C + B): an unfold view of the cache
+            kk = k1[ks: ks + (m - 1) * C + ke - ks].unfold(0, ke - ks, C).transpose(1, 2).unsqueeze(1)
+            vv = v1[ks: ks + (m - 1) * C + ke - ks].unfold(0, ke - ks, C).transpose(1, 2).unsqueeze(1)
+            qq = qh[:, rows].unflatten(1, (m, C)).transpose(0, 1)  # [m, g, C, d]
+            o, l = hide_empty(*flash_lse(qq, kk, vv, scale, additive_mask(seen, qh.dtype)), seen.any(-1))
+            out[:, rows] = o.transpose(0, 1).flatten(1, 2)
+            lse[:, rows] = l.transpose(0, 1).flatten(1, 2)
         else:
-            out[:, rows] = 0
-        none = ~seen.any(-1)  # the fused kernel gives lse 0 to a row with every key masked
-        if ke <= ks or bool(none.any()):
-            blank = torch.ones_like(none) if ke <= ks else none
-            lse[:, rows].view(g, -1, blank.numel()).masked_fill_(blank, float("-inf"))
+            o, l = flash_lse(qh[None, :, rows], k1[None, None, ks:ke], v1[None, None, ks:ke], scale,
+                             additive_mask(seen, qh.dtype))
+            out[:, rows], lse[:, rows] = hide_empty(o[0], l[0], seen.any(-1))
         p = e
     return out, lse
 
@@ -353,15 +348,17 @@ def _shares_local(cfg) -> bool:
     return cfg.local_blocks > 0 and cfg.window >= cfg.sb * cfg.local_blocks
 
 
+def _local_start(t: torch.Tensor, cfg) -> torch.Tensor:
+    """First key of the local blocks of queries at positions t: block t // sb - local_blocks + 1."""
+    return (torch.div(t, cfg.sb, rounding_mode="floor") - cfg.local_blocks + 1) * cfg.sb
+
+
 def _local_part(qw, k1, v1, p0: int, cfg):
-    """Attention of rows qw [g, r, d] (positions p0..) to their local blocks: keys from the start of
-    block (t // sb - local_blocks + 1) up to t; chunks of one selection block of rows."""
-    sb, first = cfg.sb, cfg.local_blocks - 1
-
-    def hide(t, key):
-        return (key > t) | (key < (torch.div(t, sb, rounding_mode="floor") - first) * sb)
-
-    return _banded(qw, k1, v1, p0, sb, -sb * first, sb, hide, cfg.scale)
+    """Attention of rows qw [g, r, d] (positions p0..) to their local blocks: keys from
+    ``_local_start`` up to t; chunks of one selection block of rows."""
+    sb = cfg.sb
+    return _banded(qw, k1, v1, p0, sb, -sb * (cfg.local_blocks - 1), sb,
+                   lambda t, key: (key > t) | (key < _local_start(t, cfg)), cfg.scale)
 
 
 def _window_part(qw, k1, v1, p0: int, cfg, local):
@@ -372,12 +369,8 @@ def _window_part(qw, k1, v1, p0: int, cfg, local):
     if local is None:
         return _banded(qw, k1, v1, p0, _WIN_CHUNK, 1 - w, _WIN_CHUNK, lambda t, key: (key > t) | (key <= t - w),
                        cfg.scale)
-    first = cfg.local_blocks - 1
-
-    def hide(t, key):
-        return (key <= t - w) | (key >= (torch.div(t, sb, rounding_mode="floor") - first) * sb)
-
-    o, l = _banded(qw, k1, v1, p0, sb, 1 - w, -sb * first, hide, cfg.scale)
+    o, l = _banded(qw, k1, v1, p0, sb, 1 - w, -sb * (cfg.local_blocks - 1),
+                   lambda t, key: (key <= t - w) | (key >= _local_start(t, cfg)), cfg.scale)
     return merge_lse(o, l, *local)
 
 
@@ -533,8 +526,7 @@ def _selected_fast(qw, kb, vb, idx, pos, cfg, shared=None, ws=None):
         if is_own:  # keys after the row's position are hidden; padding rows see everything
             kpos = blocks[:, None] * sb + torch.arange(sb, device=dev)
             ppos = torch.where(real, pos[slot_row], torch.full_like(slot_row, 1 << 62)).view(-1, B, 1)
-            hide = kpos[:, None, :] > ppos  # [segs, B, l']
-            bias = torch.zeros(hide.shape, dtype=qw.dtype, device=dev).masked_fill_(hide, float("-inf"))
+            bias = additive_mask(kpos[:, None, :] <= ppos, qw.dtype)  # [segs, B, l']
             bias = bias.unsqueeze(2).expand(-1, B, g, sb).reshape(-1, 1, B * g, sb)
         o, l = flash_lse(qq, kk, vv, cfg.scale, bias)
         parts.append((o.view(-1, g, d), l.view(-1, g).masked_fill_(~real[:, None], float("-inf")), slot_row))
@@ -633,10 +625,10 @@ def _decode_one(q, k, v, k_cmp, v_cmp, cfg, gates):
     pos = torch.full((1,), t, dtype=torch.long, device=q.device)
     idx = topk_blocks(_force_and_mask(imp, pos, cfg.sb, cfg.init_blocks, cfg.local_blocks), cfg.num_selected)[:, :, 0]
     tok = (idx.clamp(min=0).unsqueeze(-1) * cfg.sb + torch.arange(cfg.sb, device=q.device)).flatten(-2)  # [b, hk, S*sb]
-    hide = (idx.unsqueeze(-1) < 0).expand(-1, -1, -1, cfg.sb).flatten(-2) | (tok > t)
+    seen = (idx.unsqueeze(-1) >= 0).expand(-1, -1, -1, cfg.sb).flatten(-2) & (tok <= t)
     rows = tok.clamp(max=t)  # hidden rows past the query read a valid row; the bias masks them
     ks, vs = gather_rows(k, rows), gather_rows(v, rows)
-    bias = torch.zeros(hide.shape, dtype=q.dtype, device=q.device).masked_fill_(hide, float("-inf")).unsqueeze(2)
+    bias = additive_mask(seen, q.dtype).unsqueeze(2)
     o_s, l_s = flash_lse(qg, ks, vs, cfg.scale, bias)
     w0 = max(0, nk - cfg.window)
     o_w, l_w = flash_lse(qg, k[:, :, w0:], v[:, :, w0:], cfg.scale)

@@ -56,7 +56,7 @@ import torch
 
 from .base import Method, Param, optional_int, positive_int, register_method
 from .common import acc_dtype, check_qkv, default_scale, layer_seed_of, merge_lse, resolve_backend
-from .cpu_flash import flash_lse, fused_ok
+from .cpu_flash import additive_mask, flash_lse, fused_ok, hide_empty
 
 DEFAULT_WINDOW = 1024
 DEFAULT_GLOBAL_TOKENS = 64
@@ -175,23 +175,10 @@ def _plain_attention(q, k, v, scale, bias=None):
 def _attend(q, k, v, scale, bias=None):
     """(out, lse float32/64) of q [B, Hq, m, d] vs k/v [B, Hk, n, d] (views allowed), non-causal,
     additive ``bias`` broadcastable to [B, Hq, m, n]. Rows whose keys are all masked must be fixed
-    by the caller (the fused kernel returns lse = 0 for them): ``_hide_empty``."""
+    by the caller (the fused kernel returns lse = 0 for them): ``hide_empty``."""
     if fused_ok(q, k, v):
         return flash_lse(q, k, v, scale, bias)
     return _plain_attention(q, k, v, scale, bias)
-
-
-def _hide_empty(out, lse, visible_any):
-    """Rows that saw no key: lse = -inf and a zero output (the merge then ignores them)."""
-    if bool(visible_any.all()):
-        return out, lse
-    lse = torch.where(visible_any, lse, torch.full_like(lse, float("-inf")))
-    out = torch.where(visible_any.unsqueeze(-1), out, torch.zeros_like(out))
-    return out, lse
-
-
-def _neg_inf_bias(visible: torch.Tensor, dtype) -> torch.Tensor:
-    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, float("-inf"))
 
 
 # --------------------------------------------------------------------------- part 1: global keys
@@ -216,8 +203,8 @@ def _global_part(q1, k1, v1, off: int, G: int, causal: bool, scale: float):
         rows = min(first_full, nq)
         p = torch.arange(off, off + rows, device=q1.device)[:, None]
         vis = torch.arange(gk, device=q1.device)[None, :] <= p  # p >= 0 always (causal: nq <= nk)
-        o, l = _attend(q1[None, :, :rows], kg, vg, scale, _neg_inf_bias(vis, q1.dtype))
-        o, l = _hide_empty(o[0], l[0], vis.any(-1))
+        o, l = _attend(q1[None, :, :rows], kg, vg, scale, additive_mask(vis, q1.dtype))
+        o, l = hide_empty(o[0], l[0], vis.any(-1))
         out[:, :rows], lse[:, :rows] = o, l
     return out, lse
 
@@ -234,7 +221,7 @@ def _band_bias(T: int, lo: int, hi: int, dtype, device) -> torch.Tensor:
     """[T, T + lo + hi] additive bias of a tile: row a sees span columns a .. a + lo + hi."""
     a = torch.arange(T, device=device)[:, None]
     c = torch.arange(T + lo + hi, device=device)[None, :]
-    return _neg_inf_bias((c >= a) & (c <= a + lo + hi), dtype)
+    return additive_mask((c >= a) & (c <= a + lo + hi), dtype)
 
 
 def band_attention(qs, ks, vs, s0: int, lo: int, hi: int, kmin: int, scale: float):
@@ -361,14 +348,14 @@ def _random_blocks_attention(qt, kt, vt, qbs, sel, kpos, key_ok, pat: SparsePatt
     block ("near") are recomputed with a row-level [B, R*B] bias that hides the window keys."""
     nb, hq, B, d = qt.shape
     vis = key_ok[:, None, :]  # [nb, 1, R*B]: every row of a far block sees the same keys
-    out, lse = _attend(qt, kt, vt, scale, _neg_inf_bias(vis, qt.dtype)[:, None])
-    out, lse = _hide_empty(out, lse, vis.any(-1)[:, None])
+    out, lse = _attend(qt, kt, vt, scale, additive_mask(vis, qt.dtype)[:, None])
+    out, lse = hide_empty(out, lse, vis.any(-1)[:, None])
     near = _near_window(qbs, sel, pat)
     if bool(near.any()):  # redo the few near blocks with the window keys hidden row by row
         p = (qbs[near][:, None] * B + torch.arange(B, device=qt.device)).unsqueeze(-1)  # [n, B, 1]
         vis = key_ok[near][:, None, :] & ~pat.in_window(p, kpos[near][:, None, :])  # [n, B, R*B]
-        o, l = _attend(qt[near], kt[near], vt[near], scale, _neg_inf_bias(vis, qt.dtype)[:, None])
-        o, l = _hide_empty(o, l, vis.any(-1)[:, None])
+        o, l = _attend(qt[near], kt[near], vt[near], scale, additive_mask(vis, qt.dtype)[:, None])
+        o, l = hide_empty(o, l, vis.any(-1)[:, None])
         idx = (torch.nonzero(near).flatten(),)
         out, lse = out.index_put(idx, o), lse.index_put(idx, l)  # out of place: `out` may be saved for backward
     return out, lse
