@@ -246,14 +246,20 @@ def _forward(q, k, v, bias, causal, scale):
     return o, lse
 
 
+def _delta(do, o, dlse):
+    """The backward's row term rowsum(dO * O) in float32, minus dLSE when the LSE has a gradient
+    (d lse / d s = P, so a gradient on the LSE shifts every dS = P * (dP - delta) of the row)."""
+    delta = (do.float() * o.float()).sum(-1)
+    if dlse is not None:
+        delta = delta - dlse.float()
+    return delta.contiguous()
+
+
 def _backward(q, k, v, bias, o, lse, do, dlse, causal, scale):
     B, HQ, LQ, D = q.shape
     HK, LK = k.shape[1], k.shape[2]
     do = do.contiguous()
-    delta = (do.float() * o.float()).sum(-1)
-    if dlse is not None:
-        delta = delta - dlse.float()
-    delta = delta.contiguous()
+    delta = _delta(do, o, dlse)
     # fresh contiguous gradients: q, k, v may be strided views with gaps (empty_like would not
     # reproduce their strides then)
     dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)

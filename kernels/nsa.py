@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import _prep
+from .attention import _delta, _prep
 
 _LOG2E = 1.4426950408889634
 
@@ -80,7 +80,7 @@ def _compute(q: torch.Tensor) -> dict:
     fp32 accumulation. Anything in the CPU interpreter: upcast to fp32, because the interpreter
     computes bf16/fp16 dots wrongly.
     """
-    if q.dtype in (torch.float32, torch.float64) or os.environ.get("TRITON_INTERPRET") == "1" or q.device.type == "cpu":
+    if q.dtype in (torch.float32, torch.float64) or _interpreted(q.device):
         return dict(CDT=tl.float32, DOT="ieee")
     # DOT None: the backend's default, meaningless for half inputs (and "tf32" is not allowed on every backend)
     return dict(CDT=tl.float16 if q.dtype == torch.float16 else tl.bfloat16, DOT=None)
@@ -293,10 +293,7 @@ def _band_backward(q, k, v, nk, geom, scale, o, lse, do, dlse):
     B, HQ, NQ, D = q.shape
     HK = k.shape[1]
     do = do.contiguous()
-    delta = (do.float() * o.float()).sum(-1)
-    if dlse is not None:
-        delta = delta - dlse.float()
-    delta = delta.contiguous()
+    delta = _delta(do, o, dlse)
     dq = torch.zeros(q.shape, device=q.device, dtype=q.dtype)
     # zeros: key rows past nk (a preallocated cache) get no gradient and no program writes them
     dk = torch.zeros(k.shape, device=k.device, dtype=k.dtype)
@@ -721,10 +718,7 @@ class _SelectedAttention(torch.autograd.Function):
         S = idx.shape[-1]
         ns = triton.cdiv(kv_len, sel)
         do = torch.zeros_like(o) if do is None else do.to(o.dtype).contiguous()
-        delta = (do.float() * o.float()).sum(-1)
-        if dlse is not None:
-            delta = delta - dlse.float()
-        delta = delta.contiguous()
+        delta = _delta(do, o, dlse)
         dq = torch.zeros(q.shape, device=q.device, dtype=q.dtype)
         # zeros: keys nobody selected (and cache rows past kv_len) get no program
         dk = torch.zeros(k.shape, device=k.device, dtype=k.dtype)

@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .attention import _delta
 from .moba import _dot, _softmax_step  # exact fp32 / interpreter-safe dots and the online-softmax step
 
 _LOG2E = 1.4426950408889634
@@ -287,10 +288,7 @@ def _backward(q, k, v, out, lse, dout, dlse, window, global_tokens, dilation, ca
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     dout = dout.contiguous()
-    delta = (dout.float() * out.float()).sum(-1)
-    if dlse is not None:
-        delta = delta - dlse.float()
-    delta, lse = delta.contiguous(), lse.contiguous()
+    delta, lse = _delta(dout, out, dlse), lse.contiguous()
     dq = torch.zeros((b, hq, nq, d), dtype=torch.float32, device=q.device)
     dk = torch.zeros((b, hk, nk, d), dtype=torch.float32, device=q.device)
     dv = torch.zeros((b, hk, nk, d), dtype=torch.float32, device=q.device)

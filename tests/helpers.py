@@ -1,4 +1,4 @@
-"""Shared test helpers: a dense attention oracle and a probe method that records its calls."""
+"""Shared test helpers: a dense attention oracle, logits of a model, and a probe method that records its calls."""
 from __future__ import annotations
 
 import torch
@@ -20,6 +20,13 @@ def dense_attention(q, k, v, causal=True, scale=None, mask=None):
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.double()
     return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
+
+
+def logits(model, ids, **kw):
+    """Logits of a forward pass without grad, whatever the model returns (tuple or ModelOutput)."""
+    with torch.no_grad():
+        out = model(ids, **kw)
+    return out[0] if isinstance(out, tuple) else out.logits
 
 
 PROBE_CALLS: list[tuple[int, int]] = []

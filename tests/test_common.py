@@ -35,15 +35,11 @@ def test_run_units_runs_every_unit_on_workers_without_grad(two_threads):
     torch.testing.assert_close(out, torch.arange(10.0))
 
 
-def test_run_units_serial_with_one_thread_or_one_unit():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        where = []
-        run_units(lambda i: where.append(threading.current_thread() is threading.main_thread()), range(3))
-        assert where == [True, True, True]
-    finally:
-        torch.set_num_threads(n)
+@pytest.mark.usefixtures("one_thread")
+def test_run_units_serial_with_one_thread():
+    where = []
+    run_units(lambda i: where.append(threading.current_thread() is threading.main_thread()), range(3))
+    assert where == [True, True, True]
 
 
 def test_run_units_raises_a_workers_error_and_restores_threads(two_threads):

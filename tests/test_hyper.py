@@ -8,6 +8,7 @@ from longpatch.errors import ConfigError
 from longpatch.methods import get_method
 from longpatch.methods.hyper import attention_lse_reference, gray_rank, lsh_directions, lsh_sort_keys
 from longpatch.ops import exact_attention, hyper_attention
+from helpers import logits
 
 
 def rel_err(a, b):
@@ -310,12 +311,6 @@ _PATCH = {"method": "hyper", "layers": 2,
           "params": {"block_size": 16, "sample_size": 16, "min_seq_len": 64, "seed": 3}}
 
 
-def _logits(model, ids):
-    with torch.no_grad():
-        out = model(ids)
-    return out[0] if isinstance(out, tuple) else out.logits
-
-
 @pytest.mark.parametrize("name", ["llama", "phi", "chatglm2"])
 def test_patched_tiny_models_prefill_beyond_min_seq_len(name):
     from longpatch import patch_model
@@ -323,9 +318,9 @@ def test_patched_tiny_models_prefill_beyond_min_seq_len(name):
 
     model = tiny_model(name)
     ids = torch.randint(0, 256, (1, 300))
-    ref = _logits(model, ids)
+    ref = logits(model, ids)
     patch_model(model, _PATCH)
-    out = _logits(model, ids)
+    out = logits(model, ids)
     stats = model.longpatch.stats()["patched"]
     assert stats["method"]["calls"] == 2 and "exact" not in stats
     assert torch.isfinite(out).all()
@@ -343,13 +338,13 @@ def test_lsh_directions_are_a_seeded_state_dict_buffer():
     patch_model(b, _PATCH)
     keys = [k for k in a.state_dict() if k.endswith("longpatch_lsh_dirs")]
     assert len(keys) == 2 and a.state_dict()[keys[0]].shape == (16, 7)
-    assert torch.equal(_logits(a, ids), _logits(b, ids))  # same seed: identical runs
+    assert torch.equal(logits(a, ids), logits(b, ids))  # same seed: identical runs
     # the buffer is what the layer uses: loading other directions changes the output
     sd = b.state_dict()
     for k in keys:
         sd[k] = torch.randn_like(sd[k])
     b.load_state_dict(sd)
-    assert not torch.equal(_logits(a, ids), _logits(b, ids))
+    assert not torch.equal(logits(a, ids), logits(b, ids))
 
 
 def test_each_patched_layer_draws_its_own_directions():

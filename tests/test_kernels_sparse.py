@@ -8,7 +8,7 @@ pytest.importorskip("triton")
 from longpatch.methods import sparse as sp  # noqa: E402
 from longpatch.methods.sparse import sparse_attention  # noqa: E402
 from longpatch.kernels.sparse import window_global_attention  # noqa: E402
-from test_sparse import oracle, spec  # noqa: E402
+from test_sparse import oracle, rand, spec  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -24,14 +24,9 @@ CASES = [  # b, hq, hk, nq, nk, causal, pattern, dtype
 ]
 
 
-def _rand(b, hq, hk, nq, nk, dtype, d=16):
-    return (torch.randn(b, hq, nq, d).to(dtype), torch.randn(b, hk, nk, d).to(dtype),
-            torch.randn(b, hk, nk, d).to(dtype))
-
-
 @pytest.mark.parametrize("b,hq,hk,nq,nk,causal,pattern,dtype", CASES)
 def test_triton_matches_torch_path_and_oracle(b, hq, hk, nq, nk, causal, pattern, dtype):
-    q, k, v = _rand(b, hq, hk, nq, nk, dtype)
+    q, k, v = rand(b, hq, hk, nq, nk, dtype=dtype)
     kw = dict(causal=causal, return_lse=True, **spec(**pattern))
     out, lse = sparse_attention(q, k, v, backend="triton", **kw)
     ref, ref_lse = sparse_attention(q, k, v, backend="torch", **kw)
@@ -47,7 +42,7 @@ def test_triton_matches_torch_path_and_oracle(b, hq, hk, nq, nk, causal, pattern
 def test_kernel_alone_is_global_plus_window():
     """The kernel's own output: global keys + window keys >= G, no random blocks, and (non-causal)
     no full rows for the global queries: compare with the torch parts 1 and 2 merged."""
-    q, k, v = _rand(1, 4, 2, 50, 50, torch.float32)
+    q, k, v = rand(1, 4, 2, 50, 50, dtype=torch.float32)
     pat = sp.SparsePattern(window=6, global_tokens=4, dilation=2, causal=False)
     out, lse = window_global_attention(q, k, v, window=6, global_tokens=4, dilation=2, causal=False, scale=0.25)
     og, lg = sp._global_part(q[0], k[0], v[0], 0, 4, False, 0.25)
@@ -59,7 +54,7 @@ def test_kernel_alone_is_global_plus_window():
 
 def test_rows_without_keys_get_minus_inf():
     """G = 0 and queries before the first key of their class (non-causal, nq > nk): empty rows."""
-    q, k, v = _rand(1, 1, 1, 20, 8, torch.float32)
+    q, k, v = rand(1, 1, 1, 20, 8, dtype=torch.float32)
     out, lse = window_global_attention(q, k, v, window=3, global_tokens=0, dilation=1, causal=False, scale=0.25)
     assert torch.isneginf(lse[0, 0, :10]).all() and (out[0, 0, :10] == 0).all()
     assert torch.isfinite(lse[0, 0, 11:]).all()
@@ -72,7 +67,7 @@ def test_rows_without_keys_get_minus_inf():
 ])
 def test_gradients_match_torch_path(b, hq, hk, nq, nk, causal, pattern):
     """Backward kernels (dQ; dK/dV of band and global key tiles), the LSE's gradient included."""
-    q, k, v = _rand(b, hq, hk, nq, nk, torch.float32)
+    q, k, v = rand(b, hq, hk, nq, nk, dtype=torch.float32)
     kw = dict(causal=causal, return_lse=True, **spec(**pattern))
     grads = []
     for backend in ("triton", "torch"):

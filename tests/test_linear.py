@@ -8,6 +8,7 @@ from longpatch.errors import ConfigError
 from longpatch.methods import get_method
 from longpatch.methods.linear import linear_attention, linear_features
 from longpatch.testing.tiny import tiny_model
+from helpers import logits
 
 LINEAR = get_method("linear")
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -152,12 +153,6 @@ def test_init_state_gives_the_decode_answer():
 
 # --------------------------------------------------------------------------- patched models
 
-def _logits(model, ids):
-    with torch.no_grad():
-        out = model(ids)
-    return out[0] if isinstance(out, tuple) else out.logits
-
-
 def test_generate_decode_equals_prefill_and_keeps_state():
     """Each decode step's logits equal one prefill of the final sequence; the state covers the cache."""
     model = tiny_model("llama")
@@ -168,7 +163,7 @@ def test_generate_decode_equals_prefill_and_keeps_state():
     stats = model.longpatch.stats()["patched"]
     assert stats["method"]["calls"] == 2 * 8 and "exact" not in stats
     assert all(r.state["length"] == 47 for r in model.longpatch.routes if r.method is not None)
-    full = _logits(model, gen.sequences[:, :-1])
+    full = logits(model, gen.sequences[:, :-1])
     torch.testing.assert_close(torch.stack(gen.logits, 1), full[:, 39:], atol=1e-4, rtol=1e-4)
 
 
@@ -176,9 +171,9 @@ def test_generate_decode_equals_prefill_and_keeps_state():
 def test_patched_families_prefill(name):
     model = tiny_model(name)
     ids = torch.randint(0, 256, (1, 48))
-    ref = _logits(model, ids)
+    ref = logits(model, ids)
     patch_model(model, {"method": "linear", "layers": 2})
-    out = _logits(model, ids)
+    out = logits(model, ids)
     assert torch.isfinite(out).all() and not torch.allclose(out, ref, atol=1e-4)
     assert model.longpatch.stats()["patched"]["method"]["calls"] == 2
 

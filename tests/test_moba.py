@@ -11,7 +11,7 @@ from longpatch.methods import get_method
 from longpatch.methods import moba as moba_mod
 from longpatch.ops import exact_attention, moba_attention, moba_chunk_means
 from longpatch.testing.tiny import tiny_model
-from helpers import dense_attention
+from helpers import dense_attention, logits
 
 MOBA = get_method("moba")
 
@@ -270,12 +270,6 @@ def test_init_state_gives_the_decode_answer():
 
 # --------------------------------------------------------------------------- patched models
 
-def _logits(model, ids):
-    with torch.no_grad():
-        out = model(ids)
-    return out[0] if isinstance(out, tuple) else out.logits
-
-
 def test_generate_with_topk_covering_everything_equals_unpatched():
     model = tiny_model("llama")
     ids = torch.randint(0, 256, (1, 40))
@@ -301,11 +295,11 @@ def test_generate_sparse_decode_equals_prefill_and_keeps_state():
     for route in model.longpatch.routes:
         if route.method is not None:
             assert route.state["means"].shape[2] == 59 // 8  # the cache length at the last step
-    full = _logits(model, gen.sequences[:, :-1])
+    full = logits(model, gen.sequences[:, :-1])
     steps = torch.stack(gen.logits, 1)
     torch.testing.assert_close(steps, full[:, 49:], atol=1e-4, rtol=1e-4)
     dense = tiny_model("llama")
-    assert not torch.allclose(_logits(dense, gen.sequences[:, :-1])[:, 49:], steps, atol=1e-3)  # really sparse
+    assert not torch.allclose(logits(dense, gen.sequences[:, :-1])[:, 49:], steps, atol=1e-3)  # really sparse
 
 
 def test_chatglm2_incremental_decode_equals_prefill():
@@ -328,12 +322,12 @@ def test_chatglm2_incremental_decode_equals_prefill():
 def test_patched_families_prefill(name):
     model = tiny_model(name)
     ids = torch.randint(0, 256, (1, 48))
-    ref = _logits(model, ids)
+    ref = logits(model, ids)
     with patched(model, {"method": "moba", "layers": "all", "params": {"chunk_size": 8, "topk": 6}}):
-        torch.testing.assert_close(_logits(model, ids), ref, atol=1e-5, rtol=1e-5)  # topk covers all 6 chunks
+        torch.testing.assert_close(logits(model, ids), ref, atol=1e-5, rtol=1e-5)  # topk covers all 6 chunks
     with patched(model, {"method": "moba", "layers": 2, "params": {"chunk_size": 8, "topk": 2,
                                                                     "shared_selection": True}}):
-        out = _logits(model, ids)
+        out = logits(model, ids)
         assert torch.isfinite(out).all() and not torch.allclose(out, ref)
         assert model.longpatch.stats()["patched"]["method"]["calls"] == 2
 

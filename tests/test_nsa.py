@@ -17,6 +17,7 @@ from longpatch.methods.nsa import (compressed_attention_reference, nsa_attention
                                    window_attention_reference)
 from longpatch.methods.nsa_module import NSAAttention
 from longpatch.testing.tiny import tiny_model
+from helpers import logits
 
 NSA = get_method("nsa")
 
@@ -430,12 +431,6 @@ def test_module_decode_with_cached_compression_equals_prefill():
 
 # --------------------------------------------------------------------------- patched models
 
-def _logits(model, ids):
-    with torch.no_grad():
-        out = model(ids)
-    return out[0] if isinstance(out, tuple) else out.logits
-
-
 PATCH = {"compress_block": 8, "compress_stride": 4, "select_block": 8, "num_selected": 2, "window": 8,
          "init_blocks": 1, "local_blocks": 1}
 
@@ -451,21 +446,21 @@ def test_generate_decode_equals_prefill_and_keeps_state():
     for route in model.longpatch.routes:
         if route.method is not None:
             assert route.state["k_cmp"].shape[2] == (57 - 8) // 4 + 1
-    full = _logits(model, gen.sequences[:, :-1])
+    full = logits(model, gen.sequences[:, :-1])
     torch.testing.assert_close(torch.stack(gen.logits, 1), full[:, 49:], atol=1e-4, rtol=1e-4)
-    assert not torch.allclose(_logits(tiny_model("llama"), gen.sequences[:, :-1])[:, 49:], full[:, 49:], atol=1e-3)
+    assert not torch.allclose(logits(tiny_model("llama"), gen.sequences[:, :-1])[:, 49:], full[:, 49:], atol=1e-3)
 
 
 @pytest.mark.parametrize("name", ["phi", "qwen2", "chatglm2"])
 def test_patched_families_prefill_and_generate(name):
     model = tiny_model(name)
     ids = torch.randint(0, 256, (1, 40))
-    ref = _logits(model, ids)
+    ref = logits(model, ids)
     cover = dict(PATCH, num_selected=5, gates=[0, 1, 0])  # 5 blocks of 8 cover 40 tokens: exact
     with patched(model, {"method": "nsa", "layers": "all", "params": cover}):
-        torch.testing.assert_close(_logits(model, ids), ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(logits(model, ids), ref, atol=1e-5, rtol=1e-5)
     with patched(model, {"method": "nsa", "layers": "all", "params": PATCH}):
-        out = _logits(model, ids)
+        out = logits(model, ids)
         assert torch.isfinite(out).all() and not torch.allclose(out, ref)
         if name != "chatglm2":  # its remote-code class has no generate(): see the next test
             gen = model.generate(ids[:, :30], max_new_tokens=4, min_new_tokens=4, do_sample=False)
@@ -507,7 +502,6 @@ def test_decode_bench_runs(tmp_path):
 
 
 def test_non_causal_calls_keep_the_models_attention(caplog):
-    from longpatch.methods import get_method
     from longpatch.routing import LayerRoute
 
     route = LayerRoute(layer_idx=0, method=get_method("nsa"))

@@ -7,15 +7,9 @@ import torch
 import longpatch
 from longpatch import ConfigError, routing, patch_model, patched, patched_layers, unpatch_model
 from longpatch.testing.tiny import tiny_model
-from helpers import PROBE_CALLS
+from helpers import PROBE_CALLS, logits
 
 HF = ["llama", "phi", "qwen2", "mistral"]
-
-
-def logits(model, ids, **kw):
-    with torch.no_grad():
-        out = model(ids, **kw)
-    return out[0] if isinstance(out, tuple) else out.logits
 
 
 @pytest.mark.parametrize("name", HF + ["chatglm2"])

@@ -17,6 +17,7 @@ from longpatch.methods.performer import (gaussian_projection, performer_attentio
                                          redraw_features, softmax_kernel_estimate)
 from longpatch.ops import exact_attention
 from longpatch.testing.tiny import tiny_model
+from helpers import logits
 
 PERFORMER = get_method("performer")
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -280,12 +281,6 @@ def test_state_rebuilt_when_projection_or_cache_changes():
 
 # --------------------------------------------------------------------------- patched models
 
-def _logits(model, ids):
-    with torch.no_grad():
-        out = model(ids)
-    return out[0] if isinstance(out, tuple) else out.logits
-
-
 def test_projection_is_a_layer_buffer_and_redraw_changes_it():
     model = tiny_model("llama")
     ids = torch.randint(0, 256, (1, 40))
@@ -296,9 +291,9 @@ def test_projection_is_a_layer_buffer_and_redraw_changes_it():
     mine = [perf.PERFORMER.make_buffers(head_dim=16, num_features=32, seed=7, layer_seed=i)["projection"] for i in (2, 3)]
     assert torch.equal(model.state_dict()[keys[0]], mine[0]) and torch.equal(model.state_dict()[keys[1]], mine[1])
     assert not torch.equal(mine[0], mine[1])
-    before = _logits(model, ids)
+    before = logits(model, ids)
     assert redraw_features(model, seed=1) == 2
-    after = _logits(model, ids)
+    after = logits(model, ids)
     sd = {n: t.clone() for n, t in model.state_dict().items()}  # redraw works in place
     assert not torch.equal(sd[keys[0]], mine[0])
     assert not torch.equal(sd[keys[0]], sd[keys[1]])  # each layer its own draw
@@ -315,7 +310,7 @@ def test_generate_decode_equals_prefill():
                          return_dict_in_generate=True)
     stats = model.longpatch.stats()["patched"]
     assert stats["method"]["calls"] == 2 * 6 and "exact" not in stats
-    full = _logits(model, gen.sequences[:, :-1])
+    full = logits(model, gen.sequences[:, :-1])
     torch.testing.assert_close(torch.stack(gen.logits, 1), full[:, 39:], atol=1e-4, rtol=1e-4)
 
 

@@ -8,7 +8,7 @@ from longpatch.methods import get_method
 from longpatch.methods import sparse as sp
 from longpatch.methods.sparse import random_key_blocks, sparse_attention
 from longpatch.testing.tiny import tiny_model
-from helpers import dense_attention
+from helpers import dense_attention, logits
 
 SPARSE = get_method("sparse")
 
@@ -224,12 +224,6 @@ def test_empty_inputs():
 
 # --------------------------------------------------------------------------- patched models
 
-def _logits(model, ids):
-    with torch.no_grad():
-        out = model(ids)
-    return out[0] if isinstance(out, tuple) else out.logits
-
-
 def test_window_covering_everything_equals_unpatched():
     model = tiny_model("llama")
     ids = torch.randint(0, 256, (1, 40))
@@ -249,20 +243,20 @@ def test_patched_model_prefills_and_generates_with_decode_equal_to_prefill():
                          return_dict_in_generate=True)
     assert gen.sequences.shape == (1, 53)
     assert model.longpatch.stats()["patched"]["method"]["calls"] == 2 * 8  # prefill + 7 decode steps
-    full = _logits(model, gen.sequences[:, :-1])
+    full = logits(model, gen.sequences[:, :-1])
     steps = torch.stack(gen.logits, 1)
     torch.testing.assert_close(steps, full[:, 44:], atol=1e-4, rtol=1e-4)
     dense = tiny_model("llama")
-    assert not torch.allclose(_logits(dense, gen.sequences[:, :-1])[:, 44:], steps, atol=1e-3)  # really sparse
+    assert not torch.allclose(logits(dense, gen.sequences[:, :-1])[:, 44:], steps, atol=1e-3)  # really sparse
 
 
 @pytest.mark.parametrize("name", ["qwen2", "chatglm2"])
 def test_patched_families_prefill(name):
     model = tiny_model(name)
     ids = torch.randint(0, 256, (1, 48))
-    ref = _logits(model, ids)
+    ref = logits(model, ids)
     with patched(model, {"method": "sparse", "layers": "all", "params": {"window": 6, "global_tokens": 2}}):
-        out = _logits(model, ids)
+        out = logits(model, ids)
         assert torch.isfinite(out).all() and not torch.allclose(out, ref)
         assert model.longpatch.stats()["patched"]["method"]["calls"] == len(model.longpatch.routes)
 

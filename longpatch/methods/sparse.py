@@ -467,9 +467,9 @@ def _triton_path(q, k, v, pat: SparsePattern, scale: float):
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     out, lse = window_global_attention(q, k, v, window=pat.window, global_tokens=pat.global_tokens,
                                        dilation=pat.dilation, causal=pat.causal, scale=scale)
-    if pat.random_blocks or _global_query_rows(k.shape[2] - q.shape[2], q.shape[2], pat)[1]:
+    a, e = _global_query_rows(k.shape[2] - q.shape[2], q.shape[2], pat)
+    if pat.random_blocks or e:
         o2, l2 = _torch_sparse(q, k, v, pat, scale, skip_window=True)
-        a, e = _global_query_rows(k.shape[2] - q.shape[2], q.shape[2], pat)
         out, lse = merge_lse(out, lse, o2, l2)
         if e > a:  # exact rows came back in o2/l2 merged with -inf parts; take them as they are
             out, lse = _replace_rows(out, lse, a, e, o2[:, :, a:e], l2[:, :, a:e])
