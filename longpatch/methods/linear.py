@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from .base import Method, Param, register_method
-from .common import acc_dtype, check_qkv, probe_positions, resolve_backend
+from .common import acc_dtype, check_qkv, group_queries, probe_positions, resolve_backend
 
 DEFAULT_CHUNK = 64
 # Chunk summaries materialised at once (elements of [chunks, m, dv] over batch*heads): bounds the
@@ -69,9 +69,8 @@ def prefix_sums(kf: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 def readout(qf: torch.Tensor, S: torch.Tensor, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Numerator [b, hq, n, dv] and denominator [b, hq, n] of queries that see all of (S, z)."""
-    b, hq, n, m = qf.shape
-    hk = S.shape[1]
-    qg = qf.to(S.dtype).view(b, hk, hq // hk, n, m)  # the group's heads share S, z (views, no repeat)
+    b, hq, n, _ = qf.shape
+    qg = group_queries(qf.to(S.dtype), S.shape[1])  # the group's heads share S, z (views, no repeat)
     num = torch.matmul(qg, S.unsqueeze(2))
     den = torch.matmul(qg, z.unsqueeze(2).unsqueeze(-1)).squeeze(-1)
     return num.reshape(b, hq, n, -1), den.reshape(b, hq, n)
@@ -208,7 +207,7 @@ def _fold(S, z, shift, featurize: KeyFeaturizer, k, v):
     return S + dS, z + dz, new_shift
 
 
-def stateful_attention(qf, k, v, featurize: KeyFeaturizer, *, state: dict | None, tag=None,
+def stateful_attention(qf, k, v, featurize: KeyFeaturizer, *, state: dict, tag=None,
                        backend: str = "torch"):
     """Causal attention in feature space with (S, z) carried across calls in ``state``.
 
@@ -220,15 +219,14 @@ def stateful_attention(qf, k, v, featurize: KeyFeaturizer, *, state: dict | None
     Returns (num, den) float32.
     """
     nq, nk = qf.shape[2], k.shape[2]
-    st = state if state is not None else {}
-    usable = _state_usable(st, k, v, tag)
-    if usable and nq == 1 and st["length"] == nk:  # the sums already include this query's keys
-        return readout(qf, st["S"], st["z"])
+    usable = _state_usable(state, k, v, tag)
+    if usable and nq == 1 and state["length"] == nk:  # the sums already include this query's keys
+        return readout(qf, state["S"], state["z"])
     p = nk - nq
     b, hk, m, dv = k.shape[0], k.shape[1], qf.shape[-1], v.shape[-1]
     acc = acc_dtype(qf.dtype)
-    if usable and st["length"] <= p:
-        S, z, shift, start = st["S"], st["z"], st["shift"], st["length"]
+    if usable and state["length"] <= p:
+        S, z, shift, start = state["S"], state["z"], state["shift"], state["length"]
     else:
         S = torch.zeros(b, hk, m, dv, dtype=acc, device=k.device)
         z = torch.zeros(b, hk, m, dtype=acc, device=k.device)
@@ -242,10 +240,9 @@ def stateful_attention(qf, k, v, featurize: KeyFeaturizer, *, state: dict | None
         kf, new_shift = featurize(k[:, :, p:], shift)
         S, z = _rescale(S, z, shift, new_shift)
         num, den = causal_prefix(qf, kf, v[:, :, p:], S, z, backend=backend)
-        dS, dz = prefix_sums(kf.detach(), v[:, :, p:].detach()) if state is not None else (0, 0)
+        dS, dz = prefix_sums(kf.detach(), v[:, :, p:].detach())
         S, z, shift = S + dS, z + dz, new_shift
-    if state is not None:
-        _save(state, S, z, shift, k.detach(), v.detach(), nk, tag)
+    _save(state, S, z, shift, k.detach(), v.detach(), nk, tag)
     return num, den
 
 

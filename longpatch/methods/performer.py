@@ -38,7 +38,7 @@ import math
 import torch
 
 from .base import Method, Param, optional_int, positive_int, register_method
-from .common import check_qkv, default_scale, layer_seed_of, resolve_backend
+from .common import acc_dtype, check_qkv, default_scale, layer_seed_of, resolve_backend
 from .linear import build_state, feature_attention, finish, stateful_attention
 
 DEFAULT_SEED = 0  # seed=None gives these features: deterministic unless asked otherwise
@@ -131,7 +131,7 @@ def performer_features(x: torch.Tensor, projection: torch.Tensor, feature_type: 
     (float64 for float64 x).
     """
     _check_feature_type(feature_type)
-    x = x.float() if x.dtype != torch.float64 else x
+    x = x.to(acc_dtype(x.dtype))
     m = projection.shape[0]
     log_norm = -0.5 * math.log(m) - (0.5 * math.log(2.0) if feature_type == "hyperbolic" else 0.0)
     if feature_type == "trig":

@@ -517,7 +517,7 @@ def sparse_attention(q, k, v, *, causal: bool = True, scale: float | None = None
 def _run(q, k, v, *, causal=True, scale=None, backend="auto", buffers=None, window=DEFAULT_WINDOW,
          global_tokens=DEFAULT_GLOBAL_TOKENS, dilation=DEFAULT_DILATION, random_blocks=DEFAULT_RANDOM_BLOCKS,
          block=DEFAULT_BLOCK, seed=None, **_):
-    if buffers and "seed" in buffers:  # a patched layer: its own draw of random blocks
+    if random_blocks and buffers and "seed" in buffers:  # a patched layer: its own draw of random blocks
         seed = int(buffers["seed"])
     return sparse_attention(q, k, v, causal=causal, scale=scale, window=window, global_tokens=global_tokens,
                             dilation=dilation, random_blocks=random_blocks, block=block, seed=seed, backend=backend)
