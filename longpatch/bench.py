@@ -164,9 +164,10 @@ def run_attention_bench(methods=("exact", "hyper"), seq_lens=DEFAULT_SEQ_LENS, c
         raise ValueError(f"kv_heads: got {kv_heads}; allowed: a divisor of heads ({heads})")
     others = [m for m in methods if m != "exact"]
     callers = {m: _caller(m, method_params.get(m) or {}, head_dim) for m in ["exact", *others]}
-    causal_only = {m for m in others if get_method(m).causal_only}  # no non-causal rows for these
+    # the calls of each mask mode; causal-only methods get no non-causal rows
+    names = {c: ["exact", *[m for m in others if c or not get_method(m).causal_only]] for c in causal_modes}
     rows: list[dict] = []
-    steps = len(seq_lens) * sum(1 + len(others) - (0 if causal else len(causal_only)) for causal in causal_modes)
+    steps = len(seq_lens) * sum(len(v) for v in names.values())
     console = Console(width=max(Console().width, 140))
     log_lines = progress and not console.is_terminal  # no live bar in a log file: one line per step
     with Progress(console=console, disable=not progress or log_lines, transient=False) as bar:
@@ -174,11 +175,12 @@ def run_attention_bench(methods=("exact", "hyper"), seq_lens=DEFAULT_SEQ_LENS, c
         for causal in causal_modes:
             for n in seq_lens:
                 q, k, v = _inputs(batch, heads, n, head_dim, tdtype, kv_heads=kv_heads)
+                structured = _structured(batch, heads, kv_heads, n, head_dim, tdtype) if errors else None
                 mode = "causal" if causal else "non-causal"
                 ref = ref_s = None
                 exact_row = None
                 run_exact = max_exact_len is None or n <= max_exact_len
-                for name in ["exact", *[m for m in others if causal or m not in causal_only]]:
+                for name in names[causal]:
                     bar.update(task, description=f"{name} n={n} {mode}")
                     if name == "exact" and not run_exact:
                         bar.advance(task)
@@ -194,15 +196,13 @@ def run_attention_bench(methods=("exact", "hyper"), seq_lens=DEFAULT_SEQ_LENS, c
                     if name == "exact":
                         ref = out
                         if errors:
-                            qs, ks, vs = _structured(batch, heads, kv_heads, n, head_dim, tdtype)
-                            ref_s = _fwd(call, qs, ks, vs, causal)
+                            ref_s = _fwd(call, *structured, causal)
                         row.update(err_random=0.0, err_structured=0.0, speedup_fwd=1.0)
                         exact_row = row
                     else:
                         row["err_random"] = _rel_err(out, ref) if ref is not None else None
                         if errors and ref_s is not None:
-                            qs, ks, vs = _structured(batch, heads, kv_heads, n, head_dim, tdtype)
-                            o_s = _fwd(call, qs, ks, vs, causal)
+                            o_s = _fwd(call, *structured, causal)
                             cut = n // 3
                             row["err_structured"] = _rel_err(o_s[:, :, cut:], ref_s[:, :, cut:])
                         else:
