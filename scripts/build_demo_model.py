@@ -1,35 +1,55 @@
 #!/usr/bin/env python
-"""Build longpatch's offline demo model: a small Llama trained on the CPU on Python's own stdlib.
+"""Build longpatch's offline demo model (v2): a small Llama trained on the CPU on Python's own stdlib
+that also retrieves from far back in its context.
 
-Why: no hub is reachable offline and random weights have nearly uniform attention, so they cannot
-show what an approximate attention costs. Source code has real long-range structure (identifiers
-defined far above their use), so a small model trained on it learns to use a long context.
+Why: no hub is reachable offline, and a model that ignores distant tokens cannot show what an
+approximate attention loses. Source code has long-range structure, but a 5M-parameter model trained
+on a few million tokens of it never forms copying (induction) heads. So the code stream is mixed
+with samples that reward reading far back (the retrieval mix, `sample()` below):
 
-Steps (deterministic given --seed and the Python version whose stdlib is read):
+- code needles: `NAME = 71432` lines planted at random line boundaries of a code window (several
+  names per window), asserted at the end (`assert NAME == 71432`);
+- prose needles: "The pass key is 71432. Remember it. ..." planted the same way, asked at the end;
+- repeated spans: a span of the window reappears later (the classic induction task, on real code).
+Every token carries the language-model loss; the answer tokens (the value after `==` / "is", and
+the second copy of a span) also enter a second, separately averaged loss, so the few tokens that
+need retrieval are not drowned by the many that do not. Lengths grow in phases (induction forms
+quickly on short sequences, then must be stretched toward the target length).
+
+Steps (deterministic given --seed and the Python version whose stdlib is read; each training step
+draws its batch from a generator seeded by (seed, step), so a resumed build is the same build):
 1. collect the stdlib's *.py files; hold out ~6% of them (by a hash of the relative path);
 2. train a byte-level BPE tokenizer (tokenizers) on the training files;
-3. train a LlamaForCausalLM (head_dim 64, 4 query heads sharing 2 KV heads, RoPE) in two phases:
-   1024-token windows, then 4096-token windows so the model learns to use a long context;
+3. train a LlamaForCausalLM (head_dim 64, 4 query heads sharing 2 KV heads, RoPE) through --phases;
+   a resumable checkpoint is written to --ckpt every --ckpt-minutes;
 4. write safetensors + tokenizer + model card to --out, and the held-out evaluation set
    (LongBench record format) beside it.
 
-    python scripts/build_demo_model.py --out longpatch/assets/demo   # ~1 h on 2 CPU cores
+    python scripts/build_demo_model.py --out longpatch/assets/demo
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import math
 import platform
 import random
 import sys
 import sysconfig
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 EOS = "<|endoftext|>"
+# Names for code needles. Fixed list, so samples are reproducible; PASSKEY is the evaluation's default.
+NAME_PARTS = ["PASS", "KEY", "SECRET", "MAX", "MIN", "PORT", "CODE", "TOKEN", "LIMIT", "USER", "BASE",
+              "SIZE", "COUNT", "RETRY", "TIMEOUT", "MAGIC", "SEED", "LEVEL", "OFFSET", "INDEX", "VALUE",
+              "DEFAULT", "BUFFER", "HOST", "PID", "UID", "ROOT", "FLAG", "MODE", "RATE", "STEP", "ID"]
+PROSE_SUBJECTS = ["pass key", "secret number", "magic number", "access code", "special value", "lucky number"]
 
 
 def stdlib_files() -> tuple[list[Path], list[Path], Path]:
@@ -56,8 +76,8 @@ def train_tokenizer(files: list[Path], vocab_size: int, out: Path):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator((read(p) for p in files), trainer=trainer)
-    # model_max_length only drives a warning when whole source files (longer than the model's 8192
-    # positions) are tokenized before truncation, as the evaluation does: set it out of the way.
+    # model_max_length only drives a warning when whole source files are tokenized before
+    # truncation, as the evaluation does: set it out of the way.
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS, unk_token=EOS,
                                    model_max_length=1 << 30)
     fast.save_pretrained(out)
@@ -65,7 +85,7 @@ def train_tokenizer(files: list[Path], vocab_size: int, out: Path):
 
 
 def token_stream(tokenizer, files: list[Path]) -> torch.Tensor:
-    """All training files in path order (neighbouring files are related), EOS between files."""
+    """All files in path order (neighbouring files are related), EOS between files."""
     ids: list[int] = []
     for p in files:
         ids.extend(tokenizer(read(p))["input_ids"])
@@ -73,110 +93,344 @@ def token_stream(tokenizer, files: list[Path]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
-def make_model(vocab_size: int, seed: int):
+def make_model(vocab_size: int, seed: int, rope_theta: float):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=8192,
-                      rope_theta=10000.0, tie_word_embeddings=True, attn_implementation="sdpa",
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=32768,
+                      rope_theta=rope_theta, tie_word_embeddings=True, attn_implementation="sdpa",
                       bos_token_id=0, eos_token_id=0)
     torch.manual_seed(seed)
     return LlamaForCausalLM(cfg)
 
 
-def batches(stream: torch.Tensor, ctx: int, batch: int, steps: int, gen: torch.Generator):
-    hi = len(stream) - ctx - 1
-    for _ in range(steps):
-        starts = torch.randint(0, hi, (batch,), generator=gen)
-        yield torch.stack([stream[s:s + ctx + 1] for s in starts.tolist()])
+# ---------------------------------------------------------------------------------------------
+# The training mix
 
 
-def lm_loss(model, chunk: torch.Tensor) -> torch.Tensor:
-    """Mean next-token NLL of chunk [b, ctx+1] (inputs chunk[:, :-1], targets chunk[:, 1:])."""
-    logits = model(chunk[:, :-1]).logits
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), chunk[:, 1:].flatten())
+@dataclass
+class Sample:
+    ids: list[int]        # L + 1 tokens
+    answers: list[int]    # positions (into ids) of tokens that need retrieval; their targets are ids[pos]
+
+
+class Mixer:
+    """Draws training (or evaluation) samples from a token stream; all randomness from `rng`."""
+
+    def __init__(self, tokenizer, stream: torch.Tensor):
+        self.tok = tokenizer
+        self.stream = stream
+
+    def enc(self, text: str) -> list[int]:
+        return self.tok(text, add_special_tokens=False)["input_ids"]
+
+    def window(self, rng: random.Random, n: int) -> list[int]:
+        s = rng.randrange(0, len(self.stream) - n - 1)
+        return self.stream[s:s + n].tolist()
+
+    def filler_lines(self, rng: random.Random, n_tokens: int) -> list[str]:
+        """About n_tokens of code, cut at line boundaries (first and last partial lines dropped)."""
+        text = self.tok.decode(self.window(rng, n_tokens + 64))
+        lines = text.split("\n")
+        return lines[1:-1] if len(lines) > 2 else lines
+
+    def needles(self, rng: random.Random, n: int, *, kind: str, n_needles: int = 1,
+                depth: float | None = None, name: str | None = None, value: str | None = None) -> Sample:
+        """Filler code with planted needles, and questions about some of them at the end."""
+        facts = []
+        used = set()
+        for i in range(n_needles):
+            if kind == "code":
+                nm = name if (i == 0 and name) else _random_name(rng, used)
+            else:
+                nm = (name if (i == 0 and name) else rng.choice([s for s in PROSE_SUBJECTS if s not in used]))
+            used.add(nm)
+            digits = rng.randint(1, 6)
+            val = value if (i == 0 and value) else str(rng.randrange(10 ** (digits - 1), 10 ** digits))
+            facts.append((nm, val))
+        if kind == "code":
+            needle = [f"{nm} = {val}" for nm, val in facts]
+            questions = [(f"assert {nm} ==", f" {val}", "\n") for nm, val in facts]
+        else:
+            needle = [f"The {nm} is {val}. Remember it. {val} is the {nm}." for nm, val in facts]
+            questions = [(f"What is the {nm}? The {nm} is", f" {val}", ".\n") for nm, val in facts]
+        asked = [questions[0]] + ([q for q in questions[1:] if rng.random() < 0.5])
+        q_ids = [(self.enc(a), self.enc(b), self.enc(c)) for a, b, c in asked]
+        budget = n + 1 - sum(len(a) + len(b) + len(c) for a, b, c in q_ids) - sum(len(self.enc(x)) + 1 for x in needle)
+        lines = self.filler_lines(rng, max(budget, 16))
+        # plant each needle at its own depth (the first at `depth` when given), at a line boundary
+        for j, text in enumerate(needle):
+            d = depth if (j == 0 and depth is not None) else rng.random()
+            lines.insert(round(d * len(lines)), text)
+        body = self.enc("\n".join(lines) + "\n")
+        ids, answers = list(body), []
+        for a, b, c in q_ids:
+            ids += a
+            answers += range(len(ids), len(ids) + len(b))
+            ids += b + c
+        return _fit(ids, answers, n + 1)
+
+    def repeat(self, rng: random.Random, n: int) -> Sample:
+        """A code window in which one span reappears later (the second copy is the answer)."""
+        ids = self.window(rng, n + 1)
+        span = rng.randint(8, max(8, min(n // 3, 2048)))
+        src = rng.randrange(0, n + 1 - 2 * span)
+        dst = rng.randrange(src + span, n + 1 - span + 1)
+        ids[dst:dst + span] = ids[src:src + span]
+        return Sample(ids, list(range(dst + 1, dst + span)))
+
+    def draw(self, rng: random.Random, n: int) -> Sample:
+        r = rng.random()
+        if r < 0.35:
+            return self.needles(rng, n, kind="code", n_needles=rng.randint(1, 4))
+        if r < 0.55:
+            return self.needles(rng, n, kind="prose", n_needles=rng.randint(1, 3))
+        if r < 0.8:
+            return self.repeat(rng, n)
+        return Sample(self.window(rng, n + 1), [])
+
+
+def _random_name(rng: random.Random, used: set) -> str:
+    while True:
+        name = "PASSKEY" if rng.random() < 0.15 else "_".join(rng.choice(NAME_PARTS) for _ in range(rng.randint(1, 3)))
+        if name not in used:
+            return name
+
+
+def _fit(ids: list[int], answers: list[int], total: int) -> Sample:
+    """Exactly `total` tokens: cut the front (filler) or pad it with a repeat of the filler start."""
+    if len(ids) >= total:
+        cut = len(ids) - total
+        return Sample(ids[cut:], [a - cut for a in answers if a - cut > 0])
+    pad = total - len(ids)
+    return Sample((ids[:pad] * (pad // max(1, len(ids)) + 1))[:pad] + ids, [a + pad for a in answers])
+
+
+def batch_tensors(samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.tensor([s.ids for s in samples], dtype=torch.long)
+    mask = torch.zeros(ids.shape, dtype=torch.bool)
+    for i, s in enumerate(samples):
+        mask[i, s.answers] = True
+    return ids, mask
+
+
+def losses(model, ids: torch.Tensor, answer_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean next-token NLL over all tokens, mean NLL over answer tokens or 0)."""
+    logits = model(ids[:, :-1]).logits
+    nll = F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="none").view(ids.shape[0], -1)
+    m = answer_mask[:, 1:]
+    ans = nll[m].mean() if m.any() else nll.new_zeros(())
+    return nll.mean(), ans
+
+
+@torch.no_grad()
+def retrieval_accuracy(model, mixer: Mixer, n: int, kind: str, trials: int, seed: int = 1234) -> float:
+    """Fraction of samples (one needle, one question) whose answer tokens are all argmax-correct."""
+    rng = random.Random(seed)
+    ok = 0
+    for t in range(trials):
+        if kind == "repeat":
+            s = mixer.repeat(rng, n)
+        else:
+            s = mixer.needles(rng, n, kind=kind, depth=(t + 0.5) / trials,
+                              value=str(rng.randrange(10000, 100000)), name="PASSKEY" if kind == "code" else "pass key")
+        ids, mask = batch_tensors([s])
+        pred = model(ids[:, :-1]).logits.argmax(-1)
+        m = mask[:, 1:]
+        ok += bool((pred[m] == ids[:, 1:][m]).all()) if kind != "repeat" else (pred[m] == ids[:, 1:][m]).float().mean().item()
+    return ok / trials
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_phases(spec: str) -> list[tuple[int, int, int]]:
+    """'256x32:600,1024x8:300' -> [(256, 32, 600), (1024, 8, 300)] (length x batch : steps)."""
+    out = []
+    for part in spec.split(","):
+        shape, steps = part.split(":")
+        n, b = shape.split("x")
+        out.append((int(n), int(b), int(steps)))
+    return out
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="longpatch/assets/demo")
+    ap.add_argument("--ckpt", default=str(Path.home() / ".cache" / "longpatch" / "demo_v2"),
+                    help="resumable checkpoint directory (outside git)")
+    ap.add_argument("--ckpt-minutes", type=float, default=5.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--phase1", type=int, default=900, help="steps of 4 x 1024 tokens")
-    ap.add_argument("--phase2", type=int, default=300, help="steps of 1 x 4096 tokens")
-    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--phases", default="256x32:800,1024x8:400,4096x2:300,8192x1:150")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--rope-theta", type=float, default=1e6)
+    ap.add_argument("--eval-every", type=int, default=100)
+    ap.add_argument("--eval-lengths", default="1024,4096")
+    ap.add_argument("--stop-after", type=int, default=0, help="stop (with a checkpoint) after this step; 0 = run all")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    random.seed(args.seed)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    log_lines: list[str] = []
+    out, ckpt = Path(args.out), Path(args.ckpt)
+    ckpt.mkdir(parents=True, exist_ok=True)
+    logf = open(ckpt / "log.txt", "a")
 
     def log(msg: str):
         print(msg, flush=True)
-        log_lines.append(msg)
+        logf.write(msg + "\n")
+        logf.flush()
 
     t_start = time.time()
     train_files, held_files, root = stdlib_files()
     log(f"stdlib {root}: {len(train_files)} training files, {len(held_files)} held out")
-    tok = train_tokenizer(train_files, args.vocab, out)
-    stream = token_stream(tok, train_files)
-    log(f"tokenizer: vocab {len(tok)}; training stream {len(stream):,} tokens")
+    tok_dir = ckpt / "tokenizer"
+    if (tok_dir / "tokenizer.json").is_file() and (ckpt / "stream.pt").is_file():
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(tok_dir)
+        stream, held_stream = torch.load(ckpt / "stream.pt")
+    else:
+        tok = train_tokenizer(train_files, args.vocab, tok_dir)
+        stream, held_stream = token_stream(tok, train_files), token_stream(tok, held_files)
+        torch.save((stream, held_stream), ckpt / "stream.pt")
+    log(f"tokenizer: vocab {len(tok)}; training stream {len(stream):,} tokens, held-out {len(held_stream):,}")
+    mixer, held_mixer = Mixer(tok, stream), Mixer(tok, held_stream)
 
-    model = make_model(len(tok), args.seed)
+    model = make_model(len(tok), args.seed, args.rope_theta)
     n_params = sum(p.numel() for p in model.parameters())
-    log(f"model: {n_params / 1e6:.2f}M parameters")
-    gen = torch.Generator().manual_seed(args.seed)
-    phases = [(1024, 4, args.phase1), (4096, 1, args.phase2)]
+    phases = parse_phases(args.phases)
     total = sum(p[2] for p in phases)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    warm = max(1, total // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / total)))))
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    warm = 50
+    # constant after warm-up (induction forms at a steady rate), cosine down over the last 15%
+    decay_from = int(0.85 * total)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) * (
+        1.0 if s < decay_from else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (s - decay_from) / max(1, total - decay_from)))))
+    state = {"step": 0, "curve": [], "evals": [], "seconds": 0.0, "tokens": 0}
+    if (ckpt / "state.pt").is_file():
+        saved = torch.load(ckpt / "state.pt", weights_only=False)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        sched.load_state_dict(saved["sched"])
+        state = saved["state"]
+        log(f"resumed at step {state['step']} ({state['seconds'] / 60:.1f} min of training so far)")
+    log(f"model: {n_params / 1e6:.2f}M parameters, rope_theta {args.rope_theta:g}; phases {phases}")
+
+    def save_ckpt():
+        tmp = ckpt / "state.pt.tmp"
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+                    "state": state, "args": vars(args)}, tmp)
+        tmp.replace(ckpt / "state.pt")
+
+    def evaluate():
+        model.eval()
+        row = {"step": state["step"]}
+        for n in [int(x) for x in args.eval_lengths.split(",")]:
+            for kind in ("code", "prose", "repeat"):
+                row[f"{kind}@{n}"] = round(retrieval_accuracy(model, held_mixer, n, kind, trials=8), 3)
+        model.train()
+        state["evals"].append(row)
+        log(f"eval {row}")
+
     model.train()
-    step, t0, curve, seen, ema = 0, time.time(), [], 0, None
-    for ctx, bsz, steps in phases:
-        for chunk in batches(stream, ctx, bsz, steps, gen):
-            loss = lm_loss(model, chunk)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            step += 1
-            seen += chunk[:, :-1].numel()
-            ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
-            if step % 25 == 0 or step == total:
-                el = time.time() - t0
-                curve.append({"step": step, "ctx": ctx, "loss": round(ema, 4), "tokens": seen, "seconds": round(el, 1)})
-                log(f"step {step}/{total} ctx {ctx} loss {ema:.3f} tokens {seen:,} {seen / el:.0f} tok/s")
+    last_ckpt, ema, ema_a = time.time(), None, None
+    bounds = []
+    acc = 0
+    for n, b, steps in phases:
+        bounds.append((acc, acc + steps, n, b))
+        acc += steps
+    while state["step"] < total:
+        step = state["step"]
+        n, b = next((n, b) for lo, hi, n, b in bounds if lo <= step < hi)
+        rng = random.Random(args.seed * 1_000_003 + step)
+        ids, mask = batch_tensors([mixer.draw(rng, n) for _ in range(b)])
+        t0 = time.time()
+        lm, ans = losses(model, ids, mask)
+        loss = lm + ans
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        state["seconds"] += time.time() - t0
+        state["tokens"] += ids[:, :-1].numel()
+        state["step"] = step = step + 1
+        ema = lm.item() if ema is None else 0.95 * ema + 0.05 * lm.item()
+        ema_a = ans.item() if ema_a is None else 0.95 * ema_a + 0.05 * ans.item()
+        if step % 25 == 0 or step == total:
+            state["curve"].append({"step": step, "ctx": n, "loss": round(ema, 4), "answer_loss": round(ema_a, 4),
+                                   "tokens": state["tokens"], "seconds": round(state["seconds"], 1)})
+            log(f"step {step}/{total} ctx {n}x{b} loss {ema:.3f} answer {ema_a:.3f} "
+                f"{state['tokens'] / max(state['seconds'], 1e-9):.0f} tok/s {state['seconds'] / 60:.1f} min")
+        if step % args.eval_every == 0 or step == total:
+            evaluate()
+        if time.time() - last_ckpt > args.ckpt_minutes * 60 or step == total or step == args.stop_after:
+            save_ckpt()
+            last_ckpt = time.time()
+        if step == args.stop_after:
+            log(f"stopped after step {step} (checkpoint in {ckpt})")
+            return 0
+
     model.eval()
+    finish(model, tok, held_files, root, out, args, state, n_params, len(stream), len(train_files), t_start, log)
+    return 0
+
+
+def finish(model, tok, held_files, root, out, args, state, n_params, stream_tokens, n_train_files, t_start, log):
+    out.mkdir(parents=True, exist_ok=True)
     held_loss = heldout_loss(model, tok, held_files)
     log(f"held-out loss {held_loss:.4f} (4096-token windows of held-out files)")
     model.save_pretrained(out, safe_serialization=True)
-    from longpatch.demo import eval_documents, long_context_report, write_eval_set, write_model_card
+    tok.save_pretrained(out)
+    from longpatch.demo import eval_documents, long_context_report
     n_docs = write_eval_set(tok, held_files, root, out)
     long_ctx = long_context_report(model, tok, eval_documents(path=out))
     log(f"long context: {long_ctx}")
-    write_model_card(out, {
-        "python": platform.python_version(), "seed": args.seed, "params": n_params, "vocab": len(tok),
-        "train_files": len(train_files), "heldout_files": len(held_files), "train_tokens_seen": seen,
-        "stream_tokens": len(stream), "minutes": round((time.time() - t_start) / 60, 1),
-        "heldout_loss": round(held_loss, 4), "eval_docs": n_docs, "curve": curve, "torch": torch.__version__,
-        "cpu_threads": torch.get_num_threads(), "long_context": long_ctx,
-    })
+    facts = {"python": platform.python_version(), "seed": args.seed, "params": n_params, "vocab": len(tok),
+             "train_files": n_train_files, "heldout_files": len(held_files), "train_tokens_seen": state["tokens"],
+             "stream_tokens": stream_tokens, "train_minutes": round(state["seconds"] / 60, 1),
+             "heldout_loss": round(held_loss, 4), "eval_docs": n_docs, "curve": state["curve"],
+             "evals": state["evals"], "phases": args.phases, "rope_theta": args.rope_theta, "lr": args.lr,
+             "torch": torch.__version__, "cpu_threads": torch.get_num_threads(), "long_context": long_ctx}
+    (out / "training.json").write_text(json.dumps(facts, indent=1))
     log(f"done in {(time.time() - t_start) / 60:.1f} min; wrote {out}")
+
+
+EVAL_SUBSET = "demo_code"  # held-out stdlib files, LongBench record format, category "code"
+EVAL_MIN_TOKENS = 4096
+EVAL_MAX_DOCS = 24
+
+
+def write_eval_set(tokenizer, files, root: Path, out: Path) -> int:
+    """Held-out files of at least EVAL_MIN_TOKENS tokens, in path order, as LongBench records."""
+    records = []
+    for p in files:
+        text = read(p)
+        if len(tokenizer(text)["input_ids"]) < EVAL_MIN_TOKENS:
+            continue
+        rel = str(p.relative_to(root))
+        records.append({"input": "", "context": text, "answers": [rel], "length": len(text.split()),
+                        "dataset": EVAL_SUBSET, "language": "en", "all_classes": None,
+                        "_id": hashlib.sha1(rel.encode()).hexdigest()})
+        if len(records) == EVAL_MAX_DOCS:
+            break
+    d = out / "eval"
+    d.mkdir(parents=True, exist_ok=True)
+    with open(d / f"{EVAL_SUBSET}.jsonl", "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+    return len(records)
 
 
 @torch.no_grad()
 def heldout_loss(model, tok, files, ctx: int = 4096, max_windows: int = 8) -> float:
     stream = token_stream(tok, files)
-    losses = []
+    losses_ = []
     for i in range(min(max_windows, (len(stream) - 1) // ctx)):
-        losses.append(lm_loss(model, stream[i * ctx:(i + 1) * ctx + 1].unsqueeze(0)).item())
-    return sum(losses) / len(losses)
+        chunk = stream[i * ctx:(i + 1) * ctx + 1].unsqueeze(0)
+        logits = model(chunk[:, :-1]).logits
+        losses_.append(F.cross_entropy(logits[0].float(), chunk[0, 1:]).item())
+    return sum(losses_) / len(losses_)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,124 @@
+"""Needle-in-a-haystack pieces: templates, grid, prompts, judging and the report."""
+import json
+
+import pytest
+from transformers import AutoTokenizer
+
+from longpatch.demo import demo_model_path
+from longpatch.errors import ConfigError
+from longpatch.eval import needle as N
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return AutoTokenizer.from_pretrained(demo_model_path())
+
+
+@pytest.fixture(scope="module")
+def filler(tok):
+    return N.Filler(N.filler_texts("demo")[:6], tok)
+
+
+def test_builtin_templates_render():
+    needle, question, answer = N.BUILTIN_TEMPLATES["code"].render("71432")
+    assert (needle, question, answer) == ("PASSKEY = 71432", "assert PASSKEY ==", "71432")
+    needle, question, answer = N.BUILTIN_TEMPLATES["passkey"].render("5")
+    assert needle == "The pass key is 5. Remember it. 5 is the pass key."
+    assert question == "What is the pass key? The pass key is"
+
+
+def test_yaml_template(tmp_path):
+    p = tmp_path / "t.yaml"
+    p.write_text("needle: 'The door code is {key}.'\nquestion: 'The door code is'\ndigits: 4\n")
+    t = N.load_template(str(p))
+    assert t.name == "t" and t.digits == 4 and t.render("1234")[0] == "The door code is 1234."
+    p.write_text("needle: 'x {key}'\nquestion: q\ncolour: red\n")
+    with pytest.raises(ConfigError, match="unknown key.*colour"):
+        N.load_template(str(p))
+    p.write_text("needle: 'no key here'\nquestion: q\n")
+    with pytest.raises(ConfigError, match="must contain"):
+        N.load_template(str(p))
+    p.write_text("needle: '{who} has {key}'\nquestion: q\n")
+    with pytest.raises(ConfigError, match="unknown field"):
+        N.load_template(str(p))
+    with pytest.raises(ConfigError, match="neither a built-in"):
+        N.load_template(str(tmp_path / "missing.yaml"))
+
+
+def test_depth_grid():
+    assert N.parse_depths("0:1:0.1") == [round(i / 10, 6) for i in range(11)]
+    assert N.parse_depths("0.5,0.05") == [0.05, 0.5]
+    for bad in ("0:2:0.5", "a,b", "1:0:0.1", "-0.1"):
+        with pytest.raises(ConfigError, match="--depths"):
+            N.parse_depths(bad)
+
+
+def test_keys_seeded_and_distinct():
+    t = N.BUILTIN_TEMPLATES["code"]
+    keys = N.cell_keys(t, 4096, 0.5, 20, seed=0)
+    assert keys == N.cell_keys(t, 4096, 0.5, 20, seed=0)
+    assert len(set(keys)) == 20 and all(len(k) == 5 for k in keys)
+    assert keys != N.cell_keys(t, 4096, 0.5, 20, seed=1)
+    assert keys != N.cell_keys(t, 4096, 0.6, 20, seed=0)
+
+
+@pytest.mark.parametrize("template", ["code", "passkey"])
+@pytest.mark.parametrize("depth", [0.0, 0.3, 0.7, 1.0])
+def test_prompt_length_depth_and_question(tok, filler, template, depth):
+    t = N.BUILTIN_TEMPLATES[template]
+    p = N.build_prompt(filler, t, "71432", 1024, depth, start_seed=3)
+    assert len(p.ids) == 1024
+    text = tok.decode(p.ids)
+    needle, question, _ = t.render("71432")
+    assert text.endswith(question)
+    assert text.count(needle) == 1
+    # the needle starts a line, at about the requested depth of the prompt
+    assert text[text.index(needle) - 1] == "\n"
+    assert abs(p.needle_token / 1024 - depth) < 0.1
+    assert tok.decode(p.ids[p.needle_token:p.needle_token + 4]).startswith(needle[:4])
+
+
+def test_prompts_differ_per_trial_and_are_reproducible(filler):
+    t = N.BUILTIN_TEMPLATES["code"]
+    a = N.build_prompt(filler, t, "11111", 512, 0.5, start_seed=1)
+    assert a == N.build_prompt(filler, t, "11111", 512, 0.5, start_seed=1)
+    assert a.ids != N.build_prompt(filler, t, "11111", 512, 0.5, start_seed=2).ids
+
+
+def test_prompt_errors(filler):
+    t = N.BUILTIN_TEMPLATES["code"]
+    with pytest.raises(ConfigError, match="too short"):
+        N.build_prompt(filler, t, "1", 10, 0.5, 0)
+    with pytest.raises(ConfigError, match="only .* tokens"):
+        N.build_prompt(filler, t, "1", 10 ** 7, 0.5, 0)
+
+
+def test_judge():
+    assert N.judge(" 71432\nassert", "71432")
+    assert N.judge("71432", " 71432")
+    assert not N.judge(" 7143", "71432")
+    assert not N.judge(" 1 71432", "71432")
+
+
+def test_filler_sources(tmp_path, tok):
+    p = tmp_path / "f.jsonl"
+    p.write_text(json.dumps({"context": "a\nb\n"}) + "\n" + json.dumps({"text": "c\n"}) + "\n")
+    assert N.filler_texts(str(p)) == ["a\nb\n", "c\n"]
+    p.write_text('{"other": 1}\n')
+    with pytest.raises(ConfigError, match="f.jsonl:1"):
+        N.filler_texts(str(p))
+    with pytest.raises(ConfigError, match="--filler"):
+        N.filler_texts(str(tmp_path / "nope.txt"))
+
+
+def test_summary_and_heatmap(tmp_path):
+    recs = [{"config": "c", "method": "hyper", "layers": 2, "length": n, "depth": d, "trial": t,
+             "expected": "1", "predicted": "1" if (t + n) % 2 else "2", "correct": bool((t + n) % 2)}
+            for n in (1024, 2048) for d in (0.0, 0.5) for t in range(3)]
+    summary = N.summarize_records(recs)
+    assert [(s["length"], s["trials"]) for s in summary] == [(1024, 6), (2048, 6)]
+    assert summary[0]["accuracy"] == pytest.approx(1 / 3)
+    lengths, depths, grid = N.accuracy_grid(recs, "c", 2)
+    assert lengths == [1024, 2048] and depths == [0.0, 0.5] and grid[0][1] == pytest.approx(1 / 3)
+    N.heatmap(recs, "c", 2, tmp_path / "h.png")
+    assert (tmp_path / "h.png").read_bytes()[:4] == b"\x89PNG"
