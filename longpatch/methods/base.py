@@ -66,6 +66,9 @@ class Method:
     causal_only: bool = False  # non-causal calls keep the model's own attention (and are not benchmarked)
     stateful: bool = False
     init_state: Callable[..., dict] | None = None
+    # exact_when(q_len, kv_len, params) -> True where this call computes exact attention anyway (e.g. below
+    # a length threshold), so stats can tell the approximation from exact work done by the method's code
+    exact_when: Callable[[int, int, dict], bool] | None = None
 
     def resolve_params(self, given: dict[str, Any] | None) -> dict[str, Any]:
         """Fill defaults and validate; unknown names are an error that lists the known ones."""
