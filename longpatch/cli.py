@@ -1,38 +1,61 @@
 """The `longpatch` command line: list, apply, bench attention, eval ppl."""
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from .errors import LongpatchError
+from .errors import ConfigError, LongpatchError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+# rich_markup_mode=None: click's plain help, which shows flags as flags (typer's rich help prints "<bool>")
+_TYPER = dict(no_args_is_help=True, rich_markup_mode=None)
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, **_TYPER,
                   help="Patch the attention of pretrained transformers models with fast long-context methods.")
-bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (speed, memory, error vs exact attention).")
-eval_app = typer.Typer(no_args_is_help=True, help="Quality evaluation (LongBench perplexity).")
+bench_app = typer.Typer(**_TYPER, help="Benchmarks (speed, memory, error vs exact attention).")
+eval_app = typer.Typer(**_TYPER, help="Quality evaluation (LongBench perplexity).")
 app.add_typer(bench_app, name="bench")
 app.add_typer(eval_app, name="eval")
-console = Console()
+# emoji=False: model ids such as tiny:llama must not turn into pictures (":llama:" is an emoji code)
+console = Console(emoji=False)
+_err = Console(stderr=True, emoji=False, highlight=False, soft_wrap=True)  # soft_wrap: one line stays one line
+
+
+def command(group: typer.Typer, name: str | None = None):
+    """Register a command whose LongpatchError becomes one red line on stderr and exit code 2: the one
+    place where the CLI turns errors into messages (main() adds click's usage errors)."""
+    def register(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except LongpatchError as e:
+                _err.print(f"longpatch: error: {e}", style="red", markup=False)
+                raise typer.Exit(2) from None
+        return group.command(name)(wrapper)
+    return register
 
 
 def parse_layers(spec: str):
-    """'20' -> 20 (last 20), 'all', '8,9,12' -> [8, 9, 12]."""
-    spec = spec.strip()
-    if spec == "all":
+    """apply's --layers: 'N' -> N (the last N layers), 'all', or layer indices '8,9,12' / '8:12' / '0,4:6'
+    (ranges include their end). The syntax is config.parse_layer_items, shared with `eval ppl`."""
+    from .config import parse_layer_items
+
+    items = parse_layer_items(spec)
+    if spec.strip() == "all":
         return "all"
-    try:
-        if "," in spec:
-            return [int(x) for x in spec.split(",") if x.strip()]
-        return int(spec)
-    except ValueError:
-        raise LongpatchError(f"--layers: got {spec!r}; allowed: N (the last N layers), 'all', or indices like 8,9,12") from None
+    if spec.strip().isdigit():
+        return items[0]
+    if "all" in items:
+        raise ConfigError(f"--layers: got {spec!r}; 'all' cannot be combined with layer indices")
+    return items
 
 
-@app.command("list")
+@command(app, "list")
 def list_cmd():
     """Families, methods (with parameters and defaults) and bundled configs."""
     from .config import bundled_configs, load_config
@@ -55,44 +78,55 @@ def list_cmd():
     for alias in bundled_configs():
         try:
             c = load_config(alias)
-            t.add_row(alias, c.model or "-", c.method, str(c.layers))
+            t.add_row(escape(alias), escape(c.model or "-"), c.method, str(c.layers))
         except LongpatchError as e:
-            t.add_row(alias, "-", f"[red]{e}[/red]", "-")
+            t.add_row(escape(alias), "-", f"[red]{escape(str(e))}[/red]", "-")
     console.print(t)
 
 
-@app.command()
+@command(app)
 def apply(
     model: str = typer.Option(..., "--model", help="bundled alias, hub id, local path, saved patch dir, or tiny:<family>"),
-    layers: Optional[str] = typer.Option(None, help="N (last N layers), 'all', or indices 8,9,12"),
+    layers: Optional[str] = typer.Option(None, help="N (last N layers), 'all', or layer indices 8,9,12 / 8:12 "
+                                                    "(end included); a single index is 8:8"),
     method: Optional[str] = typer.Option(None, help="attention method (see `longpatch list`)"),
     config: Optional[str] = typer.Option(None, help="YAML config file or bundled alias for method/params/layers"),
     set_: list[str] = typer.Option([], "--set", help="override a key: layers=4, block_size=128, params.seed=1"),
-    save: Optional[str] = typer.Option(None, help="write the model config + longpatch.yaml here"),
+    save: Optional[str] = typer.Option(None, help="new directory: the model (save_pretrained: weights, config, "
+                                                  "tokenizer) + longpatch.yaml to re-apply the patch"),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="allow remote code (bundled aliases set it themselves)"),
     prefill: int = typer.Option(0, help="run one forward pass on this many random tokens and report where attention time went"),
 ):
     """Load a model, patch it, and print which layers run which method."""
-    from .loading import build_config, load_model, save_patch
+    from . import loading
     from .patching import patch_model
 
-    cfg = build_config(model, config, method, parse_layers(layers) if layers is not None else None, set_,
-                       trust_remote_code)
-    loaded, _ = load_model(cfg)
+    if prefill < 0:
+        raise ConfigError(f"--prefill: got {prefill}; allowed: an int >= 0 (0: no forward pass)")
+    cfg = loading.build_config(model, config, method, parse_layers(layers) if layers is not None else None, set_,
+                               trust_remote_code)
+    if save:
+        loading.check_save_target(save)  # before minutes of loading
+    loaded, tokenizer = loading.load_model(cfg)
     patch_model(loaded, cfg)
     report = loaded.longpatch
-    t = Table(title=f"{cfg.model}: {report.family.name} family, {report.num_layers} layers", title_justify="left")
+    t = Table(title=escape(f"{cfg.model}: {report.family.name} family, {report.num_layers} layers"), title_justify="left")
     t.add_column("layer", justify="right"), t.add_column("method"), t.add_column("params")
     for row in report.rows():
-        t.add_row(str(row["layer"]), row["method"], ", ".join(f"{k}={v}" for k, v in row["params"].items()) or "-")
+        t.add_row(str(row["layer"]), row["method"], escape(", ".join(f"{k}={v}" for k, v in row["params"].items()) or "-"))
     console.print(t)
     console.print(f"patched {len(report.layers)} of {report.num_layers} layers with '{cfg.method}' "
-                  f"(min_seq_len={cfg.min_seq_len}, backend={cfg.backend})")
+                  f"(min_seq_len={cfg.min_seq_len}, backend={cfg.backend})", markup=False)
     if prefill:
         _run_prefill(loaded, prefill)
     if save:
-        out = save_patch(loaded, cfg, save)
-        console.print(f"saved to {out} (re-apply with longpatch.from_pretrained('{out}'))")
+        out = loading.save_patch(loaded, cfg, save, tokenizer)
+        console.print(f"saved the model and longpatch.yaml to {out}: transformers loads it unpatched, "
+                      f"longpatch.from_pretrained('{out}') or --model {out} re-applies the patch", markup=False)
+
+
+_PATH_NAMES = {"method": "method", "method_exact": "method (exact at this length)", "exact": "exact fallback",
+               "original": "model's own"}
 
 
 def _run_prefill(model, n: int):
@@ -110,14 +144,17 @@ def _run_prefill(model, n: int):
         model(ids)
     total = time.perf_counter() - t0
     t = Table(title=f"one forward pass, {n} tokens: {total * 1e3:.1f} ms", title_justify="left")
-    t.add_column("layers"), t.add_column("path"), t.add_column("calls", justify="right"), t.add_column("attention ms", justify="right")
-    for side, paths in model.longpatch.stats().items():
-        for path, s in paths.items():
-            t.add_row(side, path, str(s["calls"]), f"{s['seconds'] * 1e3:.1f}")
+    for col in ("layers", "phase", "path"):
+        t.add_column(col)
+    t.add_column("calls", justify="right"), t.add_column("attention ms", justify="right")
+    for side, phases in model.longpatch.breakdown().items():
+        for phase, paths in phases.items():
+            for path, s in paths.items():
+                t.add_row(side, phase, _PATH_NAMES.get(path, path), str(s["calls"]), f"{s['seconds'] * 1e3:.1f}")
     console.print(t)
 
 
-@app.command()
+@command(app)
 def demo(
     layers: str = typer.Option("0:4:1", help="sweep of replaced final layers (end included)"),
     max_docs: int = typer.Option(6, help="held-out documents of 4096 tokens to score"),
@@ -139,7 +176,7 @@ def demo(
     console.print(f"written to {out}: demo.json, figure3.png, and one eval directory per config")
 
 
-@bench_app.command("attention")
+@command(bench_app, "attention")
 def bench_attention(
     methods: str = typer.Option("exact,hyper", help="comma-separated methods; exact is always the baseline"),
     seq_lens: str = typer.Option("4096,8192,16384,32768,65536,131072", help="comma-separated sequence lengths"),
@@ -162,10 +199,11 @@ def bench_attention(
                         out_dir=out, method_params=_method_params(set_), kv_heads=kv_heads)
 
 
-@eval_app.command("ppl")
+@command(eval_app, "ppl")
 def eval_ppl(
     model: str = typer.Option(..., "--model", help="bundled alias, hub id, local path, saved patch dir, demo, or tiny:<family>"),
-    layers: Optional[str] = typer.Option(None, help="count or sweep: 20 | 0,4,8 | 0:28:4 (end included) | all; default: the config's layers"),
+    layers: Optional[str] = typer.Option(None, help="counts of final layers, one sweep point each: 20 | 0,4,8 | "
+                                                    "0:28:4 (end included) | all; default: the config's layers"),
     method: Optional[str] = typer.Option(None),
     config: Optional[str] = typer.Option(None),
     set_: list[str] = typer.Option([], "--set"),
@@ -192,7 +230,7 @@ def eval_ppl(
                  progress=progress)
 
 
-@bench_app.command("decode")
+@command(bench_app, "decode")
 def bench_decode(
     methods: str = typer.Option("moba", help="comma-separated methods with a decode path"),
     cache_lens: str = typer.Option("8192,32768,131072", help="comma-separated KV-cache lengths"),
@@ -235,12 +273,10 @@ def _method_params(pairs: list[str]) -> dict[str, dict]:
 
 
 def main():
-    """Console entry point: LongpatchError and usage errors become one line on stderr and exit 2."""
+    """Console entry point: usage errors print click's message and exit 2 (LongpatchError is handled
+    by each command's wrapper, see command())."""
     try:
         rv = app(standalone_mode=False)
-    except LongpatchError as e:
-        print(f"longpatch: error: {e}", file=sys.stderr)
-        sys.exit(2)
     except Exception as e:
         # Usage errors, Exit and Abort come from click or from typer's vendored copy of it,
         # depending on the typer version: recognise them by what they carry.

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -10,7 +11,7 @@ from typing import Any
 import yaml
 
 from .errors import ConfigError
-from .methods import get_method
+from .methods import available_methods, get_method
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
@@ -52,7 +53,9 @@ class PatchConfig:
         if self.attn_implementation is not None:
             _check_choice("attn_implementation", self.attn_implementation, ATTN_IMPLEMENTATIONS)
         if self.family is not None:
+            from .families import available_families  # lazy: the families import transformers
             _check_type("family", self.family, str, "a family name (see `longpatch list`)")
+            _check_choice("family", self.family, tuple(available_families()))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "PatchConfig":
@@ -114,14 +117,58 @@ def load_config(path_or_alias: str | Path) -> PatchConfig:
             raise ConfigError(f"config: {str(path_or_alias)!r} is neither a file nor a bundled alias; aliases: {', '.join(bundled_configs())}")
         path = alias
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config: {path} is not UTF-8 text (byte {e.start}); allowed: a UTF-8 YAML file") from None
+    except OSError as e:
+        raise ConfigError(f"config: cannot read {path}: {e.strerror or e}") from None
+    try:
+        data = yaml.load(text, Loader=_StrictLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
         raise ConfigError(f"config: malformed YAML in {path}{where}: {getattr(e, 'problem', e)}") from None
+    if data is None:
+        raise ConfigError(f"config: {path} is empty; allowed: a mapping with at least `method:` (see `longpatch list`)")
     if not isinstance(data, dict):
         raise ConfigError(f"config: {path} must hold a mapping of keys, got {type(data).__name__}")
+    if "method" not in data:
+        # PatchConfig's default method is exact: a file that forgot it would silently patch nothing useful
+        raise ConfigError(f"config: {path} has no 'method' key; allowed methods: {', '.join(available_methods())}")
     return PatchConfig.from_dict(data)
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (plain YAML keeps the last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first on line {seen[key] + 1})", key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
+def check_runnable(cfg: PatchConfig) -> None:
+    """Refuse, before any model is loaded, settings this machine cannot run (they would otherwise fail
+    deep inside a forward pass, after minutes of loading)."""
+    if cfg.attn_implementation == "flash_attention_2":
+        from transformers.utils import is_flash_attn_2_available
+        if not is_flash_attn_2_available():
+            raise ConfigError("attn_implementation: got 'flash_attention_2', but the flash-attn package or a CUDA "
+                              "GPU is missing here; allowed here: sdpa, eager")
+    if cfg.backend == "triton":
+        from .methods.common import triton_available
+        if not triton_available():
+            raise ConfigError("backend: got 'triton', but the triton package is not installed; allowed here: auto, "
+                              "torch (or pip install 'longpatch[triton]')")
+        import torch
+        if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ConfigError("backend: got 'triton', but there is no CUDA GPU and TRITON_INTERPRET=1 is not set "
+                              "(Triton's CPU interpreter); allowed here: auto, torch")
 
 
 def bundled_configs() -> dict[str, Path]:
@@ -159,6 +206,40 @@ def _check_layers(layers):
             raise ConfigError(f"layers: got {list(layers)!r} with repeated indices; allowed: {_LAYERS_ALLOWED}")
         return sorted(layers)
     raise ConfigError(f"layers: got {layers!r}; allowed: {_LAYERS_ALLOWED}")
+
+
+_ITEMS_ALLOWED = "comma-separated items, each N, 'all' or start:end[:step] (ints >= 0, end included)"
+
+
+def parse_layer_items(text: str, flag: str = "--layers") -> list:
+    """The one --layers syntax of `apply` and `eval`: comma-separated items, each an int N >= 0, 'all',
+    or a range start:end[:step] with the END INCLUDED -> the flat list of ints and 'all' it names.
+
+    What the ints mean is the command's business (apply: layer indices; eval: sweep points). An
+    empty item ('1,' or '1,,2') is an error, so '1,' cannot silently mean something else than '1'.
+    """
+    text = str(text).strip()
+    if not text:
+        raise ConfigError(f"{flag}: empty; allowed: {_ITEMS_ALLOWED}")
+    items: list = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            raise ConfigError(f"{flag}: got {text!r} with an empty item (a stray comma); allowed: {_ITEMS_ALLOWED}")
+        if part == "all":
+            items.append("all")
+        elif ":" in part:
+            bits = [b.strip() for b in part.split(":")]
+            if len(bits) not in (2, 3) or not all(b.isdigit() for b in bits):
+                raise ConfigError(f"{flag}: bad range {part!r}; allowed: start:end or start:end:step, ints >= 0 (end included)")
+            start, end, step = int(bits[0]), int(bits[1]), int(bits[2]) if len(bits) == 3 else 1
+            if step < 1 or end < start:
+                raise ConfigError(f"{flag}: bad range {part!r}; need start <= end and step >= 1 (end included)")
+            items.extend(range(start, end + 1, step))
+        elif part.isdigit():
+            items.append(int(part))
+        else:
+            raise ConfigError(f"{flag}: got {text!r}; allowed: {_ITEMS_ALLOWED}")
+    return items
 
 
 def select_layers(layers, num_layers: int) -> list[int]:

@@ -1,17 +1,21 @@
 """Loading models for patching: bundled aliases, hub ids or paths, tiny offline models, saved patches."""
 from __future__ import annotations
 
+import os
+import socket
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 
-from .config import CONFIG_FILE, PatchConfig, bundled_configs, load_config
+from .config import CONFIG_FILE, PatchConfig, as_config, bundled_configs, check_runnable, load_config
 from .errors import ConfigError, LongpatchError
-from .patching import patch_model
+from .patching import REPORT_ATTR, patch_model, unpatch_model
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 TINY_PREFIX = "tiny:"
 DEMO = "demo"  # the shipped offline demo model (longpatch.demo.demo_model_path())
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
 def resolve_model_config(name: str, trust_remote_code: bool = False) -> PatchConfig:
@@ -24,8 +28,17 @@ def resolve_model_config(name: str, trust_remote_code: bool = False) -> PatchCon
     if name in bundled_configs():
         return load_config(name)
     if (Path(name) / CONFIG_FILE).is_file():
-        return load_config(name)
+        return saved_config(name)
     return PatchConfig(model=name, trust_remote_code=trust_remote_code)
+
+
+def saved_config(path: str | Path) -> PatchConfig:
+    """The config of a directory written by `apply --save`: its longpatch.yaml, loading the weights saved
+    beside it (the yaml's `model` records where they came from)."""
+    cfg = load_config(path)
+    if any((Path(path) / f).is_file() for f in WEIGHT_FILES):
+        cfg = cfg.replace(model=str(path))
+    return cfg
 
 
 def build_config(model: str, config: str | None = None, method: str | None = None, layers=None,
@@ -44,11 +57,25 @@ def build_config(model: str, config: str | None = None, method: str | None = Non
         cfg = cfg.replace(method=method, params={})
     if layers is not None:
         cfg = cfg.replace(layers=layers)
-    return cfg.with_overrides(list(sets)) if sets else cfg
+    cfg = cfg.with_overrides(list(sets)) if sets else cfg
+    check_runnable(cfg)
+    return cfg
 
 
-def load_model(cfg: PatchConfig):
-    """Load cfg.model (not patched yet). Returns (model, tokenizer or None)."""
+def load_model(model: "str | PatchConfig | dict", **overrides):
+    """Load a model, unpatched: `model, tokenizer = longpatch.load_model("tiny:llama")`.
+
+    model: what `--model` takes (a bundled alias, a hub id, a local model directory, a directory saved
+        by `longpatch apply --save`, "demo", or tiny:<family>), or a PatchConfig / dict whose loading
+        fields (model, dtype, trust_remote_code, attn_implementation) say what to load.
+    overrides: PatchConfig fields to change first, e.g. dtype="bfloat16", trust_remote_code=True.
+    Returns (model in eval mode, its tokenizer or None: tiny models have none, and some remote-code
+    tokenizers fail on current transformers). Patch it with patch_model(model, cfg) afterwards.
+    """
+    cfg = resolve_model_config(model) if isinstance(model, str) else as_config(model)
+    if overrides:
+        cfg = cfg.replace(**overrides)
+    check_runnable(cfg)
     if not cfg.model:
         raise ConfigError("model: no model given; allowed: a bundled alias, a hub id, a local path or tiny:<family>")
     if cfg.model == DEMO:
@@ -67,6 +94,7 @@ def _load_hf(cfg: PatchConfig):
 
     hub_logging.set_verbosity_error()  # its retry chatter would bury our one-line error
 
+    _check_reachable(cfg.model)
     kwargs = {"trust_remote_code": cfg.trust_remote_code}
     try:
         hf_config = AutoConfig.from_pretrained(cfg.model, **kwargs)
@@ -94,40 +122,125 @@ def _load_hf(cfg: PatchConfig):
     return model.eval(), tokenizer
 
 
+def _check_reachable(name: str) -> None:
+    """Fail in one line, at once, where transformers would retry for half a minute or blame a hub id."""
+    path = Path(name).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise LongpatchError(f"model: {name} is a file; allowed: a model directory, a hub id or a bundled alias")
+        return
+    if name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name:  # hub ids are NAME or OWNER/NAME
+        raise LongpatchError(f"model: {name}: no such directory")
+    from huggingface_hub import try_to_load_from_cache
+    try:
+        cached = isinstance(try_to_load_from_cache(name, "config.json"), str)
+    except Exception:  # an id the hub would reject: let transformers word that error
+        return
+    reason = None if cached else hub_unreachable()
+    if reason:
+        raise LongpatchError(f"model: cannot load {name!r}: it is not in the local cache and {reason}")
+
+
+def hub_unreachable() -> str | None:
+    """Why the Hugging Face hub cannot be asked right now, or None. A two-second connection probe: without
+    it an offline machine spends ~25 s in huggingface_hub's retries before failing."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None  # the proxy, not us, connects: let huggingface_hub try
+    url = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout=2).close()
+    except OSError as e:
+        return f"the hub cannot be reached ({constants.ENDPOINT}: {e.strerror or e})"
+    return None
+
+
 def _first_line(e: Exception) -> str:
     text = str(e).strip().splitlines()
     return text[0] if text else type(e).__name__
 
 
-def save_patch(model, cfg: PatchConfig, out_dir: str | Path) -> Path:
-    """Write the model's config and longpatch.yaml to out_dir (atomically: a temp dir, then rename)."""
+def check_save_target(out_dir: str | Path) -> Path:
+    """The directory `--save` will create: new or empty, with a parent we can create and write in.
+    Checked before the model is loaded, so a bad path costs no loading time."""
+    out = Path(out_dir).expanduser()
+    if out.exists():
+        if not out.is_dir():
+            raise LongpatchError(f"--save: {out} exists and is not a directory; allowed: a new or empty directory")
+        if any(out.iterdir()):
+            raise LongpatchError(f"--save: {out} exists and is not empty; allowed: a new or empty directory")
+    ancestor = out.parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise LongpatchError(f"--save: cannot create {out}: {ancestor} is not a directory")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise LongpatchError(f"--save: cannot create {out}: {ancestor} is not writable")
+    return out
+
+
+def save_patch(model, cfg: PatchConfig, out_dir: str | Path, tokenizer=None) -> Path:
+    """Write the model (save_pretrained: config.json + safetensors weights, without the patch's buffers),
+    its tokenizer when given, and longpatch.yaml into out_dir.
+
+    Plain `AutoModelForCausalLM.from_pretrained(out_dir)` loads the unpatched model; longpatch's loader
+    (from_pretrained, --model out_dir) loads it and re-applies the patch. Everything is written into a
+    temporary sibling directory that is renamed at the end, so a failure leaves nothing half-written.
+    """
     import shutil
     import tempfile
 
     import yaml
 
-    out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
-        raise LongpatchError(f"--save: {out} exists and is not empty")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
+    out = check_save_target(out_dir)
+    if not hasattr(model, "save_pretrained"):
+        raise LongpatchError(f"--save: {type(model).__name__} has no save_pretrained; only transformers models can be saved")
     try:
-        if hasattr(model.config, "save_pretrained"):
-            model.config.save_pretrained(tmp)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    except OSError as e:
+        raise LongpatchError(f"--save: cannot create {out}: {e.strerror or e}") from None
+    try:
+        _save_unpatched(model, tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
         (tmp / CONFIG_FILE).write_text("# written by `longpatch apply --save`; re-apply with longpatch.from_pretrained(DIR)\n"
+                                       "# model: where the weights beside this file came from\n"
                                        + yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private (0700); a saved model is an ordinary directory
         if out.exists():
             out.rmdir()
         tmp.rename(out)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise LongpatchError(f"--save: cannot write {out}: {e.strerror or e}") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
 
 
+def _save_unpatched(model, path: Path) -> None:
+    # The model's own weights and config only: the patch's buffers and attention key would make plain
+    # transformers warn about unexpected weights or fail on an unknown attn_implementation.
+    report = getattr(model, REPORT_ATTR, None)
+    if report is not None:
+        unpatch_model(model)
+    try:
+        model.save_pretrained(path)
+    finally:
+        if report is not None:
+            patch_model(model, report.config)
+
+
 def from_pretrained(path_or_alias: str | Path, **overrides):
     """Load the model a saved patch (or bundled alias) names, and patch it the same way."""
-    cfg = load_config(path_or_alias)
+    cfg = saved_config(path_or_alias) if Path(path_or_alias).is_dir() else load_config(path_or_alias)
     if overrides:
         cfg = cfg.replace(**overrides)
     model, _ = load_model(cfg)

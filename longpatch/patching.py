@@ -5,7 +5,7 @@ import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import PatchConfig, as_config, select_layers
+from .config import PatchConfig, as_config, check_runnable, select_layers
 from .errors import ConfigError
 from .families import Family, detect_family
 from .methods import get_method
@@ -28,15 +28,35 @@ class PatchReport:
     def method(self) -> str:
         return self.config.method
 
-    def stats(self) -> dict:
-        """Calls and seconds per path, summed over patched and over unpatched layers."""
-        out = {"patched": {}, "unpatched": {}}
+    def breakdown(self) -> dict:
+        """Calls and seconds per side, phase and path: {side: {phase: {path: {"calls", "seconds"}}}}.
+
+        side: "patched" / "unpatched" layers; phase: "prefill" / "decode"; path: "method" (the
+        approximation ran), "method_exact" (the method's code, exact at that length), "exact" (longpatch's
+        exact fallback) or "original" (the model's own attention). Only what ran is listed.
+        """
+        out: dict = {"patched": {}, "unpatched": {}}
         for r in self.routes:
             side = out["patched" if r.method is not None else "unpatched"]
-            for path, n in r.calls.items():
-                s = side.setdefault(path, {"calls": 0, "seconds": 0.0})
+            for (phase, path), n in r.calls.items():
+                s = side.setdefault(phase, {}).setdefault(path, {"calls": 0, "seconds": 0.0})
                 s["calls"] += n
-                s["seconds"] += r.seconds[path]
+                s["seconds"] += r.seconds[(phase, path)]
+        return out
+
+    def stats(self) -> dict:
+        """Totals per side and path over both phases: {side: {path: {"calls", "seconds"}}}.
+
+        Here "method" counts every call the method's code served, also where it was exact at that
+        length; breakdown() tells those apart and splits prefill from decode.
+        """
+        out: dict = {"patched": {}, "unpatched": {}}
+        for side, phases in self.breakdown().items():
+            for paths in phases.values():
+                for path, s in paths.items():
+                    total = out[side].setdefault("method" if path == "method_exact" else path, {"calls": 0, "seconds": 0.0})
+                    total["calls"] += s["calls"]
+                    total["seconds"] += s["seconds"]
         return out
 
     def reset_stats(self) -> None:
@@ -53,6 +73,7 @@ def patch_model(model, cfg: "PatchConfig | dict | str | Path"):
     Patching an already patched model is an error: call unpatch_model first.
     """
     cfg = as_config(cfg)
+    check_runnable(cfg)
     if getattr(model, REPORT_ATTR, None) is not None:
         raise ConfigError("model is already patched by longpatch (see model.longpatch); call unpatch_model(model) first")
     family = detect_family(model, cfg.family)
@@ -91,3 +112,13 @@ def patched(model, cfg):
         yield model
     finally:
         unpatch_model(model)
+
+
+def total_seconds(tree) -> float:
+    """Attention seconds in a stats() or breakdown() dict, or any part of one ({..: {"calls", "seconds"}}
+    entries, or plain per-path seconds)."""
+    if isinstance(tree, (int, float)):
+        return float(tree)
+    if "seconds" in tree and "calls" in tree:
+        return float(tree["seconds"])
+    return sum(total_seconds(v) for v in tree.values())

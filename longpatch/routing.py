@@ -3,10 +3,16 @@ model's own implementation, and keep counts and timings of what ran.
 
 Every attention layer of a patched model gets a LayerRoute (unpatched layers too, with
 method=None) so that time spent in patched and in untouched layers is measured the same way.
+
+Calls are counted per (phase, path): phase "prefill" (q_len == kv_len) or "decode"; path "method"
+(the method's approximation), "method_exact" (the method's code, but exact at this length, e.g.
+hyper at or below its min_seq_len), "exact" (longpatch's exact fallback: below the config's
+min_seq_len, or decode for a method without one) or "original" (the model's own attention).
 """
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -20,6 +26,15 @@ from .methods.exact import exact_attention
 log = logging.getLogger("longpatch")
 _warned: set[str] = set()
 BUFFER_PREFIX = "longpatch_"  # method buffers live on the patched module under this prefix
+PHASES = ("prefill", "decode")
+PATHS = ("method", "method_exact", "exact", "original")
+
+# Where the built-in methods are exact (their own code says so: hyper.py, moba.py), for methods whose
+# registration does not set Method.exact_when itself.
+_BUILTIN_EXACT_WHEN = {
+    "hyper": lambda q_len, kv_len, p: kv_len <= p["min_seq_len"],
+    "moba": lambda q_len, kv_len, p: p["topk"] >= math.ceil(kv_len / p["chunk_size"]),
+}
 
 
 def warn_once(key: str, message: str) -> None:
@@ -38,8 +53,8 @@ class LayerRoute:
     owner: torch.nn.Module | None = None  # the module holding this layer's method buffers
     buffer_names: tuple[str, ...] = ()
     state: dict = field(default_factory=dict)  # a stateful method's decode summaries
-    calls: Counter = field(default_factory=Counter)  # path -> number of calls
-    seconds: Counter = field(default_factory=Counter)  # path -> wall time
+    calls: Counter = field(default_factory=Counter)  # (phase, path) -> number of calls
+    seconds: Counter = field(default_factory=Counter)  # (phase, path) -> wall time
 
     def choose(self, q_len: int, kv_len: int, unsupported: str | None = None, causal: bool = True) -> str:
         """Which path serves this call: 'method', 'exact' or 'original'.
@@ -63,7 +78,8 @@ class LayerRoute:
 
     def run(self, path: str, q, k, v, *, causal: bool, scale: float | None, original=None):
         """Run `path` on the shared layout and time it; `original` is a zero-argument callable."""
-        if q.shape[2] == k.shape[2]:
+        prefill = q.shape[2] == k.shape[2]
+        if prefill:
             self.state.clear()  # a prefill starts a new sequence: decode summaries of the old cache are void
         sync = q.is_cuda
         if sync:
@@ -74,7 +90,6 @@ class LayerRoute:
         elif path == "exact":
             out = exact_attention(q, k, v, causal=causal, scale=scale, backend=self.backend)
         else:
-            prefill = q.shape[2] == k.shape[2]
             fn = self.method.prefill if prefill else self.method.decode
             # read through the owner so .to(device) and load_state_dict are always seen
             bufs = {n: getattr(self.owner, BUFFER_PREFIX + n) for n in self.buffer_names}
@@ -82,9 +97,16 @@ class LayerRoute:
             out = fn(q, k, v, causal=causal, scale=scale, backend=self.backend, buffers=bufs, **extra, **self.params)
         if sync:
             torch.cuda.synchronize(q.device)
-        self.calls[path] += 1
-        self.seconds[path] += time.perf_counter() - t0
+        key = ("prefill" if prefill else "decode", self._recorded(path, q.shape[2], k.shape[2]))
+        self.calls[key] += 1
+        self.seconds[key] += time.perf_counter() - t0
         return out
+
+    def _recorded(self, path: str, q_len: int, kv_len: int) -> str:
+        if path != "method":
+            return path
+        exact_when = self.method.exact_when or _BUILTIN_EXACT_WHEN.get(self.method.name)
+        return "method_exact" if exact_when is not None and exact_when(q_len, kv_len, self.params) else path
 
 
 def attach_buffers(route: LayerRoute, owner: torch.nn.Module, head_dim: int, device) -> None:

@@ -163,9 +163,11 @@ def test_layer_sweep_repatches_and_reports(data, tmp_path, blur):
     records = read_records(out)
     assert len(records) == 3 * 3
     for rec in records:
-        calls = {side: sum(s["calls"] for s in paths.values()) for side, paths in rec["attention"].items()}
+        calls = {side: sum(s["calls"] for paths in phases.values() for s in paths.values())
+                 for side, phases in rec["attention"].items()}
         assert calls == {"patched": rec["layers"], "unpatched": 4 - rec["layers"]}
-        assert set(rec["attention"]["patched"]) <= {"method"}  # seq_len >= min_seq_len: the method ran
+        assert set(rec["attention"]["patched"]) <= {"prefill"}  # no decode in a perplexity forward
+        assert set(rec["attention"]["patched"].get("prefill", {})) <= {"method"}  # seq_len >= min_seq_len
     base = {(x["subset"], x["doc_id"]): x for x in records if x["layers"] == 0}
     for c in r["configs"]:
         mine = [x for x in records if x["config_id"] == c["config_id"]]

@@ -44,7 +44,7 @@ def test_only_chosen_layers_are_routed_and_buffers_in_state_dict(name):
     assert len(buffers) == 2 and all(float(model.state_dict()[k][0]) == 3.0 for k in buffers)
     logits(model, torch.randint(0, 256, (1, 40)))
     assert PROBE_CALLS == [(40, 40), (40, 40)]
-    assert [r.layer_idx for r in model.longpatch.routes if r.calls["method"]] == [0, 2]
+    assert [r.layer_idx for r in model.longpatch.routes if r.calls[("prefill", "method")]] == [0, 2]
     unpatch_model(model)
     assert not any("longpatch" in k for k in model.state_dict())
 

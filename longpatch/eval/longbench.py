@@ -195,7 +195,18 @@ def _jsonl_rows(lines: Iterable[bytes]) -> Iterator[tuple[int, object | _Bad]]:
         try:
             yield n, json.loads(text)
         except json.JSONDecodeError as e:
-            yield n, _Bad(f"invalid JSON: {e.msg} at column {e.colno}")
+            yield n, _Bad(_json_problem(text, e))
+
+
+def _json_problem(text: str, e: json.JSONDecodeError) -> str:
+    """json's message, reworded for one line: some of its messages end in "at" (which gave "at at column"),
+    and an error past the end of the line is reported by json on the next line, column 1."""
+    line = text.rstrip("\r\n")
+    msg = e.msg.removesuffix(" at")
+    msg = msg[:1].lower() + msg[1:]
+    if e.pos >= len(line):
+        return f"invalid JSON at column {len(line) + 1}: {msg} (the line ends early)"
+    return f"invalid JSON at column {e.pos + 1 - (line.rfind(chr(10), 0, e.pos) + 1)}: {msg}"
 
 
 # ---- loading ---------------------------------------------------------------------------------------
@@ -261,16 +272,31 @@ def _locate(data) -> tuple[Path, str]:
 def _hub_zip() -> tuple[Path, str]:
     from huggingface_hub import constants, hf_hub_download
 
-    try:
-        local = hf_hub_download(repo_id=HUB_REPO, filename=HUB_FILE, repo_type="dataset")
-    except Exception as e:  # offline, gated, proxy...: every failure ends in the same advice
-        first = (str(e).strip().splitlines() or [""])[0].rstrip(".")
-        raise DataError(
-            f"LongBench data: nothing reachable. Tried the hub dataset {HUB_REPO} file {HUB_FILE} through "
-            f"huggingface_hub (cache {constants.HF_HUB_CACHE}): {type(e).__name__}: {first}. "
-            f"Pass a local copy instead: data=PATH (--data PATH) naming data.zip, a directory of <subset>.jsonl "
-            f"files, or a parquet copy") from None
-    return Path(local), f"hub {HUB_REPO}/{HUB_FILE} ({local})"
+    from ..loading import hub_unreachable
+
+    try:  # the cache first: it needs no network
+        local = hf_hub_download(repo_id=HUB_REPO, filename=HUB_FILE, repo_type="dataset", local_files_only=True)
+        return Path(local), f"hub {HUB_REPO}/{HUB_FILE} ({local})"
+    except Exception as e:  # not cached, or the cache unreadable: each case ends in the same advice
+        not_cached = _first_line(e)
+    # asking an unreachable hub costs ~25 s of retries: fail at once when it cannot answer
+    reason = hub_unreachable()
+    if reason is None:
+        try:
+            local = hf_hub_download(repo_id=HUB_REPO, filename=HUB_FILE, repo_type="dataset")
+            return Path(local), f"hub {HUB_REPO}/{HUB_FILE} ({local})"
+        except Exception as e:  # offline, gated, proxy...
+            reason = f"the download failed ({_first_line(e)})"
+    raise DataError(
+        f"LongBench data: nothing reachable. Tried the hub dataset {HUB_REPO} file {HUB_FILE} through "
+        f"huggingface_hub (cache {constants.HF_HUB_CACHE}): not cached ({not_cached}), and {reason}. "
+        f"Pass a local copy instead: data=PATH (--data PATH) naming data.zip, a directory of <subset>.jsonl "
+        f"files, or a parquet copy")
+
+
+def _first_line(e: Exception) -> str:
+    first = (str(e).strip().splitlines() or [""])[0].rstrip(".")
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
 
 
 def _open_source(path: Path, wanted: list[str], known: dict[str, str]):

@@ -19,7 +19,7 @@ from typing import Sequence
 import torch
 
 from ..errors import ConfigError
-from ..patching import patch_model, unpatch_model
+from ..patching import patch_model, total_seconds, unpatch_model
 from . import needle as N
 from .perplexity import (
     Point,
@@ -162,7 +162,7 @@ def _run(model, tokenizer, points, work: list[Trial], out: Path, dist, progress:
                                              pad_token_id=eos if eos is not None else 0)
                     seconds = time.perf_counter() - t0
                     predicted = tokenizer.decode(gen[0, ids.shape[1]:].tolist(), skip_special_tokens=True)
-                    stats = model.longpatch.stats()
+                    stats = model.longpatch.breakdown()  # prefill and decode apart: generate() does both
                     writer.append({
                         "config": label, "method": point.cfg.method if point.layers else "exact",
                         "layers": point.layers, "length": len(w.prompt.ids), "depth": w.depth, "trial": w.trial,
@@ -170,7 +170,7 @@ def _run(model, tokenizer, points, work: list[Trial], out: Path, dist, progress:
                         "correct": N.judge(predicted, w.prompt.expected), "config_id": point.config_id,
                         "label": point.label, "digest": w.digest, "needle_token": w.prompt.needle_token,
                         "seconds": seconds, "attention": stats,
-                        "attention_seconds": sum(s["seconds"] for paths in stats.values() for s in paths.values()),
+                        "attention_seconds": total_seconds(stats),
                     })
                     bar.update(1)
             finally:

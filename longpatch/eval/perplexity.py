@@ -30,15 +30,18 @@ results.csv and PNG plots (see summarize()).
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import hashlib
 import json
 import logging
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -47,9 +50,9 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..config import PatchConfig, load_config, select_layers
+from ..config import PatchConfig, load_config, parse_layer_items, select_layers
 from ..errors import ConfigError, LongpatchError, UnsupportedModelError
-from ..patching import patch_model, unpatch_model
+from ..patching import patch_model, total_seconds, unpatch_model
 from .longbench import CATEGORIES, LongBench, load_longbench, resolve_subsets
 
 log = logging.getLogger("longpatch")
@@ -70,7 +73,8 @@ def parse_layer_sweep(spec) -> list:
     '20' -> [20] (the last 20 layers); '0,4,8' -> [0, 4, 8]; '0:28:4' -> [0, 4, ..., 28]: start:end:step
     with the END INCLUDED (so 0:28:4 is the paper's Figure 3 axis); '0:4' -> [0, 1, 2, 3, 4];
     'all' (also inside a list) -> every layer; None -> [None], the config's own layers (which may be
-    a list of layer indices). Unlike `longpatch apply`, commas here separate sweep points, not indices.
+    a list of layer indices). The syntax is `apply`'s (config.parse_layer_items), but here every int is a
+    count of final layers, one sweep point each, where `apply` reads a list or range as layer indices.
     """
     if spec is None:
         return [None]
@@ -78,24 +82,7 @@ def parse_layer_sweep(spec) -> list:
         return [_count(spec, spec)]
     if isinstance(spec, (list, tuple)):
         return _dedupe([p for item in spec for p in parse_layer_sweep(item)])
-    text = str(spec).strip()
-    if not text:
-        raise ConfigError("--layers: empty; allowed: N, 'all', a list N1,N2,... or start:end[:step] (end included)")
-    points = []
-    for part in (p.strip() for p in text.split(",")):
-        if part == "all":
-            points.append("all")
-        elif ":" in part:
-            bits = [b.strip() for b in part.split(":")]
-            if len(bits) not in (2, 3) or not all(b.isdigit() for b in bits):
-                raise ConfigError(f"--layers: bad range {part!r}; allowed: start:end or start:end:step, ints >= 0 (end included)")
-            start, end, step = int(bits[0]), int(bits[1]), int(bits[2]) if len(bits) == 3 else 1
-            if step < 1 or end < start:
-                raise ConfigError(f"--layers: bad range {part!r}; need start <= end and step >= 1 (end included)")
-            points.extend(range(start, end + 1, step))
-        else:
-            points.append(_count(part, spec))
-    return _dedupe(points)
+    return _dedupe(parse_layer_items(spec))
 
 
 def _count(text, spec) -> int:
@@ -529,7 +516,7 @@ def perplexity(model, layers=None, *, config: "str | PatchConfig | None" = None,
                max_docs: int | None = None, data: str | None = None, out: str = "runs/eval", tokenizer=None,
                device_map: str | None = None, num_processes: int = 1, strict: bool = False,
                trust_remote_code: bool = False, warmup: int = 1, loss_chunk: int = 1024,
-               progress: bool = True, plots: bool = True) -> dict:
+               progress: bool = True, plots: bool = True, run_id: str | None = None) -> dict:
     """LongBench perplexity and attention time of `model` for each layer count of a sweep.
 
     model: a bundled alias, hub id, local path, saved patch dir or tiny:<family>, or an already
@@ -547,8 +534,34 @@ def perplexity(model, layers=None, *, config: "str | PatchConfig | None" = None,
     strict: a malformed LongBench record is fatal instead of reported and skipped.
     warmup: untimed forward passes before the first timed document of each configuration.
     loss_chunk: positions per LM-head call. progress: a progress bar (rank 0). plots: write the PNGs.
+    run_id: tags this invocation's records (default: a fresh id); speedups only pair records of one run.
     Returns the results dict also written to out/results.json ({} on ranks other than 0).
+    Raises LongpatchError when no document can be evaluated; a failed call that finished no document
+    removes the `out` directory it created.
     """
+    out = Path(out)
+    with _removed_on_failure(out, keep_if_existed=out.exists()):
+        return _perplexity(model, layers, config=config, method=method, sets=sets, subsets=subsets, seq_len=seq_len,
+                           max_docs=max_docs, data=data, out=out, tokenizer=tokenizer, device_map=device_map,
+                           num_processes=num_processes, strict=strict, trust_remote_code=trust_remote_code,
+                           warmup=warmup, loss_chunk=loss_chunk, progress=progress, plots=plots, run_id=run_id)
+
+
+@contextlib.contextmanager
+def _removed_on_failure(out: Path, keep_if_existed: bool):
+    """A failed evaluation leaves no empty directory behind: remove `out` if this call created it and no
+    document was finished into it (finished documents are kept: a re-run resumes from them)."""
+    try:
+        yield
+    except BaseException:
+        if not keep_if_existed and out.is_dir() and not any(f.stat().st_size for f in out.glob("records*.jsonl")):
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
+def _perplexity(model, layers, *, config, method, sets, subsets, seq_len, max_docs, data, out: Path, tokenizer,
+                device_map, num_processes, strict, trust_remote_code, warmup, loss_chunk, progress, plots,
+                run_id) -> dict:
     _check_positive("seq_len", seq_len, 2)
     _check_positive("loss_chunk", loss_chunk, 1)
     _check_positive("num_processes", num_processes, 1)
@@ -558,6 +571,7 @@ def perplexity(model, layers=None, *, config: "str | PatchConfig | None" = None,
     sweep = parse_layer_sweep(layers)
     wanted = resolve_subsets(subsets, data)
     dist = _distributed()
+    run_id = _shared_run_id(dist, run_id)
     if num_processes > 1:
         if dist.world > 1:
             raise ConfigError("num_processes: already running under a launcher with "
@@ -570,13 +584,11 @@ def perplexity(model, layers=None, *, config: "str | PatchConfig | None" = None,
         kwargs = dict(model=model, layers=layers, config=config, method=method, sets=list(sets), subsets=subsets,
                       seq_len=seq_len, max_docs=max_docs, data=data, out=str(out), tokenizer=tokenizer,
                       strict=strict, trust_remote_code=trust_remote_code, warmup=warmup, loss_chunk=loss_chunk,
-                      progress=progress, plots=plots)
+                      progress=progress, plots=plots, run_id=run_id)
         return _spawn(num_processes, kwargs)
     if device_map and dist.world > 1:
         raise ConfigError("device_map: spreads one process over all GPUs; under a launcher each process takes one GPU")
     main = dist.rank == 0
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
 
     lb = load_longbench(data, subsets, strict=strict)
     if main:
@@ -596,7 +608,10 @@ def perplexity(model, layers=None, *, config: "str | PatchConfig | None" = None,
     points = make_points(cfg, sweep, num_layers, identity)
     baseline_id = _config_id(identity, [], cfg)
     docs, counts, skipped = plan_documents(lb, encode, seq_len, vocab, max_docs, progress and main)
+    if not docs:
+        raise LongpatchError(_nothing_to_evaluate(lb, counts, skipped, seq_len))
     if main:
+        out.mkdir(parents=True, exist_ok=True)
         _write_json(out / PLAN_FILE, {
             "model": model_name, "tokenizer": tok_id, "seq_len": seq_len, "data": lb.source, "subsets": wanted,
             "max_docs": max_docs, "num_layers": num_layers, "baseline_id": baseline_id,
@@ -605,15 +620,32 @@ def perplexity(model, layers=None, *, config: "str | PatchConfig | None" = None,
                       "context_tokens": d.context_tokens} for d in docs],
             "per_subset": counts, "skipped": skipped, "missing_subsets": lb.missing,
             "data_problems": [p.to_dict() for p in lb.problems]})
-        if not docs:
-            log.warning("longpatch: no document has %d tokens or more; nothing to evaluate", seq_len)
         if len(points) > 1 and not any(p.layers == 0 for p in points):
             log.warning("longpatch: the sweep has no 0-layer point; attention speedups need one (add 0 to --layers)")
-    _run(model, points, docs[dist.rank::dist.world], out, dist, warmup, loss_chunk, progress and main)
+    _run(model, points, docs[dist.rank::dist.world], out, dist, warmup, loss_chunk, progress and main, run_id)
     dist.barrier()
     if dist.mode == "spawned" or not main:
         return {}
     return summarize(out, plots=plots)
+
+
+def _shared_run_id(dist: _Dist, run_id: str | None) -> str:
+    """One id per invocation, the same in every process of it (spawned workers get it passed in)."""
+    run_id = run_id or uuid.uuid4().hex[:12]
+    if dist.mode == "launcher":
+        from accelerate.utils import broadcast_object_list
+        run_id = broadcast_object_list([run_id], from_process=0)[0]
+    return run_id
+
+
+def _nothing_to_evaluate(lb: LongBench, counts: dict, skipped: list[dict], seq_len: int) -> str:
+    parts = [f"{sum(c['records'] for c in counts.values())} records read from {lb.source}"]
+    if lb.problems:
+        parts.append(f"{len(lb.problems)} malformed and skipped (first: {lb.problems[0]})")
+    short = [s["context_tokens"] for s in skipped if s["reason"] == "too_short"]
+    if short:
+        parts.append(f"{len(short)} shorter than --seq-len {seq_len} tokens (the longest has {max(short)})")
+    return "nothing to evaluate: " + "; ".join(parts)
 
 
 def _check_positive(name: str, value, minimum: int) -> None:
@@ -680,7 +712,7 @@ def _num_layers(model, cfg: PatchConfig) -> int:
 
 
 def _run(model, points: list[Point], docs: list[Doc], out: Path, dist: _Dist, warmup: int, chunk: int,
-         progress: bool) -> None:
+         progress: bool, run_id: str) -> None:
     from tqdm.auto import tqdm
 
     writer = RecordLog(out / ("records.jsonl" if dist.world == 1 else f"records.rank{dist.rank}.jsonl"))
@@ -704,7 +736,7 @@ def _run(model, points: list[Point], docs: list[Doc], out: Path, dist: _Dist, wa
                 for doc in pending:
                     model.longpatch.reset_stats()
                     result = evaluate_document(model, doc.ids[None].to(device), chunk)
-                    writer.append(_record(point, doc, result, model.longpatch.stats(), dist.rank))
+                    writer.append(_record(point, doc, result, model.longpatch.breakdown(), dist.rank, run_id))
                     bar.update(1)
                     bar.set_postfix(ppl=f"{math.exp(result['nll_mean']):.3f}" if math.isfinite(result["nll_mean"]) else "nan")
             finally:
@@ -717,12 +749,11 @@ def _run(model, points: list[Point], docs: list[Doc], out: Path, dist: _Dist, wa
         writer.close()
 
 
-def _record(point: Point, doc: Doc, result: dict, stats: dict, rank: int) -> dict:
-    attn_seconds = sum(s["seconds"] for paths in stats.values() for s in paths.values())
+def _record(point: Point, doc: Doc, result: dict, breakdown: dict, rank: int, run_id: str) -> dict:
     return {"config_id": point.config_id, "label": point.label, "layers": point.layers,
             "subset": doc.subset, "category": doc.category, "doc_id": doc.doc_id, "digest": doc.digest,
             "tokens": int(doc.ids.numel()), **result,
-            "attention": stats, "attention_seconds": attn_seconds,
+            "attention": breakdown, "attention_seconds": total_seconds(breakdown), "run_id": run_id,
             "tokens_per_second": doc.ids.numel() / result["forward_seconds"] if result["forward_seconds"] > 0 else None,
             "rank": rank, "finished": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
@@ -776,7 +807,11 @@ def summarize(out: "str | Path", plots: bool = True) -> dict:
             "scored_tokens": "seq_len - 1 per document (every position but the last predicts the next token)",
             "attention_seconds": "wall time inside attention calls of all layers (model.longpatch.stats())",
             "attention_speedup": "attention_seconds of the 0-layer configuration / this configuration's, over "
-                                 "the documents both finished (forward_speedup: same with forward_seconds)",
+                                 "the documents both finished in the same run (forward_speedup: same with "
+                                 "forward_seconds)",
+            "attention_seconds_by_path": "{side: {phase: {path: seconds}}}; side patched/unpatched layers, phase "
+                                         "prefill/decode, path method / method_exact (the method's code, exact at "
+                                         "that length) / exact (fallback) / original (the model's own attention)",
         },
         "documents": {"kept": len(docs), "skipped": skipped_reasons, "malformed": len(plan["data_problems"]),
                       "per_subset": plan["per_subset"],
@@ -797,15 +832,18 @@ def _group_stats(recs: list[dict], planned: int, base: dict) -> dict:
     tokens = sum(r["scored_tokens"] for r in finite)
     nll = math.fsum(r["nll_sum"] for r in finite)
     n = len(finite)
-    by_path: dict[str, dict[str, float]] = {}
+    by_path: dict[str, dict[str, dict[str, float]]] = {}
     for r in recs:
-        for side, paths in r["attention"].items():
-            for path, s in paths.items():
-                by_path.setdefault(side, {})
-                by_path[side][path] = by_path[side].get(path, 0.0) + s["seconds"]
+        for side, phases in r["attention"].items():
+            for phase, paths in phases.items():
+                for path, s in paths.items():
+                    into = by_path.setdefault(side, {}).setdefault(phase, {})
+                    into[path] = into.get(path, 0.0) + s["seconds"]
     forward = math.fsum(r["forward_seconds"] for r in recs)
     attention = math.fsum(r["attention_seconds"] for r in recs)
-    common = [r for r in recs if (r["subset"], r["doc_id"]) in base]
+    # timings of one run only: a reused --out may hold a baseline measured earlier, under another load
+    common = [r for r in recs if (k := (r["subset"], r["doc_id"])) in base
+              and r.get("run_id") is not None and base[k].get("run_id") == r["run_id"]]
     base_attn = math.fsum(base[(r["subset"], r["doc_id"])]["attention_seconds"] for r in common)
     base_fwd = math.fsum(base[(r["subset"], r["doc_id"])]["forward_seconds"] for r in common)
     this_attn = math.fsum(r["attention_seconds"] for r in common)
@@ -845,8 +883,8 @@ def _write_csv(results: dict, path: Path) -> None:
                 by_path = s["attention_seconds_by_path"]
                 row = {**s, "config_id": c["config_id"], "label": c["label"], "method": c["method"] or "",
                        "layers": c["layers"], "scope": scope, "name": name,
-                       "patched_attention_seconds": sum(by_path.get("patched", {}).values()),
-                       "unpatched_attention_seconds": sum(by_path.get("unpatched", {}).values())}
+                       "patched_attention_seconds": total_seconds(by_path.get("patched", {})),
+                       "unpatched_attention_seconds": total_seconds(by_path.get("unpatched", {}))}
                 w.writerow(["" if row.get(k) is None else row[k] for k in _CSV_COLUMNS])
     os.replace(tmp, path)
 

@@ -41,6 +41,10 @@ def detect_family(model, name: str | None = None) -> Family:
     if name is not None:
         if name not in _FAMILIES:
             raise UnsupportedModelError(f"family: got {name!r}; allowed: {', '.join(_FAMILIES)}")
+        if not _FAMILIES[name].matches(model):  # else it fails later on attributes the model lacks
+            fits = [f.name for f in _FAMILIES.values() if f.matches(model)]
+            raise UnsupportedModelError(f"family: got {name!r}, which cannot patch {type(model).__name__}; allowed "
+                                        f"for this model: {', '.join(fits) or 'none'} (or leave family unset)")
         return _FAMILIES[name]
     for fam in _FAMILIES.values():
         if fam.matches(model):

@@ -1,0 +1,265 @@
+"""Issue #13, items 7-12: bad input gives one line and exit 2 with nothing half-written; empty evals
+fail; strict YAML; `--save` writes a loadable model; attention stats per path and phase; cosmetics."""
+import json
+import os
+import stat
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import longpatch
+from longpatch import cli
+from longpatch.errors import LongpatchError
+from longpatch.testing.tiny import tiny_model
+
+runner = CliRunner()
+
+
+def invoke(*argv):
+    return runner.invoke(cli.app, list(argv))
+
+
+def assert_one_line_error(r, *needles):
+    """exit 2, one line on stderr naming what is wrong, no traceback, nothing on stdout about it."""
+    assert r.exit_code == 2, (r.exit_code, r.output, r.exception)
+    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
+    err = r.stderr
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    for n in needles:
+        assert n in err, err
+
+
+def record(doc_id, context, subset="lcc"):
+    return {"input": "q", "context": context, "answers": ["a"], "length": len(context), "dataset": subset,
+            "language": "en", "all_classes": None, "_id": doc_id}
+
+
+def write_jsonl(path, lines):
+    path.write_text("".join((l if isinstance(l, str) else json.dumps(l)) + "\n" for l in lines))
+    return path
+
+
+EVAL = ("eval", "ppl", "--model", "tiny:llama", "--tokenizer", "bytes", "--no-progress", "--warmup", "0",
+        "--subsets", "lcc")
+
+
+# ---- item 7: one line, exit 2, nothing half-written ------------------------------------------------
+
+def test_flash_attention_2_without_flash_attn_is_refused_when_the_config_is_built(monkeypatch):
+    monkeypatch.setattr("transformers.utils.is_flash_attn_2_available", lambda: False)
+    r = invoke("apply", "--model", "tiny:llama", "--method", "exact", "--set", "attn_implementation=flash_attention_2")
+    assert_one_line_error(r, "attn_implementation", "flash_attention_2", "sdpa")
+
+
+def test_wrong_family_is_one_line_from_the_cli_and_an_error_from_patch_model():
+    r = invoke("apply", "--model", "tiny:llama", "--method", "exact", "--set", "family=chatglm2")
+    assert_one_line_error(r, "family", "chatglm2", "hf")
+    assert_one_line_error(invoke("apply", "--model", "tiny:llama", "--set", "family=nope"), "family: got 'nope'")
+    with pytest.raises(LongpatchError, match="family"):
+        longpatch.patch_model(tiny_model("llama"), {"method": "exact", "family": "chatglm2"})
+
+
+def test_non_utf8_config(tmp_path):
+    bad = tmp_path / "c.yaml"
+    bad.write_bytes(b"method: exact\n# caf\xe9\n")
+    assert_one_line_error(invoke("apply", "--model", "tiny:llama", "--config", str(bad)), "UTF-8", str(bad))
+
+
+def test_save_onto_a_file_or_an_uncreatable_path_fails_before_loading(tmp_path, monkeypatch):
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before --save was checked")
+
+    monkeypatch.setattr("longpatch.loading.load_model", no_load)
+    afile = tmp_path / "afile"
+    afile.write_text("keep")
+    for target, needle in ((afile, "not a directory"), (afile / "sub", "cannot create")):
+        r = invoke("apply", "--model", "tiny:llama", "--method", "exact", "--save", str(target))
+        assert_one_line_error(r, "--save", str(target), needle)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"] and afile.read_text() == "keep"
+
+
+def test_negative_prefill():
+    assert_one_line_error(invoke("apply", "--model", "tiny:llama", "--prefill", "-5"), "--prefill", "-5", ">= 0")
+
+
+def test_triton_backend_without_cuda_or_interpreter_is_refused_up_front(tmp_path, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    r = invoke("apply", "--model", "tiny:llama", "--method", "exact", "--set", "backend=triton")
+    assert_one_line_error(r, "backend", "triton", "TRITON_INTERPRET")
+    data = write_jsonl(tmp_path / "lcc.jsonl", [record("d0", "x" * 100)])
+    out = tmp_path / "out"
+    r = invoke(*EVAL, "--seq-len", "64", "--data", str(data), "--out", str(out), "--set", "backend=triton")
+    assert_one_line_error(r, "backend")
+    assert not out.exists()
+    with pytest.raises(LongpatchError, match="backend"):
+        longpatch.patch_model(tiny_model("llama"), {"method": "exact", "backend": "triton"})
+
+
+# ---- item 8: an eval that evaluated nothing fails ------------------------------------------------
+
+@pytest.mark.parametrize("lines, needle", [
+    ([], "0 records"),
+    (['{"_id": "x", "context": ', "not json"], "2 malformed"),
+    ([record("d0", "short"), record("d1", "also short")], "shorter than --seq-len 64"),
+])
+def test_eval_with_nothing_to_evaluate_fails_and_leaves_no_out(tmp_path, lines, needle):
+    data = write_jsonl(tmp_path / "lcc.jsonl", lines)
+    out = tmp_path / "out"
+    r = invoke(*EVAL, "--seq-len", "64", "--data", str(data), "--out", str(out))
+    assert_one_line_error(r, "nothing to evaluate", needle)
+    assert not out.exists()
+
+
+def test_failed_eval_leaves_no_empty_out(tmp_path):
+    out = tmp_path / "out"
+    r = invoke(*EVAL, "--seq-len", "64", "--data", str(tmp_path / "missing.jsonl"), "--out", str(out))
+    assert_one_line_error(r, "does not exist")
+    assert not out.exists()
+
+
+def test_no_data_and_no_hub_fails_fast_without_network_retries(tmp_path, monkeypatch):
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
+
+    def download(*a, local_files_only=False, **k):
+        if not local_files_only:
+            raise AssertionError("went to the network although the hub is unreachable")
+        raise huggingface_hub.errors.LocalEntryNotFoundError("not cached")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    r = invoke(*EVAL, "--seq-len", "64", "--out", str(tmp_path / "out"))
+    assert_one_line_error(r, "--data", "cannot be reached")
+
+
+def test_missing_local_model_path_says_no_such_directory(tmp_path):
+    missing = tmp_path / "no" / "model"
+    assert_one_line_error(invoke("apply", "--model", str(missing)), "no such directory", str(missing))
+
+
+# ---- item 9: strict YAML ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, needle", [
+    ("", "is empty"),
+    ("# nothing but a comment\n", "is empty"),
+    ("layers: 2\n", "no 'method'"),
+    ("method: exact\nlayers: 2\nlayers: 3\n", "duplicate key 'layers'"),
+    ("method: hyper\nparams:\n  block_size: 64\n  block_size: 32\n", "duplicate key 'block_size'"),
+])
+def test_yaml_without_method_empty_or_with_duplicate_keys_is_an_error(tmp_path, text, needle):
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    with pytest.raises(LongpatchError, match=needle):
+        longpatch.load_config(p)
+    assert_one_line_error(invoke("apply", "--model", "tiny:llama", "--config", str(p)), needle)
+
+
+# ---- item 10: --save writes a model plain transformers loads ----------------------------------------
+
+def test_save_writes_weights_tokenizer_free_model_and_patch(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    target = tmp_path / "saved"
+    r = invoke("apply", "--model", "tiny:llama", "--method", "hyper", "--layers", "2", "--set", "min_seq_len=16",
+               "--set", "params.min_seq_len=16", "--save", str(target))
+    assert r.exit_code == 0, r.output
+    assert (target / "model.safetensors").is_file() and (target / "longpatch.yaml").is_file()
+    assert stat.S_IMODE(target.stat().st_mode) == 0o777 & ~_umask()
+    assert [p.name for p in tmp_path.iterdir()] == ["saved"]  # no temp dir left behind
+    ids = torch.randint(0, 256, (1, 40))
+    with torch.no_grad():
+        want = tiny_model("llama")(ids).logits
+        plain = AutoModelForCausalLM.from_pretrained(target)
+        torch.testing.assert_close(plain(ids).logits, want)  # the weights, without the patch's buffers
+        patched = longpatch.from_pretrained(target)
+        assert longpatch.patched_layers(patched) == [2, 3] and patched.longpatch.config.method == "hyper"
+        assert patched.name_or_path == str(target)  # loaded from the saved weights, not rebuilt
+        assert not torch.allclose(patched(ids).logits, want)  # hyper runs at 40 > 16 tokens
+
+
+def _umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+# ---- item 11: stats per path and phase; speedups within one run ------------------------------------
+
+def test_stats_separate_method_exact_fallback_and_phases():
+    model = tiny_model("llama")
+    ids = torch.randint(0, 256, (1, 24))
+    longpatch.patch_model(model, {"method": "hyper", "layers": 2})  # min_seq_len 4096: exact at 24 tokens
+    model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False)
+    b = model.longpatch.breakdown()
+    assert set(b["patched"]["prefill"]) == {"method_exact"} and b["patched"]["prefill"]["method_exact"]["calls"] == 2
+    assert b["patched"]["decode"]["exact"]["calls"] == 2 * 2  # hyper has no decode: the exact fallback
+    assert b["unpatched"]["prefill"]["original"]["calls"] == 2 and b["unpatched"]["decode"]["original"]["calls"] == 4
+    longpatch.unpatch_model(model)
+    longpatch.patch_model(model, {"method": "moba", "layers": "all", "params": {"chunk_size": 4, "topk": 2}})
+    model.longpatch.reset_stats()
+    with torch.no_grad():
+        model(ids)  # 6 chunks > topk 2: really sparse
+    assert set(model.longpatch.breakdown()["patched"]["prefill"]) == {"method"}
+
+
+def test_prefill_table_says_when_the_method_was_exact():
+    r = invoke("apply", "--model", "tiny:llama", "--method", "hyper", "--layers", "2", "--prefill", "32")
+    assert r.exit_code == 0, r.output
+    assert "method (exact at this length)" in r.stdout and "prefill" in r.stdout
+
+
+def test_reused_out_computes_speedups_within_one_run_only(tmp_path):
+    data = write_jsonl(tmp_path / "lcc.jsonl", [record("d0", "abcdefgh" * 20)])
+    out = tmp_path / "out"
+    assert invoke(*EVAL, "--seq-len", "64", "--data", str(data), "--out", str(out), "--layers", "0").exit_code == 0
+    r = invoke(*EVAL, "--seq-len", "64", "--data", str(data), "--out", str(out), "--layers", "0,2")
+    assert r.exit_code == 0, r.output
+    results = json.loads((out / "results.json").read_text())
+    two = next(c for c in results["configs"] if c["layers"] == 2)["all"]
+    assert two["attention_speedup"] is None and two["speedup_docs"] == 0  # its baseline timing is another run's
+    recs = [json.loads(l) for l in (out / "records.jsonl").read_text().splitlines()]
+    assert len({r["run_id"] for r in recs}) == 2
+
+
+# ---- item 12: cosmetics ----------------------------------------------------------------------------
+
+def test_model_names_print_verbatim_not_as_emoji():
+    r = invoke("apply", "--model", "tiny:llama", "--method", "exact")
+    assert r.exit_code == 0 and "tiny:llama:" in r.stdout and "\U0001f999" not in r.stdout
+
+
+def test_help_shows_flags_without_a_value():
+    for cmd in (("apply",), ("eval", "ppl")):
+        out = invoke(*cmd, "--help").stdout
+        assert "--trust-remote-code" in out and "<bool>" not in out and "BOOLEAN" not in out
+
+
+def test_json_errors_name_the_real_column(tmp_path):
+    from longpatch.eval.longbench import load_longbench
+
+    path = write_jsonl(tmp_path / "lcc.jsonl", ['{"a": ', '{"context": "ab\tc"}', '{"a": 1,, "b": 2}'])
+    msgs = [p.message for p in load_longbench(str(path), "lcc").problems]
+    assert all(" at at " not in m for m in msgs), msgs
+    assert msgs == ["invalid JSON at column 7: expecting value (the line ends early)",
+                    "invalid JSON at column 16: invalid control character",
+                    "invalid JSON at column 9: expecting property name enclosed in double quotes"]
+
+
+def test_load_model_takes_a_name_and_is_documented():
+    model, tok = longpatch.load_model("tiny:llama")
+    assert tok is None and not hasattr(model, "longpatch")
+    assert "Returns" in longpatch.load_model.__doc__
+    docs = open(os.path.join(os.path.dirname(__file__), "..", "docs", "configs.md")).read()
+    assert "longpatch.load_model(" in docs
+
+
+def test_apply_layers_share_one_parser_with_ranges_and_no_trailing_comma():
+    r = invoke("apply", "--model", "tiny:llama", "--method", "exact", "--layers", "1:2")
+    assert r.exit_code == 0 and "patched 2 of 4 layers" in r.stdout
+    assert_one_line_error(invoke("apply", "--model", "tiny:llama", "--layers", "1,"), "--layers", "'1,'", "empty item")
+    assert_one_line_error(invoke(*EVAL, "--layers", "1,", "--data", "x"), "--layers", "empty item")
