@@ -21,21 +21,36 @@ allocations do not hide it. Linux only; ``None`` elsewhere.
 from __future__ import annotations
 
 import json
-import math
 import os
-import statistics
 import subprocess
 import sys
-import time
+from functools import partial
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from .bench_common import (
+    DTYPES,
+    SLOW_CALL_S,
+    annotate_speedups,
+    figure,
+    fmt,
+    machine_meta,
+    rel_err,
+    save_figure,
+    show_table,
+    speedup_axis,
+    structured_inputs,
+    time_calls,
+    torch_dtype,
+    wide_console,
+    write_json,
+)
+from .errors import ConfigError
+
+__all__ = ["DEFAULT_SEQ_LENS", "run_attention_bench", "structured_inputs", "peak_memory_mb", "print_table", "plot"]
+
 DEFAULT_SEQ_LENS = (4096, 8192, 16384, 32768, 65536, 131072)
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# A call slower than this is timed once (plus its warm-up): SDPA at 131k causal takes ~20 s a call.
-_SLOW_CALL_S = 10.0
 
 
 def _inputs(batch, heads, n, d, dtype, seed=0, kv_heads=None):
@@ -51,20 +66,6 @@ def _structured(batch, heads, kv_heads, n, d, dtype):
     return q.repeat_interleave(heads // kv_heads, 1), k, v
 
 
-def structured_inputs(batch, heads, n, d, dtype, seed=0, strength=None, noise=0.05):
-    """q_i = strength·√d·u_i (u_i random unit vectors), keys k_j = u_{j+n/3} + noise: query i has a
-    dominant key at i − n/3 with score ≈ strength (at the default scale d^-1/2); values random.
-    strength = ln(n) + 3 by default, so the dominant key keeps most of the row's mass at every n
-    (≈ 0.9 at 4k, ≈ 0.8 at 131k for d = 64) while the other n − 1 keys share the rest."""
-    strength = math.log(n) + 3.0 if strength is None else strength
-    g = torch.Generator().manual_seed(seed)
-    u = torch.nn.functional.normalize(torch.randn(batch, heads, n, d, generator=g), dim=-1)
-    k = torch.roll(u, -(n // 3), dims=2) + noise * torch.randn(batch, heads, n, d, generator=g) / math.sqrt(d)
-    v = torch.randn(batch, heads, n, d, generator=g)
-    q = strength * math.sqrt(d) * u
-    return q.to(dtype), k.to(dtype), v.to(dtype)
-
-
 def _caller(name: str, params: dict, head_dim: int):
     from .methods import get_method
     m = get_method(name)
@@ -77,20 +78,6 @@ def _caller(name: str, params: dict, head_dim: int):
     return call, resolved
 
 
-def _time(fn, repeats: int) -> tuple[float, float, Any]:
-    """(median ms, min ms, result of the warm-up call)."""
-    t0 = time.perf_counter()
-    first = fn()  # warm-up; its result is kept (reference output for the errors)
-    warm = time.perf_counter() - t0
-    n = 1 if warm > _SLOW_CALL_S else repeats
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3, min(times) * 1e3, first
-
-
 def _fwd(call, q, k, v, causal):
     with torch.no_grad():
         return call(q, k, v, causal)
@@ -101,10 +88,6 @@ def _fwd_bwd(call, q, k, v, causal):
     out = call(q, k, v, causal)
     out.float().sum().backward()
     return None
-
-
-def _rel_err(a, b) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm())
 
 
 def peak_memory_mb(method: str, params: dict, n: int, causal: bool, heads: int, head_dim: int, batch: int,
@@ -132,7 +115,7 @@ def _status_kb(field: str) -> int:
 def _memory_worker(job_json: str) -> None:
     job = json.loads(job_json)
     call, _ = _caller(job["method"], job["params"], job["head_dim"])
-    q, k, v = _inputs(job["batch"], job["heads"], job["n"], job["head_dim"], _DTYPES[job["dtype"]],
+    q, k, v = _inputs(job["batch"], job["heads"], job["n"], job["head_dim"], DTYPES[job["dtype"]],
                       kv_heads=job.get("kv_heads"))
     before = _status_kb("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to the current RSS
@@ -150,25 +133,22 @@ def run_attention_bench(methods=("exact", "hyper"), seq_lens=DEFAULT_SEQ_LENS, c
     """Benchmark ``methods`` (registry names) against exact attention; returns one row per
     (method, length, mask mode) and writes JSON + PNG into ``out_dir``. ``kv_heads`` (default
     ``heads``) < ``heads`` benchmarks GQA: K/V have kv_heads heads, never repeated."""
-    from rich.console import Console
     from rich.progress import Progress
 
     from .methods import get_method
 
     method_params = dict(method_params or {})
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype: got {dtype!r}; allowed: {', '.join(_DTYPES)}")
-    tdtype = _DTYPES[dtype]
+    tdtype = torch_dtype(dtype)
     kv_heads = heads if kv_heads is None else kv_heads
     if kv_heads < 1 or heads % kv_heads:
-        raise ValueError(f"kv_heads: got {kv_heads}; allowed: a divisor of heads ({heads})")
+        raise ConfigError(f"kv_heads: got {kv_heads}; allowed: a divisor of heads ({heads})")
     others = [m for m in methods if m != "exact"]
     callers = {m: _caller(m, method_params.get(m) or {}, head_dim) for m in ["exact", *others]}
     # the calls of each mask mode; causal-only methods get no non-causal rows
     names = {c: ["exact", *[m for m in others if c or not get_method(m).causal_only]] for c in causal_modes}
     rows: list[dict] = []
     steps = len(seq_lens) * sum(len(v) for v in names.values())
-    console = Console(width=max(Console().width, 140))
+    console = wide_console(140)
     log_lines = progress and not console.is_terminal  # no live bar in a log file: one line per step
     with Progress(console=console, disable=not progress or log_lines, transient=False) as bar:
         task = bar.add_task("attention bench", total=steps)
@@ -189,10 +169,10 @@ def run_attention_bench(methods=("exact", "hyper"), seq_lens=DEFAULT_SEQ_LENS, c
                     row = dict(method=name, n=n, causal=causal, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                                batch=batch,
                                dtype=dtype, params=resolved)
-                    row["fwd_ms"], row["fwd_ms_min"], out = _time(lambda: _fwd(call, q, k, v, causal), repeats)
+                    row["fwd_ms"], row["fwd_ms_min"], out = time_calls(partial(_fwd, call, q, k, v, causal), repeats)
                     if backward:
-                        row["fwd_bwd_ms"], row["fwd_bwd_ms_min"], _ = _time(lambda: _fwd_bwd(call, q, k, v, causal),
-                                                                            repeats)
+                        row["fwd_bwd_ms"], row["fwd_bwd_ms_min"], _ = time_calls(
+                            partial(_fwd_bwd, call, q, k, v, causal), repeats)
                     if name == "exact":
                         ref = out
                         if errors:
@@ -200,11 +180,11 @@ def run_attention_bench(methods=("exact", "hyper"), seq_lens=DEFAULT_SEQ_LENS, c
                         row.update(err_random=0.0, err_structured=0.0, speedup_fwd=1.0)
                         exact_row = row
                     else:
-                        row["err_random"] = _rel_err(out, ref) if ref is not None else None
+                        row["err_random"] = rel_err(out, ref) if ref is not None else None
                         if errors and ref_s is not None:
                             o_s = _fwd(call, *structured, causal)
                             cut = n // 3
-                            row["err_structured"] = _rel_err(o_s[:, :, cut:], ref_s[:, :, cut:])
+                            row["err_structured"] = rel_err(o_s[:, :, cut:], ref_s[:, :, cut:])
                         else:
                             row["err_structured"] = None
                         row["speedup_fwd"] = exact_row["fwd_ms"] / row["fwd_ms"] if exact_row else None
@@ -217,15 +197,13 @@ def run_attention_bench(methods=("exact", "hyper"), seq_lens=DEFAULT_SEQ_LENS, c
                     bar.advance(task)
                     if log_lines:
                         print(f"[bench] {name} n={n} {mode}: fwd {row['fwd_ms']:.1f} ms, speedup "
-                              f"{_fmt(row.get('speedup_fwd'), '.2f')}, err {_fmt(row.get('err_random'), '.3f')}/"
-                              f"{_fmt(row.get('err_structured'), '.3f')}, mem {_fmt(row.get('mem_mb'), '.0f')} MiB",
+                              f"{fmt(row.get('speedup_fwd'), '.2f')}, err {fmt(row.get('err_random'), '.3f')}/"
+                              f"{fmt(row.get('err_structured'), '.3f')}, mem {fmt(row.get('mem_mb'), '.0f')} MiB",
                               flush=True)
-    meta = dict(threads=torch.get_num_threads(), torch=torch.__version__, loadavg=loadavg(),
-                cpu=_cpu_name(), device="cpu", repeats=repeats, note="median of repeats after one warm-up; "
-                f"one timed call when a call takes > {_SLOW_CALL_S:.0f} s")
+    meta = machine_meta(repeats=repeats, note="median of repeats after one warm-up; "
+                        f"one timed call when a call takes > {SLOW_CALL_S:.0f} s")
     out_path = Path(out_dir)
-    out_path.mkdir(parents=True, exist_ok=True)
-    (out_path / "attention_bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    write_json(out_path / "attention_bench.json", meta, rows)
     print_table(rows, console)
     title = (f"speedup over exact attention (torch SDPA), {dtype}, batch {batch}, {heads} head(s)"
              f"{'' if kv_heads == heads else f' sharing {kv_heads} KV head(s)'}, d={head_dim}, "
@@ -235,55 +213,26 @@ def run_attention_bench(methods=("exact", "hyper"), seq_lens=DEFAULT_SEQ_LENS, c
     return rows
 
 
-def loadavg():
-    try:
-        return list(os.getloadavg())
-    except OSError:
-        return None
-
-
-def _cpu_name():
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
-
-
-def _fmt(x, spec):
-    return "–" if x is None else format(x, spec)
-
-
 def print_table(rows: list[dict], console=None) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = console or Console(width=max(Console().width, 140))
     backward = any("fwd_bwd_ms" in r for r in rows)
-    t = Table(title="attention: time, speedup vs exact (SDPA), error vs exact, peak memory")
-    for col in ["method", "mask", "n", "fwd ms", "speedup"] + (["fwd+bwd ms", "speedup fb"] if backward else []) \
-            + ["err random", "err structured", "mem MiB"]:
-        t.add_column(col, justify="left" if col in ("method", "mask") else "right")
+    cols = ["method", "mask", "n", "fwd ms", "speedup"] + (["fwd+bwd ms", "speedup fb"] if backward else []) \
+        + ["err random", "err structured", "mem MiB"]
+    cells = []
     for r in rows:
-        cells = [r["method"], "causal" if r["causal"] else "non-causal", str(r["n"]), _fmt(r["fwd_ms"], ".1f"),
-                 _fmt(r.get("speedup_fwd"), ".2f") + "×"]
+        c = [r["method"], "causal" if r["causal"] else "non-causal", str(r["n"]), fmt(r["fwd_ms"], ".1f"),
+             fmt(r.get("speedup_fwd"), ".2f") + "×"]
         if backward:
-            cells += [_fmt(r.get("fwd_bwd_ms"), ".1f"), _fmt(r.get("speedup_fwd_bwd"), ".2f") + "×"]
-        cells += [_fmt(r.get("err_random"), ".3f"), _fmt(r.get("err_structured"), ".3f"), _fmt(r.get("mem_mb"), ".0f")]
-        t.add_row(*cells)
-    console.print(t)
+            c += [fmt(r.get("fwd_bwd_ms"), ".1f"), fmt(r.get("speedup_fwd_bwd"), ".2f") + "×"]
+        c += [fmt(r.get("err_random"), ".3f"), fmt(r.get("err_structured"), ".3f"), fmt(r.get("mem_mb"), ".0f")]
+        cells.append(c)
+    show_table("attention: time, speedup vs exact (SDPA), error vs exact, peak memory", cols, cells, console,
+           left=("method", "mask"))
 
 
 def plot(rows: list[dict], path, backward: bool = False, title: str | None = None) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     kinds = [("speedup_fwd", "forward")] + ([("speedup_fwd_bwd", "forward + backward")] if backward else [])
     modes = [c for c in (False, True) if any(r["causal"] == c for r in rows)]  # a panel per mask mode run
-    fig, axes = plt.subplots(len(kinds), len(modes), figsize=(5 * len(modes), 3.6 * len(kinds)), squeeze=False)
+    fig, axes = figure(len(kinds), len(modes), (5 * len(modes), 3.6 * len(kinds)))
     methods = sorted({r["method"] for r in rows if r["method"] != "exact"})
     annotate = len(methods) <= 3  # labels on every point only while they stay readable
     for i, (key, label) in enumerate(kinds):
@@ -295,23 +244,12 @@ def plot(rows: list[dict], path, backward: bool = False, title: str | None = Non
                              if r["method"] == m and r["causal"] == causal and r.get(key) is not None)
                 if pts:
                     drawn = True
-                    xs, ys = zip(*pts)
-                    ax.plot(xs, ys, marker="o", label=m)
-                    for x, y in pts if annotate else ():
-                        ax.annotate(f"{y:.1f}×", (x, y), textcoords="offset points", xytext=(0, 6),
-                                    ha="center", fontsize=8)
-            ax.axhline(1.0, color="gray", lw=0.8, ls="--")
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")  # speedups span 0.3× .. 100×+: a log axis keeps every method readable
+                    ax.plot(*zip(*pts), marker="o", label=m)
+                    if annotate:
+                        annotate_speedups(ax, pts)
+            # speedups span 0.3× .. 100×+: a log axis keeps every method readable
+            speedup_axis(ax, "sequence length n", "speedup over exact (SDPA)", log_y=True)
             ax.set_title(f"{'causal' if causal else 'non-causal'}, {label}")
-            ax.set_xlabel("sequence length n")
-            ax.set_ylabel("speedup over exact (SDPA)")
-            ax.grid(alpha=0.3, which="both")
             if drawn:
                 ax.legend(fontsize=8)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, title)

@@ -86,7 +86,8 @@ def list_cmd():
 
 @command(app)
 def apply(
-    model: str = typer.Option(..., "--model", help="bundled alias, hub id, local path, saved patch dir, or tiny:<family>"),
+    model: str = typer.Option(..., "--model",
+                              help="bundled alias, hub id, local path, saved patch dir, or tiny:<family>"),
     layers: Optional[str] = typer.Option(None, help="N (last N layers), 'all', or layer indices 8,9,12 / 8:12 "
                                                     "(end included); a single index is 8:8"),
     method: Optional[str] = typer.Option(None, help="attention method (see `longpatch list`)"),
@@ -94,8 +95,10 @@ def apply(
     set_: list[str] = typer.Option([], "--set", help="override a key: layers=4, block_size=128, params.seed=1"),
     save: Optional[str] = typer.Option(None, help="new directory: the model (save_pretrained: weights, config, "
                                                   "tokenizer) + longpatch.yaml to re-apply the patch"),
-    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="allow remote code (bundled aliases set it themselves)"),
-    prefill: int = typer.Option(0, help="run one forward pass on this many random tokens and report where attention time went"),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code",
+                                           help="allow remote code (bundled aliases set it themselves)"),
+    prefill: int = typer.Option(0, help="run one forward pass on this many random tokens and report where "
+                                        "attention time went"),
 ):
     """Load a model, patch it, and print which layers run which method."""
     from . import loading
@@ -110,10 +113,12 @@ def apply(
     loaded, tokenizer = loading.load_model(cfg)
     patch_model(loaded, cfg)
     report = loaded.longpatch
-    t = Table(title=escape(f"{cfg.model}: {report.family.name} family, {report.num_layers} layers"), title_justify="left")
+    t = Table(title=escape(f"{cfg.model}: {report.family.name} family, {report.num_layers} layers"),
+              title_justify="left")
     t.add_column("layer", justify="right"), t.add_column("method"), t.add_column("params")
     for row in report.rows():
-        t.add_row(str(row["layer"]), row["method"], escape(", ".join(f"{k}={v}" for k, v in row["params"].items()) or "-"))
+        params = ", ".join(f"{k}={v}" for k, v in row["params"].items()) or "-"
+        t.add_row(str(row["layer"]), row["method"], escape(params))
     console.print(t)
     console.print(f"patched {len(report.layers)} of {report.num_layers} layers with '{cfg.method}' "
                   f"(min_seq_len={cfg.min_seq_len}, backend={cfg.backend})", markup=False)
@@ -181,11 +186,15 @@ def bench_attention(
     methods: str = typer.Option("exact,hyper", help="comma-separated methods; exact is always the baseline"),
     seq_lens: str = typer.Option("4096,8192,16384,32768,65536,131072", help="comma-separated sequence lengths"),
     mode: str = typer.Option("both", help="causal, non-causal or both"),
-    heads: int = typer.Option(1), kv_heads: Optional[int] = typer.Option(None, help="GQA: K/V heads (default: = heads)"),
+    heads: int = typer.Option(1),
+    kv_heads: Optional[int] = typer.Option(None, help="GQA: K/V heads (default: = heads)"),
     head_dim: int = typer.Option(64), batch: int = typer.Option(1),
     dtype: str = typer.Option("float32"), backward: bool = typer.Option(False, help="also time forward+backward"),
     repeats: int = typer.Option(3), out: str = typer.Option("runs/bench", help="output dir for JSON + PNG"),
     set_: list[str] = typer.Option([], "--set", help="method params: hyper.block_size=128"),
+    max_exact_len: Optional[int] = typer.Option(None, help="skip exact attention above this length"),
+    memory: bool = typer.Option(True, "--memory/--no-memory", help="peak memory per call (one subprocess each)"),
+    threads: Optional[int] = typer.Option(None, help="torch.set_num_threads"),
 ):
     """Time each method against exact attention in the same run; writes JSON + a PNG plot."""
     from .bench import run_attention_bench
@@ -193,15 +202,17 @@ def bench_attention(
     modes = {"causal": (True,), "non-causal": (False,), "both": (True, False)}
     if mode not in modes:
         raise LongpatchError(f"--mode: got {mode!r}; allowed: causal, non-causal, both")
-    run_attention_bench(methods=tuple(m.strip() for m in methods.split(",") if m.strip()),
-                        seq_lens=tuple(_ints("--seq-lens", seq_lens)), causal_modes=modes[mode], heads=heads,
-                        head_dim=head_dim, batch=batch, dtype=dtype, backward=backward, repeats=repeats,
-                        out_dir=out, method_params=_method_params(set_), kv_heads=kv_heads)
+    _set_threads(threads)
+    run_attention_bench(methods=_names(methods), seq_lens=tuple(_ints("--seq-lens", seq_lens)),
+                        causal_modes=modes[mode], heads=heads, head_dim=head_dim, batch=batch, dtype=dtype,
+                        backward=backward, repeats=repeats, out_dir=out, method_params=_method_params(set_),
+                        kv_heads=kv_heads, max_exact_len=max_exact_len, memory=memory)
 
 
 @command(eval_app, "ppl")
 def eval_ppl(
-    model: str = typer.Option(..., "--model", help="bundled alias, hub id, local path, saved patch dir, demo, or tiny:<family>"),
+    model: str = typer.Option(..., "--model",
+                              help="bundled alias, hub id, local path, saved patch dir, demo, or tiny:<family>"),
     layers: Optional[str] = typer.Option(None, help="counts of final layers, one sweep point each: 20 | 0,4,8 | "
                                                     "0:28:4 (end included) | all; default: the config's layers"),
     method: Optional[str] = typer.Option(None),
@@ -210,7 +221,8 @@ def eval_ppl(
     subsets: str = typer.Option("all", help="all, or comma-separated subsets/categories"),
     seq_len: int = typer.Option(32768),
     max_docs: Optional[int] = typer.Option(None, help="at most N documents per subset"),
-    data: Optional[str] = typer.Option(None, help="data.zip, dir of <subset>.jsonl, parquet, demo; default: hub THUDM/LongBench"),
+    data: Optional[str] = typer.Option(None, help="data.zip, dir of <subset>.jsonl, parquet, demo; "
+                                                  "default: hub THUDM/LongBench"),
     out: str = typer.Option("runs/eval"),
     tokenizer: Optional[str] = typer.Option(None, help="name/path, or 'bytes' for tiny:* models"),
     device_map: Optional[str] = typer.Option(None, help="auto: spread one model over this machine's GPUs"),
@@ -239,17 +251,27 @@ def bench_decode(
     repeats: int = typer.Option(20), threads: Optional[int] = typer.Option(None, help="torch.set_num_threads"),
     out: str = typer.Option("runs/bench_decode", help="output dir for JSON + PNG"),
     set_: list[str] = typer.Option([], "--set", help="method params: moba.topk=3"),
+    errors: bool = typer.Option(True, "--errors/--no-errors", help="error columns vs exact attention"),
 ):
     """Time one decode step against caches of each length (decode state given) vs exact decode."""
     from .bench_decode import run_decode_bench
 
-    if threads:
+    _set_threads(threads)
+    run_decode_bench(methods=_names(methods), cache_lens=tuple(_ints("--cache-lens", cache_lens)), heads=heads,
+                     head_dim=head_dim, repeats=repeats, out_dir=out, method_params=_method_params(set_),
+                     kv_heads=kv_heads, batch=batch, dtype=dtype, errors=errors)
+
+
+def _set_threads(threads: Optional[int]) -> None:
+    if threads is not None:
+        if threads < 1:
+            raise ConfigError(f"--threads: got {threads}; allowed: an int >= 1")
         import torch
         torch.set_num_threads(threads)
-    run_decode_bench(methods=tuple(m.strip() for m in methods.split(",") if m.strip()),
-                     cache_lens=tuple(_ints("--cache-lens", cache_lens)), heads=heads, head_dim=head_dim,
-                     repeats=repeats, out_dir=out, method_params=_method_params(set_), kv_heads=kv_heads,
-                     batch=batch, dtype=dtype)
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(m.strip() for m in text.split(",") if m.strip())
 
 
 def _ints(flag: str, text: str) -> list[int]:

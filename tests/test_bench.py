@@ -50,3 +50,34 @@ def test_decode_bench_every_decoding_method(tmp_path, one_thread):
     assert {r["method"] for r in rows} == set(methods)
     for r in rows:
         assert r["decode_ms"] > 0 and r["err_random"] == r["err_random"]
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["attention", "--dtype", "float8", "--seq-lens", "64"], "dtype: got 'float8'"),
+    (["attention", "--heads", "4", "--kv-heads", "3", "--seq-lens", "64"], "kv_heads: got 3"),
+    (["decode", "--methods", "hyper", "--cache-lens", "64"], "method 'hyper' has no decode"),
+    (["decode", "--threads", "0"], "--threads: got 0"),
+])
+def test_bench_cli_bad_input_is_one_line(tmp_path, argv, needle):
+    from typer.testing import CliRunner
+
+    from longpatch import cli
+
+    r = CliRunner().invoke(cli.app, ["bench", *argv, "--out", str(tmp_path / "b")])
+    assert r.exit_code == 2 and needle in r.stderr and r.stderr.count("\n") == 1, (r.output, r.exception)
+    assert not (tmp_path / "b").exists()
+
+
+def test_bench_cli_writes_json_and_plot(tmp_path, one_thread):
+    from typer.testing import CliRunner
+
+    from longpatch import cli
+
+    r = CliRunner().invoke(cli.app, ["bench", "attention", "--methods", "exact,moba", "--seq-lens", "128",
+                                     "--mode", "causal", "--repeats", "1", "--no-memory", "--threads", "1",
+                                     "--set", "moba.chunk_size=32", "--set", "moba.topk=2", "--out", str(tmp_path)])
+    assert r.exit_code == 0, (r.output, r.exception)
+    rows = json.loads((tmp_path / "attention_bench.json").read_text())["rows"]
+    assert [(x["method"], x["mem_mb"], x["params"]["chunk_size"] if x["method"] == "moba" else None) for x in rows] \
+        == [("exact", None, None), ("moba", None, 32)]
+    assert (tmp_path / "attention_bench.png").stat().st_size > 0

@@ -1,0 +1,144 @@
+"""What the attention and decode benchmarks share: dtypes, timing, error vs exact, machine facts, and
+the way results leave a run (a rich table, JSON with its meta, a PNG figure)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from .errors import ConfigError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# A call slower than this is timed once (plus its warm-up): SDPA at 131k causal takes ~20 s a call.
+SLOW_CALL_S = 10.0
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ConfigError(f"dtype: got {name!r}; allowed: {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def time_calls(fn: Callable[[], Any], repeats: int) -> tuple[float, float, Any]:
+    """(median ms, min ms, result of the warm-up call) of ``repeats`` calls after one warm-up; the
+    warm-up's result is returned so that a reference output costs no extra call."""
+    t0 = time.perf_counter()
+    first = fn()
+    warm = time.perf_counter() - t0
+    n = 1 if warm > SLOW_CALL_S else max(1, repeats)
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3, min(times) * 1e3, first
+
+
+def structured_inputs(batch, heads, n, d, dtype, seed=0, strength=None, noise=0.05):
+    """q_i = strength·√d·u_i (u_i random unit vectors), keys k_j = u_{j+n/3} + noise: query i has a
+    dominant key at i − n/3 with score ≈ strength (at the default scale d^-1/2); values random.
+    strength = ln(n) + 3 by default, so the dominant key keeps most of the row's mass at every n
+    (≈ 0.9 at 4k, ≈ 0.8 at 131k for d = 64) while the other n − 1 keys share the rest."""
+    strength = math.log(n) + 3.0 if strength is None else strength
+    g = torch.Generator().manual_seed(seed)
+    u = torch.nn.functional.normalize(torch.randn(batch, heads, n, d, generator=g), dim=-1)
+    k = torch.roll(u, -(n // 3), dims=2) + noise * torch.randn(batch, heads, n, d, generator=g) / math.sqrt(d)
+    v = torch.randn(batch, heads, n, d, generator=g)
+    q = strength * math.sqrt(d) * u
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """‖a − b‖_F / ‖b‖_F in float32 (b is the exact output)."""
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def fmt(x, spec: str) -> str:
+    return "–" if x is None else format(x, spec)
+
+
+def loadavg():
+    try:
+        return list(os.getloadavg())
+    except OSError:
+        return None
+
+
+def cpu_name():
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def machine_meta(**extra) -> dict:
+    """What a timing depends on besides the code: threads, torch, load (other jobs), CPU."""
+    return dict(threads=torch.get_num_threads(), torch=torch.__version__, loadavg=loadavg(), cpu=cpu_name(),
+                device="cpu", **extra)
+
+
+def wide_console(width: int):
+    from rich.console import Console
+
+    # tables wider than a narrow terminal or a log file would wrap every row
+    return Console(width=max(Console().width, width))
+
+
+def show_table(title: str, columns: list[str], rows: list[list[str]], console=None, left=("method",)) -> None:
+    from rich.table import Table
+
+    t = Table(title=title)
+    for col in columns:
+        t.add_column(col, justify="left" if col in left else "right")
+    for cells in rows:
+        t.add_row(*cells)
+    (console or wide_console(140)).print(t)
+
+
+def write_json(path: Path, meta: dict, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+
+
+def figure(nrows: int, ncols: int, figsize):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(nrows, ncols, figsize=figsize, squeeze=False)
+
+
+def save_figure(fig, path, title: str | None = None) -> None:
+    import matplotlib.pyplot as plt
+
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def speedup_axis(ax, xlabel: str, ylabel: str = "speedup over exact", log_y: bool = False) -> None:
+    """A log2 length axis with the 1× line: the common frame of every speedup panel."""
+    ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+    ax.set_xscale("log", base=2)
+    if log_y:
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3, which="both")
+
+
+def annotate_speedups(ax, pts) -> None:
+    for x, y in pts:
+        ax.annotate(f"{y:.1f}×", (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
