@@ -1,6 +1,6 @@
 """longpatch: patch the attention of pretrained transformers models with fast long-context methods."""
+from .assets import demo_model_path
 from .config import PatchConfig, load_config
-from .demo import demo_model_path
 from .errors import ConfigError, LongpatchError, UnsupportedModelError
 from .loading import from_pretrained, load_model
 from .patching import PatchReport, patch_model, patched, patched_layers, unpatch_model

@@ -1,4 +1,4 @@
-"""The `longpatch` command line: list, apply, bench attention, eval ppl."""
+"""The `longpatch` command line: list, apply, demo, bench attention|decode, eval ppl|needle."""
 from __future__ import annotations
 
 import functools
@@ -17,7 +17,7 @@ _TYPER = dict(no_args_is_help=True, rich_markup_mode=None)
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, **_TYPER,
                   help="Patch the attention of pretrained transformers models with fast long-context methods.")
 bench_app = typer.Typer(**_TYPER, help="Benchmarks (speed, memory, error vs exact attention).")
-eval_app = typer.Typer(**_TYPER, help="Quality evaluation (LongBench perplexity).")
+eval_app = typer.Typer(**_TYPER, help="Quality evaluation (LongBench perplexity, needle in a haystack).")
 app.add_typer(bench_app, name="bench")
 app.add_typer(eval_app, name="eval")
 # emoji=False: model ids such as tiny:llama must not turn into pictures (":llama:" is an emoji code)
@@ -167,7 +167,7 @@ def demo(
     progress: bool = typer.Option(True, "--progress/--no-progress"),
 ):
     """Offline main job: each method on the shipped demo model, perplexity and attention speed per layer count."""
-    from .demo import run_demo
+    from .eval.demo import run_demo
 
     summary = run_demo(layers=layers, max_docs=max_docs, out=out, progress=progress)
     t = Table(title=f"demo model, {summary['seq_len']} tokens, {summary['max_docs']} held-out docs: "
@@ -236,10 +236,44 @@ def eval_ppl(
     """LongBench perplexity and attention speed for one layer count or a sweep (resumable)."""
     from .eval.perplexity import run_eval_ppl
 
-    run_eval_ppl(model, config, method, layers, subsets=subsets, seq_len=seq_len, max_docs=max_docs, data=data,
-                 out=out, sets=set_, device_map=device_map, num_processes=num_processes, strict=strict,
+    run_eval_ppl(model, layers, config=config, method=method, subsets=subsets, seq_len=seq_len, max_docs=max_docs,
+                 data=data, out=out, sets=set_, device_map=device_map, num_processes=num_processes, strict=strict,
                  trust_remote_code=trust_remote_code, tokenizer=tokenizer, warmup=warmup, loss_chunk=loss_chunk,
                  progress=progress)
+
+
+@command(eval_app, "needle")
+def eval_needle(
+    model: str = typer.Option(..., "--model",
+                              help="bundled alias, hub id, local path, saved patch dir, demo, or tiny:<family>"),
+    config: Optional[str] = typer.Option(None, help="config file or alias, or a comma-separated list of them "
+                                                    "(each gets the whole sweep)"),
+    method: Optional[str] = typer.Option(None),
+    set_: list[str] = typer.Option([], "--set"),
+    layers: Optional[str] = typer.Option(None, help="counts of final layers, as in eval ppl: 20 | 0,4,8 | 0:28:4 | "
+                                                    "all; default: the config's layers"),
+    template: str = typer.Option("code", help="code, passkey, or a YAML template file"),
+    lengths: str = typer.Option("4096,8192,16384,32768", help="prompt lengths in tokens, comma-separated"),
+    depths: str = typer.Option("0:1:0.1", help="needle depths: start:end:step (end included) or d1,d2,..."),
+    trials: int = typer.Option(4, help="prompts per (length, depth), each with its own key and haystack"),
+    filler: str = typer.Option("demo", help="demo, a .txt or .jsonl file, or longbench:<subsets>[@<data>]"),
+    seed: int = typer.Option(0, help="seed of the keys and haystacks"),
+    out: str = typer.Option("runs/needle"),
+    tokenizer: Optional[str] = typer.Option(None, help="name or path (default: the model's)"),
+    num_processes: int = typer.Option(1, help="local worker processes sharing the prompts"),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code"),
+    progress: bool = typer.Option(True, "--progress/--no-progress"),
+):
+    """Needle-in-a-haystack retrieval accuracy per config, layer count, length and depth (resumable)."""
+    from .eval.needle_run import needle, print_results
+
+    results = needle(model, layers, config=config, method=method, sets=set_, template=template, lengths=lengths,
+                     depths=depths, trials=trials, filler=filler, seed=seed, out=out, tokenizer=tokenizer,
+                     num_processes=num_processes, trust_remote_code=trust_remote_code, progress=progress)
+    if results:
+        print_results(results)
+        console.print(f"written to {out}: results.json, results.csv, {', '.join(results['files']['heatmaps'])}",
+                      markup=False)
 
 
 @command(bench_app, "decode")

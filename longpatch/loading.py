@@ -14,7 +14,7 @@ from .patching import REPORT_ATTR, patch_model, unpatch_model
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 TINY_PREFIX = "tiny:"
-DEMO = "demo"  # the shipped offline demo model (longpatch.demo.demo_model_path())
+DEMO = "demo"  # the shipped offline demo model (longpatch.assets.demo_model_path())
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
@@ -79,7 +79,7 @@ def load_model(model: "str | PatchConfig | dict", **overrides):
     if not cfg.model:
         raise ConfigError("model: no model given; allowed: a bundled alias, a hub id, a local path or tiny:<family>")
     if cfg.model == DEMO:
-        from .demo import demo_model_path
+        from .assets import demo_model_path
         cfg = cfg.replace(model=str(demo_model_path()))
     if cfg.model.startswith(TINY_PREFIX):
         from .testing.tiny import tiny_model

@@ -2,7 +2,8 @@
 import pytest
 
 import longpatch
-from longpatch.demo import demo_configs, demo_model_path, eval_documents, long_context_report
+from longpatch.assets import demo_model_path, eval_documents
+from longpatch.eval.demo import demo_configs, long_context_report
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +49,7 @@ def test_exact_patch_reproduces_unpatched_perplexity(demo, tmp_path):
 
 def test_demo_configs_and_apply(monkeypatch, capsys):
     import sys
+
     from longpatch import cli
     assert {"demo", "demo-moba"} <= set(demo_configs())
     monkeypatch.setattr(sys, "argv", ["longpatch", "apply", "--model", "demo", "--prefill", "512"])

@@ -4,7 +4,7 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from longpatch.demo import demo_model_path
+from longpatch.assets import demo_model_path
 from longpatch.errors import ConfigError
 from longpatch.eval import needle as N
 
@@ -122,3 +122,108 @@ def test_summary_and_heatmap(tmp_path):
     assert lengths == [1024, 2048] and depths == [0.0, 0.5] and grid[0][1] == pytest.approx(1 / 3)
     N.heatmap(recs, "c", 2, tmp_path / "h.png")
     assert (tmp_path / "h.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# ---- the CLI run (`longpatch eval needle`): structure and determinism, not accuracy (the demo model
+# cannot retrieve yet) ------------------------------------------------------------------------------
+
+GRID = ["--model", "demo", "--lengths", "256,512", "--depths", "0.25,0.75", "--trials", "1", "--no-progress"]
+
+
+def _needle(*argv):
+    from typer.testing import CliRunner
+
+    from longpatch import cli
+    return CliRunner().invoke(cli.app, ["eval", "needle", *argv])
+
+
+@pytest.fixture(scope="module")
+def grid_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("needle") / "run"
+    r = _needle(*GRID, "--config", "demo,demo-moba", "--layers", "0,4", "--out", str(out))
+    assert r.exit_code == 0, (r.output, r.exception)
+    return out
+
+
+def test_cli_writes_results_csv_and_heatmaps(grid_run):
+    import csv
+
+    res = json.loads((grid_run / "results.json").read_text())
+    recs = res["records"]
+    # layer 0 is one shared exact baseline; each config gets its own 4-layer point
+    assert {(r["config"], r["method"], r["layers"]) for r in recs} == {
+        ("exact", "exact", 0), ("demo", "hyper", 4), ("demo-moba", "moba", 4)}
+    assert len(recs) == 3 * 2 * 2
+    types = {"config": str, "method": str, "layers": int, "length": int, "depth": float, "trial": int,
+             "expected": str, "predicted": str, "correct": bool}
+    for r in recs:
+        assert all(type(r[k]) is t for k, t in types.items()), r
+    assert sorted({r["length"] for r in recs}) == [256, 512] and sorted({r["depth"] for r in recs}) == [0.25, 0.75]
+    # the same prompts for every configuration
+    keys = {}
+    for r in recs:
+        keys.setdefault((r["length"], r["depth"], r["trial"]), set()).add(r["expected"])
+    assert all(len(v) == 1 for v in keys.values())
+    summary = {(s["config"], s["layers"], s["length"]): s for s in res["summary"]}
+    assert len(summary) == 3 * 2
+    for (config, layers, length), s in summary.items():
+        cell = [r for r in recs if (r["config"], r["layers"], r["length"]) == (config, layers, length)]
+        assert s["trials"] == 2 and s["accuracy"] == sum(r["correct"] for r in cell) / 2
+        assert s["attention_seconds"] > 0 and "patched" in s["attention_seconds_by_path"] or layers == 0
+    rows = list(csv.DictReader((grid_run / "results.csv").open()))
+    assert {(r["config"], int(r["layers"]), int(r["length"])) for r in rows} == set(summary)
+    for name in ("heatmap_exact_0.png", "heatmap_demo_4.png", "heatmap_demo-moba_4.png"):
+        assert (grid_run / name).read_bytes()[:4] == b"\x89PNG"
+    assert sorted(res["files"]["heatmaps"]) == sorted(["heatmap_exact_0.png", "heatmap_demo_4.png",
+                                                       "heatmap_demo-moba_4.png"])
+
+
+def test_cli_resume_generates_nothing_new(grid_run):
+    lines = (grid_run / "records.jsonl").read_text().splitlines()
+    before = json.loads((grid_run / "results.json").read_text())["records"]
+    r = _needle(*GRID, "--config", "demo,demo-moba", "--layers", "0,4", "--out", str(grid_run))
+    assert r.exit_code == 0, (r.output, r.exception)
+    assert (grid_run / "records.jsonl").read_text().splitlines() == lines
+    assert json.loads((grid_run / "results.json").read_text())["records"] == before
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--depths", "0:2:0.5"], "--depths"),
+    (["--lengths", "256,abc"], "--lengths"),
+    (["--lengths", "32"], "--lengths"),
+    (["--template", "missing.yaml"], "neither a built-in"),
+    (["--trials", "0"], "trials: got 0"),
+    (["--layers", "-1"], "--layers"),
+])
+def test_cli_bad_input_is_one_line_and_writes_nothing(tmp_path, argv, needle):
+    out = tmp_path / "out"
+    r = _needle(*GRID, *argv, "--out", str(out))
+    assert r.exit_code == 2 and needle in r.stderr and r.stderr.count("\n") == 1, (r.output, r.exception)
+    assert "Traceback" not in r.output and not out.exists()
+
+
+def test_bad_template_file_is_one_line(tmp_path):
+    p = tmp_path / "t.yaml"
+    p.write_text("needle: 'no key'\nquestion: q\n")
+    r = _needle(*GRID, "--template", str(p), "--out", str(tmp_path / "out"))
+    assert r.exit_code == 2 and "must contain" in r.stderr and r.stderr.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_two_processes_give_the_records_of_one(tmp_path):
+    from longpatch.eval.needle_run import needle
+    from longpatch.eval.records import read_records
+
+    def records(out):
+        keep = ("config", "layers", "length", "depth", "trial", "expected", "predicted", "correct")
+        return sorted(tuple(r[k] for k in keep) for r in read_records(out))
+
+    opts = dict(config="demo-moba", lengths="256", depths="0.25,0.75", trials=1, progress=False, plots=False)
+    one = needle("demo", "4", out=str(tmp_path / "one"), **opts)
+    two = needle("demo", "4", out=str(tmp_path / "two"), num_processes=2, **opts)
+    assert sorted(p.name for p in (tmp_path / "two").glob("records*.jsonl")) == [
+        "records.rank0.jsonl", "records.rank1.jsonl"]
+    assert records(tmp_path / "one") == records(tmp_path / "two") and len(records(tmp_path / "one")) == 2
+    strip = lambda res: [{k: v for k, v in r.items() if "seconds" not in k and k != "attention"}
+                         for r in res["records"]]
+    assert strip(one) == strip(two)

@@ -14,14 +14,17 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from test_eval_longbench import FIXTURE, KEPT, write_longbench
 
 from longpatch.errors import ConfigError
-from longpatch.eval import perplexity
-from longpatch.eval.perplexity import (_digest, final_hidden_states, model_logits, parse_layer_sweep, read_records,
-                                       run_eval_ppl, token_nll)
+from longpatch.eval import perplexity, scoring
+from longpatch.eval.perplexity import run_eval_ppl
+from longpatch.eval.plan import digest
+from longpatch.eval.records import read_records
+from longpatch.eval.scoring import final_hidden_states, model_logits, token_nll
+from longpatch.eval.sweep import parse_layer_sweep
 from longpatch.methods.base import _METHODS, Method, register_method
 from longpatch.testing.tiny import tiny_model
-from test_eval_longbench import FIXTURE, KEPT, write_longbench
 
 ppl_module = sys.modules["longpatch.eval.perplexity"]  # the package exports a function of the same name
 SEQ = 64
@@ -86,11 +89,11 @@ def test_chunked_loss_equals_full_logits_loss(name):
 def test_protocol_and_hand_computation(data, tmp_path, capsys):
     model = tiny_model("llama")
     out = tmp_path / "run"
-    r = run_eval_ppl(model, None, None, "0", data=data, out=str(out), **{k: v for k, v in FAST.items() if k != "plots"})
+    r = run_eval_ppl(model, "0", data=data, out=str(out), **{k: v for k, v in FAST.items() if k != "plots"})
     assert getattr(model, "longpatch", None) is None  # a model we were given is left unpatched
     plan = json.loads((out / "plan.json").read_text())
     want = kept_ids()
-    assert [(d["subset"], d["doc_id"], d["digest"]) for d in plan["docs"]] == [(s, d, _digest(t)) for s, d, t in want]
+    assert [(d["subset"], d["doc_id"], d["digest"]) for d in plan["docs"]] == [(s, d, digest(t)) for s, d, t in want]
     skipped = {(s["doc_id"], s["reason"], s["context_tokens"]) for s in plan["skipped"]}
     assert skipped == {("nqa-1", "too_short", 9), ("hqa-0", "too_short", 63), ("lcc-1", "too_short", 10)}
     assert plan["per_subset"]["lcc"] == {"records": 3, "kept": 2, "too_short": 1, "not_examined": 0}
@@ -134,7 +137,7 @@ def test_transformers_tokenizer_keeps_special_tokens():
     core.pre_tokenizer = pre_tokenizers.Whitespace()
     core.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", unk_token="[UNK]", model_max_length=4)
-    encode, _ = ppl_module.make_encoder(tok, None, 256, "m")
+    encode, _ = scoring.make_encoder(tok, None, 256, "m")
     assert encode("a b a b a c") == [1, 2, 3, 2, 3, 2, 0]  # BOS kept, nothing truncated at model_max_length
 
 
@@ -248,7 +251,7 @@ def test_launcher_processes_match_one(data, tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     code = ("from longpatch.eval.perplexity import run_eval_ppl; "
-            f"run_eval_ppl('tiny:llama', None, None, '0', data={data!r}, out={str(two)!r}, tokenizer='bytes', "
+            f"run_eval_ppl('tiny:llama', '0', data={data!r}, out={str(two)!r}, tokenizer='bytes', "
             f"seq_len={SEQ}, warmup=0, progress=False)")
     procs = [subprocess.Popen([sys.executable, "-c", code], env=dict(
         os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),

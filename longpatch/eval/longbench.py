@@ -387,7 +387,7 @@ def _parquet_rows(files: list[Path], root: Path, wanted: list[str], known: dict[
 
 
 def _demo_eval_dir():
-    from ..demo import demo_eval_path  # lazy: the demo assets are only needed when asked for
+    from ..assets import demo_eval_path
     return demo_eval_path()
 
 

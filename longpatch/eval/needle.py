@@ -160,7 +160,7 @@ def filler_texts(source: str) -> list[str]:
     """Texts of a filler source: 'demo' (the demo model's held-out code), a .txt file, a .jsonl file
     (field 'context', else 'text', per line), or 'longbench:<subsets>[@<data>]' (LongBench contexts)."""
     if source == "demo":
-        from ..demo import eval_documents
+        from ..assets import eval_documents
         return eval_documents()
     if source.startswith("longbench:"):
         from .longbench import load_longbench, resolve_subsets
@@ -169,7 +169,8 @@ def filler_texts(source: str) -> list[str]:
         return [r.context for records in lb.records.values() for r in records]
     path = Path(source)
     if not path.is_file():
-        raise ConfigError(f"--filler: {source!r}; allowed: demo, a .txt or .jsonl file, or longbench:<subsets>[@<data>]")
+        raise ConfigError(f"--filler: {source!r}; allowed: demo, a .txt or .jsonl file, or "
+                          "longbench:<subsets>[@<data>]")
     try:
         raw = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:

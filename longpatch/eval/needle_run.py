@@ -3,14 +3,14 @@ with greedy generation, resumable, with results.json / results.csv / one heatmap
 
 Every configuration sees the same prompts (keys and haystacks depend only on the seed, the template,
 the length, the depth and the trial). A record is kept per generation in records*.jsonl and a rerun
-with the same --out skips what is there (matched by configuration and prompt digest).
+with the same --out skips what is there (matched by configuration and prompt digest). Processes,
+records and the sweep are the ones `eval ppl` uses (launch, records, sweep).
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,24 +21,57 @@ import torch
 from ..errors import ConfigError
 from ..patching import patch_model, total_seconds, unpatch_model
 from . import needle as N
-from .perplexity import (
-    Point,
-    RecordLog,
-    _check_positive,
-    _distributed,
-    _input_device,
-    _num_layers,
-    _prepare_model,
-    _write_json,
-    make_points,
-    parse_layer_sweep,
-    read_records,
-)
+from .launch import Dist, run_sharded
+from .plan import PLAN_FILE, read_plan
+from .records import INTERRUPTED, RecordLog, announce_resume, read_records, records_file, write_json
+from .report import seconds_by_path
+from .scoring import input_device
+from .sweep import Point, RunSpec, check_int, make_points, num_layers, parse_layer_sweep, prepare_model
 
 log = logging.getLogger("longpatch")
 
 RESULTS_FILE = "results.json"
 CSV_FILE = "results.csv"
+
+
+@dataclass
+class NeedleSpec(RunSpec):
+    """Everything `eval needle` takes besides the model (RunSpec: patch, sweep, out, processes).
+
+    config: one config, a comma-separated list or a list (each gets the whole sweep; None: `method`
+    with `sets`, or the model's bundled config). template: 'code', 'passkey' or a YAML template file.
+    lengths: prompt lengths in tokens ('4096,8192' or a list). depths: '0:1:0.1' (end included) or
+    'd1,d2'. trials: prompts per (length, depth). filler: see needle.filler_texts. seed: of keys and
+    haystacks.
+    """
+
+    out: str = "runs/needle"
+    template: str = "code"
+    lengths: object = "4096,8192,16384,32768"
+    depths: object = "0:1:0.1"
+    trials: int = 4
+    filler: str = "demo"
+    seed: int = 0
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_int("trials", self.trials, 1)
+        check_int("seed", self.seed, 0)
+        if isinstance(self.lengths, (list, tuple)):
+            self.lengths = list(self.lengths)
+        if isinstance(self.config, tuple):
+            self.config = list(self.config)
+
+    def configs(self) -> list:
+        if self.config is None:
+            return [None]
+        if isinstance(self.config, str):
+            return [c.strip() for c in self.config.split(",") if c.strip()] or [None]
+        return list(self.config)
+
+    def named_inputs(self) -> bool:
+        return (self.tokenizer is None or isinstance(self.tokenizer, str)) and \
+            all(c is None or isinstance(c, str) for c in self.configs())
 
 
 @dataclass
@@ -74,63 +107,69 @@ def plan_trials(filler: N.Filler, template: N.Template, lengths: list[int], dept
     return out
 
 
-def needle(model, layers=None, *, configs: Sequence[str | None] = (None,), method: str | None = None,
-           sets: Sequence[str] = (), template: str = "code", lengths="4096,8192,16384,32768",
-           depths: str = "0:1:0.1", trials: int = 4, filler: str = "demo", seed: int = 0,
-           out: str = "runs/needle", tokenizer=None, trust_remote_code: bool = False,
-           progress: bool = True, plots: bool = True) -> dict:
+def needle(model, layers=None, *, spec: NeedleSpec | None = None, **options) -> dict:
     """Needle-in-a-haystack accuracy of `model` patched per each config and layer count.
 
     model: a model name (as `eval ppl` takes) or a loaded unpatched model (then pass `tokenizer`).
-    configs: config aliases/YAML paths (None: `method` with `sets`, or the model's bundled config).
-    template: 'code', 'passkey' or a YAML template file. filler: see needle.filler_texts.
-    Returns the results dict also written to out/results.json (rank 0; {} elsewhere).
+    layers: the sweep, as `eval ppl` (parse_layer_sweep). options: the fields of NeedleSpec, or spec=.
+    Returns the results dict also written to out/results.json (rank 0; {} elsewhere). Bad options fail
+    before anything is loaded or written; a failed run that finished no generation leaves no `out`.
     """
-    _check_positive("trials", trials, 1)
-    _check_positive("seed", seed, 0)
-    sweep = parse_layer_sweep(layers)
-    tmpl = N.load_template(template)
-    length_list = parse_lengths(lengths)
-    depth_list = N.parse_depths(depths)
-    dist = _distributed()
-    main = dist.rank == 0
-    out = Path(out)
+    if spec is None:
+        spec = NeedleSpec.from_options(layers=layers, **options)
+    elif options or layers is not None:
+        raise ConfigError("needle: pass either spec= or options, not both")
+    parse_layer_sweep(spec.layers)
+    template = N.load_template(spec.template)
+    lengths = parse_lengths(spec.lengths)
+    depths = N.parse_depths(spec.depths)
+    return run_sharded(spec, model, "longpatch.eval.needle_run:needle",
+                       lambda dist, run_id: _evaluate(model, spec, template, lengths, depths, dist, run_id),
+                       lambda: summarize(spec.out, plots=spec.plots))
 
+
+def _evaluate(model, spec: NeedleSpec, tmpl: N.Template, lengths: list[int], depths: list[float], dist: Dist,
+              run_id: str) -> dict:
+    out = Path(spec.out)
+    sweep = parse_layer_sweep(spec.layers)
     prepared = []
-    loaded = model
-    for config in configs:
-        cfg, loaded, tok, name = _prepare_model(loaded, config, method, sets, trust_remote_code, None, dist)
+    tokenizer = spec.tokenizer
+    name = None
+    for config in spec.configs():
+        # the model is loaded by the first config and re-patched for the others
+        cfg, model, tok, loaded_name = prepare_model(model, config, spec.method, spec.sets, spec.trust_remote_code,
+                                                     None, dist)
+        name = name or loaded_name
         prepared.append((config, cfg))
         tokenizer = tokenizer or tok
-    model = loaded
     if tokenizer is None or isinstance(tokenizer, str):
         from transformers import AutoTokenizer
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer or name, trust_remote_code=trust_remote_code)
-    fill = N.Filler(N.filler_texts(tmpl.filler or filler), tokenizer)
-    work = plan_trials(fill, tmpl, length_list, depth_list, trials, seed)
-    num_layers = _num_layers(model, prepared[0][1])
-    identity = {"model": name, "template": tmpl.name, "filler": tmpl.filler or filler, "seed": seed, "task": "needle"}
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer or name, trust_remote_code=spec.trust_remote_code)
+    filler = tmpl.filler or spec.filler
+    work = plan_trials(N.Filler(N.filler_texts(filler), tokenizer), tmpl, lengths, depths, spec.trials, spec.seed)
+    n_layers = num_layers(model, prepared[0][1])
+    identity = {"model": name, "template": tmpl.name, "filler": filler, "seed": spec.seed, "task": "needle"}
     points: list[tuple[str, Point]] = []
     for config, cfg in prepared:
-        label = config or (f"{cfg.method}" if method else "default")
-        for p in make_points(cfg, sweep, num_layers, dict(identity, dtype=cfg.dtype,
-                                                           attn_implementation=cfg.attn_implementation)):
+        label = config or (f"{cfg.method}" if spec.method else "default")
+        for p in make_points(cfg, sweep, n_layers, dict(identity, dtype=cfg.dtype,
+                                                         attn_implementation=cfg.attn_implementation)):
             # 0 replaced layers is plain exact attention whatever the config: one shared baseline
             if all(p.config_id != q.config_id for _, q in points):
                 points.append(("exact" if p.layers == 0 else label, p))
-    if main:
+    if dist.main:
         out.mkdir(parents=True, exist_ok=True)
-    _run(model, tokenizer, points, work[dist.rank::dist.world], out, dist, progress and main)
+        write_json(out / PLAN_FILE, {"model": name, "template": tmpl.name, "filler": filler, "lengths": lengths,
+                                     "depths": depths, "trials": spec.trials, "seed": spec.seed,
+                                     "points": [dict(p.describe(), config=label) for label, p in points]})
+    _run(model, tokenizer, points, work[dist.rank::dist.world], out, dist, spec.progress and dist.main, run_id)
     dist.barrier()
-    if not main:
+    if dist.mode == "spawned" or not dist.main:
         return {}
-    results = summarize(out, {"model": name, "template": tmpl.name, "filler": tmpl.filler or filler,
-                              "lengths": length_list, "depths": depth_list, "trials": trials, "seed": seed},
-                        plots=plots)
-    return results
+    return summarize(out, plots=spec.plots)
 
 
-def _run(model, tokenizer, points, work: list[Trial], out: Path, dist, progress: bool) -> None:
+def _run(model, tokenizer, points, work: list[Trial], out: Path, dist: Dist, progress: bool, run_id: str) -> None:
     from tqdm.auto import tqdm
 
     done = {(r.get("config_id"), r.get("digest")) for r in read_records(out)}
@@ -138,11 +177,11 @@ def _run(model, tokenizer, points, work: list[Trial], out: Path, dist, progress:
     total = sum(len(ws) for _, _, ws in todo)
     already = len(points) * len(work) - total
     if already and progress:
-        print(f"longpatch: resuming: {already} of {already + total} generations already in {out}", file=sys.stderr)
+        announce_resume(already, total, "generations", out)
     if not total:
         return
-    writer = RecordLog(out / ("records.jsonl" if dist.world == 1 else f"records.rank{dist.rank}.jsonl"))
-    device = _input_device(model)
+    writer = RecordLog(records_file(out, dist.rank, dist.world))
+    device = input_device(model)
     eos = tokenizer.eos_token_id
     bar = tqdm(total=total, desc="eval needle", unit="gen", disable=not progress, dynamic_ncols=True)
     try:
@@ -153,45 +192,55 @@ def _run(model, tokenizer, points, work: list[Trial], out: Path, dist, progress:
             try:
                 bar.set_description(f"{label} {point.label}")
                 for w in pending:
-                    model.longpatch.reset_stats()
-                    ids = torch.tensor([w.prompt.ids], device=device)
-                    t0 = time.perf_counter()
-                    with torch.no_grad():
-                        gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                             max_new_tokens=N.answer_tokens(tokenizer, w.prompt.expected),
-                                             pad_token_id=eos if eos is not None else 0)
-                    seconds = time.perf_counter() - t0
-                    predicted = tokenizer.decode(gen[0, ids.shape[1]:].tolist(), skip_special_tokens=True)
-                    stats = model.longpatch.breakdown()  # prefill and decode apart: generate() does both
-                    writer.append({
-                        "config": label, "method": point.cfg.method if point.layers else "exact",
-                        "layers": point.layers, "length": len(w.prompt.ids), "depth": w.depth, "trial": w.trial,
-                        "expected": w.prompt.expected, "predicted": predicted,
-                        "correct": N.judge(predicted, w.prompt.expected), "config_id": point.config_id,
-                        "label": point.label, "digest": w.digest, "needle_token": w.prompt.needle_token,
-                        "seconds": seconds, "attention": stats,
-                        "attention_seconds": total_seconds(stats),
-                    })
+                    writer.append(_generate(model, tokenizer, label, point, w, device, eos, dist.rank, run_id))
                     bar.update(1)
             finally:
                 unpatch_model(model)
+    except KeyboardInterrupt:
+        log.warning(INTERRUPTED, out)
+        raise
     finally:
         bar.close()
         writer.close()
 
 
-def summarize(out: Path, meta: dict, plots: bool = True) -> dict:
-    """Merge the records into results.json ({"records", "summary", ...}), results.csv and heatmaps."""
-    records = sorted(read_records(out), key=lambda r: (r["config"], r["layers"], r["length"], r["depth"], r["trial"]))
+def _generate(model, tokenizer, label: str, point: Point, w: Trial, device, eos, rank: int, run_id: str) -> dict:
+    """One greedy generation and its record (generate() runs both the prefill and the decode path)."""
+    model.longpatch.reset_stats()
+    ids = torch.tensor([w.prompt.ids], device=device)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=N.answer_tokens(tokenizer, w.prompt.expected),
+                             pad_token_id=eos if eos is not None else 0)
+    seconds = time.perf_counter() - t0
+    predicted = tokenizer.decode(gen[0, ids.shape[1]:].tolist(), skip_special_tokens=True)
+    stats = model.longpatch.breakdown()
+    return {"config": label, "method": point.cfg.method if point.layers else "exact", "layers": point.layers,
+            "length": len(w.prompt.ids), "depth": w.depth, "trial": w.trial, "expected": w.prompt.expected,
+            "predicted": predicted, "correct": N.judge(predicted, w.prompt.expected), "config_id": point.config_id,
+            "label": point.label, "digest": w.digest, "needle_token": w.prompt.needle_token, "seconds": seconds,
+            "attention": stats, "attention_seconds": total_seconds(stats), "rank": rank, "run_id": run_id}
+
+
+def summarize(out: "str | Path", plots: bool = True) -> dict:
+    """Merge plan.json and the records into results.json ({"records", "summary", ...}), results.csv and
+    heatmaps; records are sorted, so the result does not depend on how many processes wrote them."""
+    out = Path(out)
+    meta = read_plan(out)
+    configs = {p["config_id"] for p in meta["points"]}
     wanted = {(n, round(d, 6)) for n in meta["lengths"] for d in meta["depths"]}
-    records = [r for r in records if (r["length"], round(r["depth"], 6)) in wanted]
+    records = sorted((r for r in read_records(out) if r.get("config_id") in configs
+                      and (r["length"], round(r["depth"], 6)) in wanted),
+                     key=lambda r: (r["config"], r["layers"], r["length"], r["depth"], r["trial"]))
     if not records:
         raise ConfigError(f"eval needle: no generation finished in {out}; nothing to report")
     summary = N.summarize_records(records)
-    for s in summary:  # attention time of the cell's generations, per path
+    for s in summary:  # attention time of the cell's generations, per path (the layer stats)
         rs = [r for r in records if (r["config"], r["layers"], r["length"]) == (s["config"], s["layers"], s["length"])]
         s["attention_seconds"] = sum(r["attention_seconds"] for r in rs)
         s["seconds"] = sum(r["seconds"] for r in rs)
+        s["attention_seconds_by_path"] = seconds_by_path(rs)
     files = {"csv": CSV_FILE, "heatmaps": []}
     if plots:
         for config, layers in dict.fromkeys((r["config"], r["layers"]) for r in records):
@@ -201,8 +250,9 @@ def summarize(out: Path, meta: dict, plots: bool = True) -> dict:
             files["heatmaps"].append(name)
     keep = ("config", "method", "layers", "length", "depth", "trial", "expected", "predicted", "correct",
             "needle_token", "seconds", "attention_seconds", "attention")
-    results = {**meta, "records": [{k: r[k] for k in keep} for r in records], "summary": summary, "files": files}
-    _write_json(out / RESULTS_FILE, results)
+    info = {k: meta[k] for k in ("model", "template", "filler", "lengths", "depths", "trials", "seed")}
+    results = {**info, "records": [{k: r[k] for k in keep} for r in records], "summary": summary, "files": files}
+    write_json(out / RESULTS_FILE, results)
     _write_csv(summary, out / CSV_FILE)
     return results
 

@@ -1,0 +1,145 @@
+"""How an evaluation runs in several processes, whatever it evaluates.
+
+Three ways: one process (`single`); `num_processes > 1` local workers spawned here (`spawned`), each
+running the same evaluation function with num_processes=1 and the rank in its environment; or the
+processes of `accelerate launch` / torchrun (`launcher`). Every process takes the work items
+`items[rank::world]` and appends its own records file (records.records_file); rank 0 writes the plan and
+the report. An evaluation plugs in with one call to `run_sharded`.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..errors import ConfigError, LongpatchError
+from .records import removed_on_failure
+
+WORKER_ENV = "LONGPATCH_EVAL_WORKER"  # set in the processes --num-processes spawns
+_LAUNCHER_TIMEOUT = timedelta(days=7)  # ranks wait for the slowest one at the end; a 32k sweep takes hours
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+    mode: str = "single"  # single | spawned (by --num-processes) | launcher (accelerate launch / torchrun)
+    state: Any = None
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def device(self) -> torch.device:
+        if self.state is not None:
+            return torch.device("cpu") if self.state.device.type == "cpu" else self.state.device
+        if torch.cuda.is_available():
+            local = int(os.environ.get("LOCAL_RANK", self.rank) or 0)
+            return torch.device("cuda", local % torch.cuda.device_count())
+        return torch.device("cpu")
+
+    def barrier(self) -> None:
+        if self.state is not None:
+            self.state.wait_for_everyone()
+
+
+def distributed() -> Dist:
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world <= 1:
+        return Dist()
+    rank = int(os.environ.get("RANK", "0") or 0)
+    if os.environ.get(WORKER_ENV):
+        return Dist(rank, world, "spawned")
+    from accelerate import PartialState
+    state = PartialState(cpu=not torch.cuda.is_available(), timeout=_LAUNCHER_TIMEOUT)
+    return Dist(state.process_index, state.num_processes, "launcher", state)
+
+
+def shared_run_id(dist: Dist, run_id: str | None) -> str:
+    """One id per invocation, the same in every process of it (spawned workers get it passed in)."""
+    run_id = run_id or uuid.uuid4().hex[:12]
+    if dist.mode == "launcher":
+        from accelerate.utils import broadcast_object_list
+        run_id = broadcast_object_list([run_id], from_process=0)[0]
+    return run_id
+
+
+def run_sharded(spec, model, entry: str, body: Callable[[Dist, str], dict], report: Callable[[], dict]) -> dict:
+    """Run an evaluation in this process, in spec.num_processes spawned workers, or as one rank of a launcher.
+
+    spec: the evaluation's spec (launch reads out, num_processes, run_id, tokenizer, configs and its
+        to_kwargs()); model: a name or a loaded model; entry: "module:function" that a spawned worker
+        calls with spec.to_kwargs() (model included); body(dist, run_id): the evaluation in this
+        process, returning its results on rank 0 ({} elsewhere and in spawned workers); report():
+        the results from what the workers wrote.
+    A failed call that finished nothing removes the `out` directory it created.
+    """
+    out = Path(spec.out)
+    with removed_on_failure(out, keep_if_existed=out.exists()):
+        dist = distributed()
+        run_id = shared_run_id(dist, spec.run_id)
+        if spec.num_processes <= 1:
+            return body(dist, run_id)
+        if dist.world > 1:
+            raise ConfigError(f"num_processes: already running under a launcher with {dist.world} processes; "
+                              "pass num_processes=1 (the launcher's processes share the work)")
+        if not isinstance(model, str) or not spec.named_inputs():
+            raise ConfigError("num_processes > 1 needs the model, tokenizer and config given by name or path "
+                              "(each worker loads its own copy)")
+        spawn(entry, dict(spec.to_kwargs(), model=model, run_id=run_id), spec.num_processes, out)
+        return report()
+
+
+def spawn(entry: str, kwargs: dict, num_processes: int, out: Path) -> None:
+    """Run entry(**kwargs) in num_processes local workers (ranks 0..n-1) and wait for all of them; one
+    failure stops the others (their finished records are kept)."""
+    out.mkdir(parents=True, exist_ok=True)
+    # the CPU's cores are shared out, or every worker would start one thread per core
+    threads = None if torch.cuda.is_available() else str(max(1, (os.cpu_count() or 1) // num_processes))
+    procs = []
+    for rank in range(num_processes):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(num_processes), LOCAL_RANK=str(rank),
+                   **{WORKER_ENV: "1"})
+        if threads and "OMP_NUM_THREADS" not in os.environ:
+            env["OMP_NUM_THREADS"] = threads
+        cmd = [sys.executable, "-c", "from longpatch.eval.launch import worker_main; worker_main()", entry,
+               json.dumps(dict(kwargs, num_processes=1))]
+        procs.append(subprocess.Popen(cmd, env=env))
+    failed = None
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = next((r for r, c in enumerate(codes) if c not in (None, 0)), None)
+            if failed is not None or None not in codes:
+                break
+            time.sleep(0.2)
+    finally:
+        for p in procs:  # on a failure or Ctrl-C the others stop too; finished records are kept
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            p.wait()
+    if failed is not None:
+        raise LongpatchError(f"eval worker {failed} of {num_processes} exited with code {procs[failed].returncode}; "
+                             f"finished work is kept in {out}; run the same command again to resume")
+
+
+def worker_main() -> None:
+    """A spawned worker: argv = [entry "module:function", JSON kwargs]."""
+    module, _, name = sys.argv[1].partition(":")
+    fn = getattr(importlib.import_module(module), name)
+    try:
+        fn(**json.loads(sys.argv[2]))
+    except LongpatchError as e:
+        print(f"longpatch: error (worker {os.environ.get('RANK')}): {e}", file=sys.stderr)
+        sys.exit(2)

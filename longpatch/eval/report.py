@@ -1,0 +1,250 @@
+"""The perplexity report: records merged in plan order into results.json, results.csv and the plots
+(ppl and speedup against replaced layers, ppl per category), and the table the CLI prints."""
+from __future__ import annotations
+
+import csv
+import math
+import os
+from pathlib import Path
+
+from ..patching import total_seconds
+from .longbench import CATEGORIES
+from .plan import read_plan
+from .records import read_records, write_json
+
+RESULTS_FILE = "results.json"
+CSV_FILE = "results.csv"
+PLOTS = {"ppl": "ppl_vs_layers.png", "speedup": "speedup_vs_layers.png", "categories": "ppl_by_category.png"}
+
+
+def seconds_by_path(records: list[dict]) -> dict[str, dict[str, dict[str, float]]]:
+    """{side: {phase: {path: seconds}}} summed over the records' layer stats (model.longpatch.breakdown())."""
+    by_path: dict[str, dict[str, dict[str, float]]] = {}
+    for r in records:
+        for side, phases in r["attention"].items():
+            for phase, paths in phases.items():
+                for path, s in paths.items():
+                    into = by_path.setdefault(side, {}).setdefault(phase, {})
+                    into[path] = into.get(path, 0.0) + s["seconds"]
+    return by_path
+
+
+def summarize(out: "str | Path", plots: bool = True) -> dict:
+    """Merge plan.json and every records*.jsonl in `out` into results.json, results.csv and plots.
+
+    Sums are exact (math.fsum) and taken in plan order, so the numbers do not depend on how many
+    processes evaluated the documents or in which order they finished.
+    """
+    out = Path(out)
+    plan = read_plan(out)
+    index = record_index(read_records(out))
+    docs = plan["docs"]
+
+    def recs_for(config_id):
+        return {(d["subset"], d["doc_id"]): index[k] for d in docs
+                if (k := (config_id, d["subset"], d["doc_id"], d["digest"])) in index}
+
+    baseline = recs_for(plan["baseline_id"])
+    scopes = {"all": [(d["subset"], d["doc_id"]) for d in docs]}
+    for c in CATEGORIES:
+        scopes[f"category:{c}"] = [(d["subset"], d["doc_id"]) for d in docs if d["category"] == c]
+    for s in plan["subsets"]:
+        scopes[f"subset:{s}"] = [(d["subset"], d["doc_id"]) for d in docs if d["subset"] == s]
+    configs = []
+    for point in plan["points"]:
+        mine = recs_for(point["config_id"])
+        groups = {scope: _group_stats([mine[k] for k in keys if k in mine], len(keys),
+                                      {k: baseline[k] for k in keys if k in baseline})
+                  for scope, keys in scopes.items() if keys or scope == "all"}
+        configs.append({**point, "all": groups.pop("all"),
+                        "categories": {k.split(":", 1)[1]: v for k, v in groups.items() if k.startswith("category:")},
+                        "subsets": {k.split(":", 1)[1]: v for k, v in groups.items() if k.startswith("subset:")}})
+    skipped_reasons: dict[str, int] = {}
+    for s in plan["skipped"]:
+        skipped_reasons[s["reason"]] = skipped_reasons.get(s["reason"], 0) + 1
+    results = {
+        "model": plan["model"], "tokenizer": plan["tokenizer"], "seq_len": plan["seq_len"], "data": plan["data"],
+        "num_layers": plan["num_layers"], "max_docs": plan["max_docs"],
+        "definitions": {
+            "ppl": "exp(sum of token NLLs / scored tokens), natural log, pooled over the group's documents",
+            "ppl_doc_mean": "mean over documents of exp(document mean token NLL): mean of per-document perplexities",
+            "refcode_metric": "mean over documents of 2**(document mean NLL in nats): what the HyperAttention "
+                              "reference code printed; NOT a perplexity, only for comparison with the paper",
+            "scored_tokens": "seq_len - 1 per document (every position but the last predicts the next token)",
+            "attention_seconds": "wall time inside attention calls of all layers (model.longpatch.stats())",
+            "attention_speedup": "attention_seconds of the 0-layer configuration / this configuration's, over "
+                                 "the documents both finished in the same run (forward_speedup: same with "
+                                 "forward_seconds)",
+            "attention_seconds_by_path": "{side: {phase: {path: seconds}}}; side patched/unpatched layers, phase "
+                                         "prefill/decode, path method / method_exact (the method's code, exact at "
+                                         "that length) / exact (fallback) / original (the model's own attention)",
+        },
+        "documents": {"kept": len(docs), "skipped": skipped_reasons, "malformed": len(plan["data_problems"]),
+                      "per_subset": plan["per_subset"],
+                      "missing_subsets": plan["missing_subsets"], "skipped_list": plan["skipped"]},
+        "data_problems": plan["data_problems"],
+        "configs": configs,
+        "files": {"results": RESULTS_FILE, "csv": CSV_FILE},
+    }
+    if plots:
+        results["files"]["plots"] = _plots(results, out)
+    _write_csv(results, out / CSV_FILE)
+    write_json(out / RESULTS_FILE, results)
+    return results
+
+
+def record_index(records: list[dict]) -> dict[tuple, dict]:
+    index: dict[tuple, dict] = {}
+    for r in records:
+        try:
+            key = (r["config_id"], r["subset"], r["doc_id"], r["digest"])
+        except KeyError:
+            continue
+        index.setdefault(key, r)
+    return index
+
+
+def _group_stats(recs: list[dict], planned: int, base: dict) -> dict:
+    finite = [r for r in recs if math.isfinite(r["nll_sum"])]
+    tokens = sum(r["scored_tokens"] for r in finite)
+    nll = math.fsum(r["nll_sum"] for r in finite)
+    n = len(finite)
+    by_path = seconds_by_path(recs)
+    forward = math.fsum(r["forward_seconds"] for r in recs)
+    attention = math.fsum(r["attention_seconds"] for r in recs)
+    # timings of one run only: a reused --out may hold a baseline measured earlier, under another load
+    common = [r for r in recs if (k := (r["subset"], r["doc_id"])) in base
+              and r.get("run_id") is not None and base[k].get("run_id") == r["run_id"]]
+    base_attn = math.fsum(base[(r["subset"], r["doc_id"])]["attention_seconds"] for r in common)
+    base_fwd = math.fsum(base[(r["subset"], r["doc_id"])]["forward_seconds"] for r in common)
+    this_attn = math.fsum(r["attention_seconds"] for r in common)
+    this_fwd = math.fsum(r["forward_seconds"] for r in common)
+    return {
+        "docs": len(recs), "docs_planned": planned, "complete": len(recs) == planned,
+        "nonfinite_docs": len(recs) - n, "scored_tokens": tokens,
+        "nll_mean": nll / tokens if tokens else None,
+        "ppl": math.exp(nll / tokens) if tokens else None,
+        "ppl_doc_mean": math.fsum(math.exp(r["nll_mean"]) for r in finite) / n if n else None,
+        "refcode_metric": math.fsum(2.0 ** r["nll_mean"] for r in finite) / n if n else None,
+        "forward_seconds": forward, "loss_seconds": math.fsum(r["loss_seconds"] for r in recs),
+        "tokens_per_second": sum(r["tokens"] for r in recs) / forward if forward > 0 else None,
+        "attention_seconds": attention,
+        "attention_seconds_by_path": by_path,
+        "attention_speedup": base_attn / this_attn if common and this_attn > 0 else None,
+        "forward_speedup": base_fwd / this_fwd if common and this_fwd > 0 else None,
+        "speedup_docs": len(common),
+    }
+
+
+_CSV_COLUMNS = ("config_id", "label", "method", "layers", "scope", "name", "docs", "docs_planned", "scored_tokens",
+                "ppl", "ppl_doc_mean", "nll_mean", "forward_seconds", "attention_seconds", "patched_attention_seconds",
+                "unpatched_attention_seconds", "tokens_per_second", "attention_speedup", "forward_speedup",
+                "nonfinite_docs", "refcode_metric")
+
+
+def _write_csv(results: dict, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(_CSV_COLUMNS)
+        for c in results["configs"]:
+            rows = [("all", "all", c["all"])] + [("category", k, v) for k, v in c["categories"].items()] \
+                + [("subset", k, v) for k, v in c["subsets"].items()]
+            for scope, name, s in rows:
+                by_path = s["attention_seconds_by_path"]
+                row = {**s, "config_id": c["config_id"], "label": c["label"], "method": c["method"] or "",
+                       "layers": c["layers"], "scope": scope, "name": name,
+                       "patched_attention_seconds": total_seconds(by_path.get("patched", {})),
+                       "unpatched_attention_seconds": total_seconds(by_path.get("unpatched", {}))}
+                w.writerow(["" if row.get(k) is None else row[k] for k in _CSV_COLUMNS])
+    os.replace(tmp, path)
+
+
+def _plots(results: dict, out: Path) -> list[str]:
+    """ppl and speedup against the number of replaced layers (the paper's Figure 3), and ppl per category."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    configs = sorted((c for c in results["configs"] if c["all"]["ppl"] is not None), key=lambda c: c["layers"])
+    written = []
+    if not configs:
+        return written
+    title = f"{results['model']}, LongBench, {results['seq_len']} tokens"
+    xs = [c["layers"] for c in configs]
+
+    fig = Figure(figsize=(6, 4))
+    ax = fig.add_subplot()
+    ax.plot(xs, [c["all"]["ppl"] for c in configs], "o-", label="ppl (pooled tokens)")
+    ax.plot(xs, [c["all"]["ppl_doc_mean"] for c in configs], "s--", label="ppl_doc_mean (mean of per-doc ppl)")
+    ax.set(xlabel="number of replaced final layers", ylabel="perplexity", title=title)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.legend(), ax.grid(alpha=0.3)
+    _save(fig, FigureCanvasAgg, out / PLOTS["ppl"], written)
+
+    speed = [c for c in configs if c["all"]["attention_speedup"] is not None]
+    if speed:
+        fig = Figure(figsize=(6, 4))
+        ax = fig.add_subplot()
+        xs = [c["layers"] for c in speed]
+        ax.plot(xs, [c["all"]["attention_speedup"] for c in speed], "o-", label="attention")
+        ax.plot(xs, [c["all"]["forward_speedup"] for c in speed], "s--", label="whole forward")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set(xlabel="number of replaced final layers", ylabel="speedup vs 0 layers", title=title)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.legend(), ax.grid(alpha=0.3)
+        _save(fig, FigureCanvasAgg, out / PLOTS["speedup"], written)
+
+    cats = [k for k in CATEGORIES if any(k in c["categories"] and c["categories"][k]["ppl"] for c in configs)]
+    if cats:
+        fig = Figure(figsize=(max(6, 1.2 * len(cats) * max(1, len(configs)) / 2), 4))
+        ax = fig.add_subplot()
+        width = 0.8 / len(configs)
+        top = 0.0
+        for i, c in enumerate(configs):
+            vals = [(c["categories"].get(k) or {}).get("ppl") or 0.0 for k in cats]
+            top = max(top, *vals)
+            ax.bar([j + i * width for j in range(len(cats))], vals, width, label=c["label"])
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cats))], cats, rotation=20)
+        ax.set(ylabel="perplexity (pooled tokens)", title=title, ylim=(0, top * 1.3))
+        ax.legend(fontsize="small", ncols=min(4, len(configs)), loc="upper center")
+        _save(fig, FigureCanvasAgg, out / PLOTS["categories"], written)
+    return written
+
+
+def _save(fig, canvas_cls, path: Path, written: list[str]) -> None:
+    canvas_cls(fig)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    written.append(path.name)
+
+
+def print_results(results: dict, out: "str | Path") -> None:
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    docs = results["documents"]
+    t = Table(title=f"{results['model']}: LongBench perplexity at {results['seq_len']} tokens, "
+                    f"{docs['kept']} documents ({sum(docs['skipped'].values())} skipped)",
+              title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    for col in ("config", "layers", "docs", "ppl", "doc-mean", "fwd s", "attn s", "speedup", "tok/s"):
+        t.add_column(col, justify="left" if col == "config" else "right")
+    for c in results["configs"]:
+        a = c["all"]
+        speedup = "-" if a["attention_speedup"] is None else f"{a['attention_speedup']:.2f}x"
+        t.add_row(c["label"], str(c["layers"]), f"{a['docs']}/{a['docs_planned']}", _fmt(a["ppl"]),
+                  _fmt(a["ppl_doc_mean"]), _fmt(a["forward_seconds"], 2), _fmt(a["attention_seconds"], 2), speedup,
+                  _fmt(a["tokens_per_second"], 0))
+    console = Console(emoji=False, highlight=False)
+    console.print(t, markup=False)
+    if results["data_problems"]:
+        console.print(f"{len(results['data_problems'])} malformed LongBench record(s) skipped; see results.json",
+                      style="yellow", markup=False)
+    console.print("ppl = exp(pooled token NLL); doc-mean = mean of per-document perplexities; speedup = "
+                  "attention seconds at 0 layers / attention seconds. Written to "
+                  f"{out}: {', '.join([RESULTS_FILE, CSV_FILE, *results['files'].get('plots', [])])}", markup=False)
+
+
+def _fmt(x, digits: int = 3) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
