@@ -36,12 +36,47 @@ class Param:
         return value
 
 
+# Range checks are small module-level classes, not lambdas: a patched model keeps its Method (and
+# so these checks) in its routes, and torch.save / pickle can only store objects importable by name.
+
+@dataclass(frozen=True)
+class Between:
+    """lo <= x <= hi (hi None: no upper bound); None passes when ``optional``."""
+
+    lo: float
+    hi: float | None = None
+    optional: bool = False
+
+    def __call__(self, x) -> bool:
+        if x is None:
+            return self.optional
+        return x >= self.lo and (self.hi is None or x <= self.hi)
+
+
+@dataclass(frozen=True)
+class OneOf:
+    """x is one of ``choices``."""
+
+    choices: tuple
+
+    def __call__(self, x) -> bool:
+        return x in self.choices
+
+
 def positive_int(doc: str, default: int) -> Param:
-    return Param(default, (int,), doc, lambda x: x >= 1, "an int >= 1")
+    return Param(default, (int,), doc, Between(1), "an int >= 1")
+
+
+def nonneg_int(doc: str, default: int) -> Param:
+    return Param(default, (int,), doc, Between(0), "an int >= 0")
 
 
 def optional_int(doc: str, default: int | None = None) -> Param:
-    return Param(default, (int, type(None)), doc, lambda x: x is None or x >= 0, "an int >= 0 or null")
+    return Param(default, (int, type(None)), doc, Between(0, optional=True), "an int >= 0 or null")
+
+
+def one_of(doc: str, default: str, choices: tuple) -> Param:
+    return Param(default, (str,), doc, OneOf(tuple(choices)), " or ".join(repr(c) for c in choices))
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """Helpers every attention op shares: shape checks, GQA views, LSE merges, backend choice."""
 from __future__ import annotations
 
+import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -14,7 +15,8 @@ BACKENDS = ("auto", "torch", "triton")
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> tuple[int, int, int]:
     """Validate the shared layout; returns (q_heads // kv_heads, q_len, kv_len)."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"q, k, v must be 4-D [batch, heads, len, head_dim]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError("q, k, v must be 4-D [batch, heads, len, head_dim]; "
+                         f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     b, hq, nq, d = q.shape
     _, hk, nk, _ = k.shape
     if k.shape[0] != b or v.shape[0] != b or k.shape[-1] != d or v.shape[:3] != k.shape[:3]:
@@ -23,7 +25,69 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -
         raise ValueError(f"q_heads ({hq}) must be a multiple of kv_heads ({hk})")
     if causal and nq > nk:
         raise ValueError(f"causal attention needs q_len <= kv_len; got {nq} > {nk}")
+    if not q.dtype == k.dtype == v.dtype:  # the fused kernels would fail deep inside, or misread the data
+        raise ValueError(f"q, k, v must have one dtype; got dtypes {q.dtype}, {k.dtype}, {v.dtype} "
+                         "(cast them, e.g. k.to(q.dtype))")
     return hq // hk, nq, nk
+
+
+def check_int(op: str, name: str, value, low: int, high: int | None = None) -> int:
+    """The ops' check of an int argument, as strict as the config's (bools are not ints)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        allowed = f"an int >= {low}" if high is None else f"an int in [{low}, {high}]"
+        raise ValueError(f"{op}: {name} must be {allowed}; got {value!r}")
+    return value
+
+
+def check_seed(op: str, seed) -> int | None:
+    """seed: None or an int >= 0 (what the config accepts; the generators reject negative seeds)."""
+    return None if seed is None else check_int(op, "seed", seed, 0)
+
+
+def check_gates(op: str, gates) -> tuple[float, float, float]:
+    """Fixed branch gates: three finite numbers >= 0 (as in the config)."""
+    try:
+        vals = tuple(float(x) for x in gates)
+    except (TypeError, ValueError):
+        vals = ()
+    if len(vals) != 3 or not all(math.isfinite(x) and x >= 0 for x in vals):
+        raise ValueError(f"{op}: gates must be 3 finite numbers >= 0 (g_cmp, g_slc, g_win) or a tensor "
+                         f"[b, q_heads, n, 3]; got {gates!r}")
+    return vals
+
+
+def nonfinite_rows(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+    """Bool [b, kv_heads, kv_len]: the positions whose key or value row holds a NaN or an inf; None
+    when every row is finite (the usual case: one summing pass over k and v decides it)."""
+    acc = acc_dtype(k.dtype)
+    if bool(torch.isfinite(k.sum(dtype=acc) + v.sum(dtype=acc))):  # NaN/inf propagate into the sums
+        return None
+    bad = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))
+    return bad if bool(bad.any()) else None  # the sums overflowed on finite inputs
+
+
+def isolate_nonfinite(op, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bad: torch.Tensor,
+                      return_lse: bool = False):
+    """``op(q, k, v)`` (-> out, or (out, lse) with ``return_lse``) where the rows ``bad`` of k/v
+    (``nonfinite_rows``) hold NaN/inf, such that a query row that does not attend to a bad position
+    does not depend on it, and one that does comes out NaN.
+
+    Masked-out keys are not removed by the kernels but weighed by 0, and 0 * NaN = NaN: a NaN value
+    poisons every row of its tile, a NaN key every row whose mask is additive, a prefix sum every
+    later chunk. So the op runs on k, v with the bad rows zeroed, and once more (no grad) with q, the
+    zeroed k and an indicator of the bad rows as v: a row gives the bad rows positive weight exactly
+    when it attends to one of them (selections, which depend on q and k, are the same in both runs).
+    Those rows become NaN (a bad row whose weight underflows to 0 counts as not attended)."""
+    keep = ~bad.unsqueeze(-1)
+    k0, v0 = torch.where(keep, k, torch.zeros_like(k)), torch.where(keep, v, torch.zeros_like(v))
+    res = op(q, k0, v0)
+    with torch.no_grad():
+        flag = op(q.detach(), k0.detach(), bad.unsqueeze(-1).to(v.dtype).expand(v.shape).contiguous())
+    hit = (flag[0] if return_lse else flag)[..., :1] > 0
+    if not return_lse:
+        return res.masked_fill(hit, float("nan"))
+    out, lse = res
+    return out.masked_fill(hit, float("nan")), lse.masked_fill(hit[..., 0], float("nan"))
 
 
 def default_scale(scale: float | None, head_dim: int) -> float:
@@ -93,17 +157,19 @@ def causal_mask(q_len: int, kv_len: int, device, q_offset: int | None = None) ->
     return torch.arange(kv_len, device=device).unsqueeze(0) <= qi
 
 
-def merge_lse(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_lse(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor,
+              lse2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact softmax over the union of two disjoint key sets from their partial results.
 
-    o*: [..., n, d] (any dtype), lse*: [..., n] float32. Rows whose key set is empty carry
-    lse = -inf and contribute nothing; a row empty on both sides yields zeros.
+    o*: [..., n, d] (any dtype), lse*: [..., n] float32 (float64 for float64). Rows whose key set
+    is empty carry lse = -inf and contribute nothing; a row empty on both sides yields zeros.
     """
     lse = torch.logaddexp(lse1, lse2)
     safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    w1 = torch.exp(lse1 - safe).unsqueeze(-1)
-    w2 = torch.exp(lse2 - safe).unsqueeze(-1)
-    out = w1 * o1.float() + w2 * o2.float()
+    acc = torch.promote_types(acc_dtype(o1.dtype), lse.dtype)  # float64 stays float64 (gradcheck)
+    w1 = torch.exp(lse1 - safe).unsqueeze(-1).to(acc)
+    w2 = torch.exp(lse2 - safe).unsqueeze(-1).to(acc)
+    out = w1 * o1.to(acc) + w2 * o2.to(acc)
     return out.to(o1.dtype), lse
 
 

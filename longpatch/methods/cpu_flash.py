@@ -38,6 +38,13 @@ def hide_empty(out, lse, visible_any):
     return out, lse
 
 
+def mask_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype an additive mask must have for the fused kernel: the query's for float32/float64;
+    float32 (more precise, and accepted) for half types. The kernel rejects most mismatches but reads
+    a broadcast float32 mask of a float64 call as float64 memory: garbage, no error."""
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+
+
 def flash_lse(q, k, v, scale: float, mask=None, causal: bool = False):
     """(out, lse) of q [B, Hq, m, d] against k/v [B, Hk, n, d] with the fused kernel (``fused_ok``
     inputs; Hk divides Hq, so GQA needs no repeat; strided views are fine; m > 0). ``mask`` is
@@ -62,6 +69,8 @@ class CpuFlashLSE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, bias, causal: bool, scale: float):
+        if bias is not None:
+            bias = bias.to(mask_dtype(q.dtype))
         out, lse = FA_CPU(q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
         ctx.save_for_backward(q, k, v, bias, out, lse)
         ctx.causal, ctx.scale = causal, scale

@@ -5,8 +5,17 @@ import torch
 import torch.nn.functional as F
 
 from .base import Method, register_method
+from .common import (
+    acc_dtype,
+    causal_mask,
+    check_qkv,
+    default_scale,
+    group_queries,
+    isolate_nonfinite,
+    nonfinite_rows,
+    resolve_backend,
+)
 from .cpu_flash import FA_CPU, CpuFlashLSE
-from .common import causal_mask, check_qkv, default_scale, group_queries, resolve_backend
 
 # Score entries per block of query rows on the plain-PyTorch LSE path (~128 MB of float32 scores).
 _LSE_BLOCK_ENTRIES = 1 << 25
@@ -18,11 +27,17 @@ def exact_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
 
     attn_mask (optional): bool (True = visible) or additive float, broadcastable to
     [b, q_heads, q_len, kv_len]; combined with the causal mask. With ``return_lse`` also returns
-    the float32 log-sum-exp of each row's scaled scores ([b, q_heads, q_len]); rows that see no
+    the float32 (float64 for float64) log-sum-exp of each row's scaled scores ([b, q_heads, q_len]); rows that see no
     key get lse = -inf and a zero output.
     """
     group, nq, nk = check_qkv(q, k, v, causal)
     scale = default_scale(scale, q.shape[-1])
+    bad = nonfinite_rows(k, v)
+    if bad is not None:  # fused kernels weigh masked values by 0, and 0 * NaN = NaN
+        return isolate_nonfinite(
+            lambda q_, k_, v_: exact_attention(q_, k_, v_, causal=causal, scale=scale, attn_mask=attn_mask,
+                                               return_lse=return_lse, backend=backend),
+            q, k, v, bad, return_lse)
     backend = resolve_backend(backend, q, k, v)
     if backend == "triton" and attn_mask is None:
         from ..kernels import attention as tk  # imported lazily: triton is optional
@@ -45,7 +60,8 @@ def exact_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
 def _sdpa(q, k, v, mask, is_causal, scale, group):
     if group > 1:
         try:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                                  enable_gqa=True)
         except TypeError:  # torch < 2.5 has no enable_gqa
             k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
@@ -66,19 +82,20 @@ def exact_with_lse_reference(q, k, v, causal, scale, attn_mask=None):
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     qg = group_queries(q, hk)
-    kf, vf = k.float().unsqueeze(2), v.float().unsqueeze(2)  # [b, hk, 1, nk, d]
+    acc = acc_dtype(q.dtype)  # float64 inputs stay float64 (out and lse)
+    kf, vf = k.to(acc).unsqueeze(2), v.to(acc).unsqueeze(2)  # [b, hk, 1, nk, d]
     rows = max(1, _LSE_BLOCK_ENTRIES // max(1, b * hq * nk))
     outs, lses = [], []
     for s in range(0, nq, rows):
         e = min(s + rows, nq)
-        scores = torch.matmul(qg[:, :, :, s:e].float(), kf.transpose(-1, -2)) * scale  # [b,hk,g,r,nk]
+        scores = torch.matmul(qg[:, :, :, s:e].to(acc), kf.transpose(-1, -2)) * scale  # [b,hk,g,r,nk]
         if causal:
             vis = causal_mask(e - s, nk, q.device, q_offset=nk - nq + s)
             scores = scores.masked_fill(~vis, float("-inf"))
         if attn_mask is not None:
             m = attn_mask[..., s:e, :] if attn_mask.shape[-2] > 1 else attn_mask
             m = m.expand(b, hq, e - s, nk).reshape(b, hk, hq // hk, e - s, nk)
-            scores = scores.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else scores + m.float()
+            scores = scores.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else scores + m.to(acc)
         lse = torch.logsumexp(scores, dim=-1)
         safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
         p = torch.exp(scores - safe.unsqueeze(-1))

@@ -21,13 +21,15 @@ How one non-causal call works (the "rectangle" routine, also used inside the cau
    parts, but one fused attention call instead of two plus a merge.
 5. Rows are scattered back to their original order.
 
-Causal (Alg. 4): the square is split in halves recursively down to ``min_seq_len``; leaves get exact
-causal attention, every off-diagonal rectangle (Q2, K1) the routine above, and a row's pieces are
-merged by LSE. Calls are batched: the leaves of one length, and the rectangles of one recursion depth
-and shape, run as a few large attention calls (chunks of a few MB, so memory is reused).
+Causal (Alg. 4): the square is split in halves recursively while both halves have at least
+``min_seq_len`` rows; leaves get exact causal attention, every off-diagonal rectangle (Q2, K1) the
+routine above, and a row's pieces are merged by LSE. So every approximated piece has at least
+min_seq_len queries and keys; anything smaller is exact (see ``hyper_attention``). Calls are
+batched: the leaves of one length, and the rectangles of one recursion depth and shape, run as a few
+large attention calls (chunks of a few MB, so memory is reused).
 
-Nothing here builds an n x n matrix: the largest score tile is a leaf (min_seq_len^2, inside the fused
-attention kernel) or a block (block_size x (block_size + sample_size)).
+Nothing here builds an n x n matrix: the largest score tile is a leaf (under (2 min_seq_len)^2, inside
+the fused attention kernel) or a block (block_size x (block_size + sample_size)).
 """
 from __future__ import annotations
 
@@ -35,8 +37,19 @@ import threading
 
 import torch
 
-from .base import Method, Param, optional_int, positive_int, register_method
-from .common import check_qkv, default_scale, layer_seed_of, merge_lse, resolve_backend
+from .base import Between, Method, Param, optional_int, positive_int, register_method
+from .common import (
+    acc_dtype,
+    check_int,
+    check_qkv,
+    check_seed,
+    default_scale,
+    isolate_nonfinite,
+    layer_seed_of,
+    merge_lse,
+    nonfinite_rows,
+    resolve_backend,
+)
 from .cpu_flash import FA_CPU, CpuFlashLSE
 from .exact import exact_attention, exact_with_lse_reference
 
@@ -109,27 +122,38 @@ def hyper_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
                     backend: str = "auto"):
     """HyperAttention on the shared layout (q [b, hq, n, d], k/v [b, hk, n, d]).
 
-    Exact attention when kv_len <= min_seq_len. ``lsh_dirs`` [d, lsh_num_projs] (the patched layer's
-    buffer) or, when None, directions drawn from ``seed``; column sampling is seeded from ``seed``
+    Exactness: the call is exact attention when kv_len <= min_seq_len or q_len < min_seq_len; inside,
+    a piece is approximated only when it has at least min_seq_len queries and keys (a causal square
+    of fewer than 2 * min_seq_len rows is one exact leaf; the rectangle of keys before the queries
+    is exact when it has fewer than min_seq_len keys). ``lsh_dirs`` [d, lsh_num_projs] (the patched
+    layer's buffer) or, when None, directions drawn from ``seed``; column sampling is seeded from ``seed``
     too (None -> DEFAULT_SEED = 0), so equal seeds give identical outputs. Returns the output
-    [b, hq, nq, d] (and the float32 LSE [b, hq, nq] with ``return_lse``). When q_len < kv_len under
-    ``causal`` the queries are the last q_len positions: keys before them are a non-causal
-    rectangle, the rest a causal square.
+    [b, hq, nq, d] (and the LSE [b, hq, nq], float32 or float64 for float64 inputs, with
+    ``return_lse``). Float64 inputs are computed in float64. A NaN/inf in a key or value row makes
+    the rows that attend to it NaN and leaves the others as they would be (``isolate_nonfinite``).
+    When q_len < kv_len under ``causal`` the queries are the last q_len positions: keys before them
+    are a non-causal rectangle, the rest a causal square.
     """
     _, nq, nk = check_qkv(q, k, v, causal)
-    for name, val in (("block_size", block_size), ("sample_size", sample_size), ("lsh_num_projs", lsh_num_projs),
-                      ("min_seq_len", min_seq_len)):
-        if not isinstance(val, int) or isinstance(val, bool) or val < 1:
-            raise ValueError(f"hyper_attention: {name} must be an int >= 1; got {val!r}")
-    if lsh_num_projs > 30:
-        raise ValueError(f"hyper_attention: lsh_num_projs must be <= 30; got {lsh_num_projs}")
+    for name, val in (("block_size", block_size), ("sample_size", sample_size), ("min_seq_len", min_seq_len)):
+        check_int("hyper_attention", name, val, 1)
+    check_int("hyper_attention", "lsh_num_projs", lsh_num_projs, 1, 30)
+    check_seed("hyper_attention", seed)
+    bad = nonfinite_rows(k, v)
+    if bad is not None:
+        return isolate_nonfinite(
+            lambda q_, k_, v_: hyper_attention(q_, k_, v_, causal=causal, scale=scale, block_size=block_size,
+                                               sample_size=sample_size, lsh_num_projs=lsh_num_projs,
+                                               min_seq_len=min_seq_len, seed=seed, lsh_dirs=lsh_dirs,
+                                               return_lse=return_lse, backend=backend),
+            q, k, v, bad, return_lse)
     d = q.shape[-1]
     scale = default_scale(scale, d)
     backend = resolve_backend(backend, q, k, v)
     if nq == 0:
         out = q.new_zeros(q.shape)
         return (out, q.new_zeros(q.shape[:3], dtype=torch.float32)) if return_lse else out
-    if nk <= min_seq_len:
+    if nk <= min_seq_len or nq < min_seq_len:  # every piece would be smaller than min_seq_len: exact
         if not return_lse:
             return exact_attention(q, k, v, causal=causal, scale=scale, backend=backend)
         if not causal or nq == nk:
@@ -194,10 +218,9 @@ class _Acc:
 
     def __init__(self, b, hq, n, d, dtype, device, inplace):
         self.shape, self.R, self.d, self.dtype, self.inplace = (b, hq, n), b * hq * n, d, dtype, inplace
-        if inplace:
-            acc = dtype if dtype in (torch.float32, torch.float64) else torch.float32
-            self.o = torch.empty(self.R + 1, d, dtype=acc, device=device)  # last row: padding sink
-            self.l = torch.full((self.R + 1,), float("-inf"), dtype=torch.float32, device=device)
+        if inplace:  # float32 sums (float64 for float64 inputs, LSEs included)
+            self.o = torch.empty(self.R + 1, d, dtype=acc_dtype(dtype), device=device)  # last row: padding sink
+            self.l = torch.full((self.R + 1,), float("-inf"), dtype=acc_dtype(dtype), device=device)
         else:
             self.o = self.l = None
             self.pending = []
@@ -210,7 +233,7 @@ class _Acc:
         """First stage: rows not seen before."""
         if self.inplace:
             self.o.index_copy_(0, rows, o.to(self.o.dtype))
-            self.l.index_copy_(0, rows, l)
+            self.l.index_copy_(0, rows, l.to(self.l.dtype))
         else:
             self.pending.append((rows, o, l))
 
@@ -220,6 +243,7 @@ class _Acc:
             return
         o_old = self.o.index_select(0, rows)
         l_old = self.l.index_select(0, rows)
+        l = l.to(l_old.dtype)
         # new share of the merged row: e^l / (e^l + e^l_old); the old share is its complement
         w_new = torch.sigmoid(l - l_old).unsqueeze(-1)
         self.o.index_copy_(0, rows, torch.lerp(o_old, o.to(self.o.dtype), w_new.to(self.o.dtype)))
@@ -259,6 +283,8 @@ class _Run:
         self.q, self.k, self.v = q, k, v
         self.scale, self.block, self.samples, self.min_seq_len = scale, block_size, sample_size, min_seq_len
         self.gen, self.backend, self.dev = gen, backend, q.device
+        # float64 inputs get float64 log-weights (the kernels take a float32 bias otherwise)
+        self.bias_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         self.qf = q.reshape(-1, self.d)  # row (bi*hq + h)*nq + pos
         self.kf = k.reshape(-1, self.d)  # row (bi*hk + h)*nk + pos
         self.vf = v.reshape(-1, self.d)
@@ -283,7 +309,13 @@ class _Run:
         with _stage("hyper.leaves"):
             self.leaves(leaves, off)
             self.acc.end_stage()
-        if off > 0:
+        if 0 < off < self.min_seq_len:  # the keys before the queries: a rectangle, exact when small
+            with _stage("hyper.prefix"):
+                o, l = _attend(self.q, self.k[:, :, :off], self.v[:, :, :off], causal=False, scale=self.scale,
+                               bias=None, backend=self.backend)
+                self.acc.merge(torch.arange(self.acc.R, device=self.dev), o.reshape(-1, self.d), l.reshape(-1))
+                self.acc.end_stage()
+        elif off > 0:
             rects[(-1, self.nq, off)] = [(0, 0)]
         for (_, nq, nk), items in sorted(rects.items()):
             qs = torch.tensor([s for s, _ in items], dtype=torch.int64)
@@ -296,9 +328,13 @@ class _Run:
         return self.acc.result()
 
     def _plan(self, s, e, off, depth, leaves, rects):
-        # Alg. 4 on queries [s, e) and keys off+[s, e): exact causal leaves up to min_seq_len, the
-        # off-diagonal rectangles (Q2, K1) in between, grouped by (depth, shape) to be batched.
-        if e - s <= self.min_seq_len:
+        # Alg. 4 on queries [s, e) and keys off+[s, e), the off-diagonal rectangles (Q2, K1) grouped
+        # by (depth, shape) to be batched. A square is halved only when both halves have at least
+        # min_seq_len rows: a smaller rectangle would be computed exactly (approximating it costs
+        # accuracy and saves little), and then its square is exact attention, done as one causal leaf.
+        # Lengths min_seq_len * 2^j split as in Alg. 4; other lengths get leaves of up to
+        # 2 * min_seq_len - 1 rows instead of rectangles below min_seq_len.
+        if (e - s) // 2 < self.min_seq_len:
             leaves.append((s, e))
             return
         mid = s + (e - s) // 2
@@ -390,10 +426,10 @@ class _Run:
         # log(N_out / m_out) on the other samples (ratio estimator of the out-of-block row sum)
         blk = torch.arange(nb, device=dev)
         own = torch.div(spos, bk, rounding_mode="floor").unsqueeze(1) == blk.view(1, nb, 1)  # [S, nb, m]
-        m_out = (m - own.sum(-1)).float()  # [S, nb]
-        n_out = (nk - torch.clamp(nk - blk * bk, min=0, max=bk)).float()  # [nb]
+        m_out = (m - own.sum(-1)).to(self.bias_dtype)  # [S, nb]
+        n_out = (nk - torch.clamp(nk - blk * bk, min=0, max=bk)).to(self.bias_dtype)  # [nb]
         logw = torch.log(n_out) - torch.log(m_out.clamp(min=1))
-        neg_inf = torch.tensor(float("-inf"), device=dev)
+        neg_inf = torch.tensor(float("-inf"), dtype=self.bias_dtype, device=dev)
         sbias = torch.where(own, neg_inf, logw.unsqueeze(-1))
         kbias = torch.where(bpos < nk, 0.0, neg_inf).expand(S, nb, bk)
         bias = torch.cat([kbias, sbias], dim=-1)  # [S, nb, bk + m], the same for every (batch, head)
@@ -422,6 +458,11 @@ def _prefill(q, k, v, *, causal=True, scale=None, backend="auto", buffers=None, 
     return hyper_attention(q, k, v, causal=causal, scale=scale, backend=backend, lsh_dirs=dirs, **params)
 
 
+def _exact_when(q_len: int, kv_len: int, params: dict) -> bool:
+    """Where hyper_attention is exact whatever ``causal`` is (its first check)."""
+    return kv_len <= params["min_seq_len"] or q_len < params["min_seq_len"]
+
+
 def _make_buffers(*, head_dim: int, lsh_num_projs: int = 7, seed: int | None = None, layer_seed: int | None = None,
                   **_):
     """{"lsh_dirs": [head_dim, lsh_num_projs]} from ``seed`` (None -> 0); an optional ``layer_seed``
@@ -440,9 +481,12 @@ HYPER = register_method(Method(
         "sample_size": positive_int("key columns sampled uniformly per rectangle to estimate the rest of each row",
                                     256),
         "lsh_num_projs": Param(7, (int,), "random hyperplanes of the LSH (2^r buckets, Gray-ordered)",
-                               lambda x: 1 <= x <= 30, "an int in [1, 30]"),
-        "min_seq_len": positive_int("exact attention at or below this length; causal recursion stops here", 4096),
+                               Between(1, 30), "an int in [1, 30]"),
+        "min_seq_len": positive_int("exact attention at or below this length; only pieces with at least this many "
+                                    "queries and keys are approximated (causal squares below twice it are exact)",
+                                    4096),
         "seed": optional_int("seed of the LSH directions and of the column sampling (null -> 0)"),
     },
     make_buffers=_make_buffers,
+    exact_when=_exact_when,
 ))

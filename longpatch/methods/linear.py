@@ -32,8 +32,16 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .base import Method, Param, register_method
-from .common import acc_dtype, check_qkv, group_queries, probe_positions, resolve_backend
+from .base import Method, one_of, register_method
+from .common import (
+    acc_dtype,
+    check_qkv,
+    group_queries,
+    isolate_nonfinite,
+    nonfinite_rows,
+    probe_positions,
+    resolve_backend,
+)
 
 DEFAULT_CHUNK = 64
 # Chunk summaries materialised at once (elements of [chunks, m, dv] over batch*heads): bounds the
@@ -276,6 +284,11 @@ def linear_attention(q, k, v, *, causal: bool = True, scale: float | None = None
     _check_feature_map(feature_map)
     if return_lse:
         raise ValueError("linear_attention has no softmax log-sum-exp (return_lse is not supported)")
+    bad = nonfinite_rows(k, v)
+    if bad is not None:  # the chunk summaries are summed by GEMMs with 0/1 matrices: 0 * NaN spreads it
+        return isolate_nonfinite(
+            lambda q_, k_, v_: linear_attention(q_, k_, v_, causal=causal, feature_map=feature_map, backend=backend),
+            q, k, v, bad)
     backend = resolve_backend(backend, q, k, v)
     if q.shape[2] == 0 or k.shape[2] == 0:
         return q.new_zeros(q.shape[:3] + (v.shape[-1],))
@@ -315,8 +328,7 @@ LINEAR = register_method(Method(
     prefill=_run,
     decode=_run,
     params={
-        "feature_map": Param("elu+1", (str,), "feature map φ applied to queries and keys",
-                             lambda x: x in FEATURE_MAPS, " or ".join(repr(f) for f in FEATURE_MAPS)),
+        "feature_map": one_of("feature map φ applied to queries and keys", "elu+1", FEATURE_MAPS),
     },
     stateful=True,
     init_state=init_state,

@@ -47,7 +47,17 @@ import math
 import torch
 
 from .base import Method, Param, positive_int, register_method
-from .common import acc_dtype, check_qkv, default_scale, gather_rows, ordered_int, resolve_backend
+from .common import (
+    acc_dtype,
+    check_int,
+    check_qkv,
+    default_scale,
+    gather_rows,
+    isolate_nonfinite,
+    nonfinite_rows,
+    ordered_int,
+    resolve_backend,
+)
 from .cpu_flash import additive_mask, flash_lse, fused_ok
 from .exact import exact_attention
 
@@ -633,17 +643,26 @@ def moba_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
     position, non-causal q_len > kv_len, chooses topk chunks). Returns out (and float32 LSE).
     """
     check_qkv(q, k, v, causal)
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be an int >= 1; got {chunk_size!r}")
-    if not isinstance(topk, int) or topk < 1:
-        raise ValueError(f"topk must be an int >= 1; got {topk!r}")
+    check_int("moba_attention", "chunk_size", chunk_size, 1)
+    check_int("moba_attention", "topk", topk, 1)
     scale = default_scale(scale, q.shape[-1])
     backend = resolve_backend(backend, q, k, v)
     if chunk_means is not None:
         if chunk_means.dim() != 4 or chunk_means.shape[:2] != k.shape[:2] or chunk_means.shape[-1] != k.shape[-1]:
             raise ValueError(f"chunk_means must be [b, kv_heads, n_chunks, d] = [{k.shape[0]}, {k.shape[1]}, *, "
                              f"{k.shape[-1]}]; got {tuple(chunk_means.shape)}")
+        full = k.shape[2] // chunk_size
+        if chunk_means.shape[2] > full:  # means of chunks these keys do not have: not means of this cache
+            raise ValueError(f"moba_attention: chunk_means has {chunk_means.shape[2]} chunks; allowed: at most {full} "
+                             f"(the full chunks of {k.shape[2]} keys with chunk_size={chunk_size})")
         chunk_means = chunk_means.detach()
+    bad = nonfinite_rows(k, v)
+    if bad is not None:
+        return isolate_nonfinite(
+            lambda q_, k_, v_: moba_attention(q_, k_, v_, causal=causal, scale=scale, chunk_size=chunk_size, topk=topk,
+                                              shared_selection=shared_selection, chunk_means=chunk_means,
+                                              return_lse=return_lse, backend=backend),
+            q, k, v, bad, return_lse)
     b, hq, nq, d = q.shape
     if nq == 0 or k.shape[2] == 0:
         out = q.new_zeros(q.shape)

@@ -55,9 +55,22 @@ from types import SimpleNamespace
 import torch
 
 from ..errors import ConfigError
-from .base import Method, Param, positive_int, register_method
-from .common import (acc_dtype, check_qkv, default_scale, gather_rows, group_queries, merge_lse, ordered_int,
-                     probe_positions, resolve_backend, run_units)
+from .base import Method, Param, nonneg_int, positive_int, register_method
+from .common import (
+    acc_dtype,
+    check_gates,
+    check_qkv,
+    default_scale,
+    gather_rows,
+    group_queries,
+    isolate_nonfinite,
+    merge_lse,
+    nonfinite_rows,
+    ordered_int,
+    probe_positions,
+    resolve_backend,
+    run_units,
+)
 from .cpu_flash import additive_mask, flash_lse, fused_ok, hide_empty
 
 DEFAULTS = dict(compress_block=32, compress_stride=16, select_block=64, num_selected=16, window=512,
@@ -477,9 +490,10 @@ def _selected_fast(qw, kb, vb, idx, pos, cfg, shared=None, ws=None):
     Every (row, selected block) pair carries the g query heads of its row. Pairs are sorted by
     block; the rows of one block form a segment, cut into items of T * 2^j rows (T * g ~
     _TILE_ROWS query rows), and the items of one size are ONE batched fused call: a block's K/V is
-    read once per item for all heads and rows in it. Own blocks (the only ones that can reach past a query) form their own buckets with a causal
-    mask. With ``shared`` (out, lse of the local blocks, see ``_local_part``) the local blocks are
-    left out of the pairs and that part joins the merge instead. The parts merge by LSE per (row, head).
+    read once per item for all heads and rows in it. Own blocks (the only ones that can reach past a
+    query) form their own buckets with a causal mask. With ``shared`` (out, lse of the local blocks,
+    see ``_local_part``) the local blocks are left out of the pairs and that part joins the merge
+    instead. The parts merge by LSE per (row, head).
     ``ws``: a workspace dict of the calling thread for the gathers (``_take``)."""
     g, r, d = qw.shape
     S = idx.shape[-1]
@@ -662,13 +676,7 @@ def _check_gates(gates, q):
             raise ValueError(f"gates tensor must be [b, q_heads, n, 3] = [{b}, {hq}, {nq}, 3] (or broadcastable); "
                              f"got {tuple(gates.shape)}")
         return gates
-    try:
-        vals = tuple(float(x) for x in gates)
-    except (TypeError, ValueError):
-        raise ValueError(f"gates must be (g_cmp, g_slc, g_win) or a tensor [b, q_heads, n, 3]; got {gates!r}") from None
-    if len(vals) != 3 or not all(math.isfinite(x) for x in vals):
-        raise ValueError(f"gates must be 3 finite numbers (g_cmp, g_slc, g_win); got {gates!r}")
-    return vals
+    return check_gates("nsa_attention", gates)  # fixed gates are >= 0, as the config requires
 
 
 def _compressed_for(k, v, compress, compressed, l, s):
@@ -712,6 +720,15 @@ def nsa_attention(q, k, v, *, causal: bool = True, scale: float | None = None, c
     _check_params(compress_block, compress_stride, select_block, num_selected, window, init_blocks, local_blocks)
     gates = _check_gates(gates, q)
     scale = default_scale(scale, q.shape[-1])
+    bad = nonfinite_rows(k, v)
+    if bad is not None:
+        return isolate_nonfinite(
+            lambda q_, k_, v_: nsa_attention(q_, k_, v_, causal=causal, scale=scale, compress_block=compress_block,
+                                             compress_stride=compress_stride, select_block=select_block,
+                                             num_selected=num_selected, window=window, init_blocks=init_blocks,
+                                             local_blocks=local_blocks, gates=gates, compress=compress,
+                                             compressed=compressed, return_lse=return_lse, backend=backend),
+            q, k, v, bad, return_lse)
     backend = resolve_backend(backend, q, k, v)
     b, hq, nq, d = q.shape
     nk = k.shape[2]
@@ -799,7 +816,7 @@ def _pint(name, doc):
 
 
 def _nonneg(name, doc):
-    return Param(DEFAULTS[name], (int,), doc, lambda x: x >= 0, "an int >= 0")
+    return nonneg_int(doc, DEFAULTS[name])
 
 
 class _NSAMethod(Method):

@@ -37,8 +37,18 @@ import math
 
 import torch
 
-from .base import Method, Param, optional_int, positive_int, register_method
-from .common import acc_dtype, check_qkv, default_scale, layer_seed_of, resolve_backend
+from .base import Method, Param, one_of, optional_int, positive_int, register_method
+from .common import (
+    acc_dtype,
+    check_int,
+    check_qkv,
+    check_seed,
+    default_scale,
+    isolate_nonfinite,
+    layer_seed_of,
+    nonfinite_rows,
+    resolve_backend,
+)
 from .linear import build_state, feature_attention, finish, stateful_attention
 
 DEFAULT_SEED = 0  # seed=None gives these features: deterministic unless asked otherwise
@@ -156,8 +166,7 @@ def softmax_kernel_estimate(x: torch.Tensor, y: torch.Tensor, projection: torch.
 # --------------------------------------------------------------------------- the op
 
 def _check_args(num_features, feature_type, projection, d):
-    if not isinstance(num_features, int) or isinstance(num_features, bool) or num_features < 1:
-        raise ValueError(f"performer_attention: num_features must be an int >= 1; got {num_features!r}")
+    check_int("performer_attention", "num_features", num_features, 1)
     _check_feature_type(feature_type)
     if projection is not None and (projection.dim() != 2 or projection.shape[1] != d):
         raise ValueError(f"performer_attention: projection must be [num_features, head_dim={d}]; "
@@ -195,8 +204,16 @@ def performer_attention(q, k, v, *, causal: bool = True, scale: float | None = N
     """
     check_qkv(q, k, v, causal)
     _check_args(num_features, feature_type, projection, q.shape[-1])
+    check_seed("performer_attention", seed)
     if return_lse:
         raise ValueError("performer_attention has no softmax log-sum-exp (return_lse is not supported)")
+    bad = nonfinite_rows(k, v)
+    if bad is not None:  # the shared key stabiliser and the causal prefix sums would spread it
+        return isolate_nonfinite(
+            lambda q_, k_, v_: performer_attention(q_, k_, v_, causal=causal, scale=scale, num_features=num_features,
+                                                   feature_type=feature_type, orthogonal=orthogonal, seed=seed,
+                                                   projection=projection, backend=backend),
+            q, k, v, bad)
     backend = resolve_backend(backend, q, k, v)
     if q.shape[2] == 0 or k.shape[2] == 0:
         return q.new_zeros(q.shape[:3] + (v.shape[-1],))
@@ -291,8 +308,8 @@ PERFORMER = register_method(Method(
     params={
         "num_features": positive_int("random projections m (positive: m features; hyperbolic and trig: 2m)",
                                      DEFAULT_NUM_FEATURES),
-        "feature_type": Param("positive", (str,), "random feature map: positive (FAVOR+), hyperbolic or trig",
-                              lambda x: x in FEATURE_TYPES, " or ".join(repr(f) for f in FEATURE_TYPES)),
+        "feature_type": one_of("random feature map: positive (FAVOR+), hyperbolic or trig", "positive",
+                               FEATURE_TYPES),
         "orthogonal": Param(True, (bool,), "orthogonal blocks of directions (ORF) instead of i.i.d. Gaussian ones"),
         "seed": optional_int("seed of the random projection (null -> 0)"),
     },

@@ -54,8 +54,18 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Method, Param, optional_int, positive_int, register_method
-from .common import acc_dtype, check_qkv, default_scale, layer_seed_of, merge_lse, resolve_backend
+from .base import Method, nonneg_int, optional_int, positive_int, register_method
+from .common import (
+    acc_dtype,
+    check_int,
+    check_qkv,
+    default_scale,
+    isolate_nonfinite,
+    layer_seed_of,
+    merge_lse,
+    nonfinite_rows,
+    resolve_backend,
+)
 from .cpu_flash import additive_mask, flash_lse, fused_ok, hide_empty
 
 DEFAULT_WINDOW = 1024
@@ -90,9 +100,7 @@ class SparsePattern:
     def __post_init__(self):
         for name, low in (("window", 1), ("global_tokens", 0), ("dilation", 1), ("random_blocks", 0),
                           ("block", 1), ("seed", 0)):
-            val = getattr(self, name)
-            if isinstance(val, bool) or not isinstance(val, int) or val < low:
-                raise ValueError(f"{name} must be an int >= {low}; got {val!r}")
+            check_int("sparse_attention", name, getattr(self, name), low)
 
     @property
     def band(self) -> tuple[int, int]:
@@ -490,18 +498,28 @@ def sparse_attention(q, k, v, *, causal: bool = True, scale: float | None = None
     window // 2 on each side plus itself). global_tokens: the first positions every query sees
     (non-causal: those queries also see everything). dilation: stride of the window (1 = plain).
     random_blocks: random key blocks of ``block`` keys per query block (BigBird); ``seed`` (None ->
-    0) fixes the draw. Exact softmax over the union of the key sets; returns out (and float32 LSE
-    [b, hq, nq] with ``return_lse``). backend: "auto" | "torch" | "triton".
+    0) fixes the draw. Exact softmax over the union of the key sets; returns out (and the LSE
+    [b, hq, nq] with ``return_lse``: float32, float64 for float64 inputs, which are computed in
+    float64 throughout). A NaN/inf in a key or value row makes the rows that attend to it NaN and
+    leaves the others unchanged. backend: "auto" | "torch" | "triton".
     """
     check_qkv(q, k, v, causal)
     pat = SparsePattern(window=window, global_tokens=global_tokens, dilation=dilation, random_blocks=random_blocks,
                         block=block, seed=0 if seed is None else seed, causal=bool(causal))
+    bad = nonfinite_rows(k, v)
+    if bad is not None:
+        return isolate_nonfinite(
+            lambda q_, k_, v_: sparse_attention(q_, k_, v_, causal=causal, scale=scale, window=window,
+                                                global_tokens=global_tokens, dilation=dilation,
+                                                random_blocks=random_blocks, block=block, seed=seed,
+                                                return_lse=return_lse, backend=backend),
+            q, k, v, bad, return_lse)
     scale = default_scale(scale, q.shape[-1])
     backend = resolve_backend(backend, q, k, v)
     b, hq, nq, d = q.shape
     if nq == 0 or k.shape[2] == 0:
         out = q.new_zeros(q.shape)
-        lse = torch.full((b, hq, nq), float("-inf"), dtype=torch.float32, device=q.device)
+        lse = torch.full((b, hq, nq), float("-inf"), dtype=acc_dtype(q.dtype), device=q.device)
         return (out, lse) if return_lse else out
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if nq == 1 and causal and not needs_grad and backend == "torch":
@@ -511,7 +529,7 @@ def sparse_attention(q, k, v, *, causal: bool = True, scale: float | None = None
     else:
         out, lse = _torch_sparse(q, k, v, pat, scale)
     out = out.to(q.dtype)
-    return (out, lse.float()) if return_lse else out
+    return (out, lse.to(acc_dtype(q.dtype))) if return_lse else out
 
 
 def _run(q, k, v, *, causal=True, scale=None, backend="auto", buffers=None, window=DEFAULT_WINDOW,
@@ -537,12 +555,11 @@ SPARSE = register_method(Method(
     params={
         "window": positive_int("keys per query in the sliding window, the query included (non-causal: "
                                "window // 2 each side)", DEFAULT_WINDOW),
-        "global_tokens": Param(DEFAULT_GLOBAL_TOKENS, (int,), "first positions every query attends to "
-                               "(attention sinks); non-causal: they also attend to everything",
-                               lambda x: x >= 0, "an int >= 0"),
+        "global_tokens": nonneg_int("first positions every query attends to (attention sinks); non-causal: "
+                                    "they also attend to everything", DEFAULT_GLOBAL_TOKENS),
         "dilation": positive_int("stride between window keys (1 = plain sliding window)", DEFAULT_DILATION),
-        "random_blocks": Param(DEFAULT_RANDOM_BLOCKS, (int,), "random past key blocks per query block "
-                               "(BigBird); 0 = none", lambda x: x >= 0, "an int >= 0"),
+        "random_blocks": nonneg_int("random past key blocks per query block (BigBird); 0 = none",
+                                    DEFAULT_RANDOM_BLOCKS),
         "block": positive_int("block size of the random blocks", DEFAULT_BLOCK),
         "seed": optional_int("seed of the random blocks (null -> 0); each patched layer mixes in its index"),
     },

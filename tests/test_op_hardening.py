@@ -1,0 +1,182 @@
+"""Issue #13 ("Wrong results and crashes"): float64 paths, HyperAttention's exactness rule, pickling
+a patched model, argument checks shared by the ops, and NaN/inf isolation."""
+import copy
+import io
+
+import pytest
+import torch
+from helpers import dense_attention, logits
+
+from longpatch import patch_model
+from longpatch.methods import available_methods
+from longpatch.ops import (
+    exact_attention,
+    hyper_attention,
+    linear_attention,
+    moba_attention,
+    moba_chunk_means,
+    nsa_attention,
+    performer_attention,
+    sparse_attention,
+)
+from longpatch.testing.tiny import tiny_model
+
+
+def qkv(nq, nk, d=8, hq=4, hk=2, dtype=torch.float64, grad=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, hq, nq, d, generator=g, dtype=dtype)
+    k = torch.randn(1, hk, nk, d, generator=g, dtype=dtype)
+    v = torch.randn(1, hk, nk, d, generator=g, dtype=dtype)
+    return [t.requires_grad_(grad) for t in (q, k, v)]
+
+
+def rel(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm())
+
+
+# ------------------------------------------------------------------- item 1: hyper on float64
+
+HYPER_APPROX = dict(block_size=8, sample_size=64, min_seq_len=16)  # every key sampled: exact
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_hyper_float64_with_every_key_sampled_is_exact_with_and_without_grad(causal):
+    q, k, v = qkv(48, 48)
+    ref = dense_attention(q, k, v, causal=causal)[0]
+    with torch.no_grad():
+        out = hyper_attention(q, k, v, causal=causal, **HYPER_APPROX)
+    assert out.dtype == torch.float64 and rel(out, ref) < 1e-12
+    qg, kg, vg = qkv(48, 48, grad=True)
+    out = hyper_attention(qg, kg, vg, causal=causal, **HYPER_APPROX)
+    assert rel(out, ref) < 1e-12
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_hyper_float64_gradcheck_with_the_approximation_active(causal):
+    inputs = qkv(24, 24, d=4, hq=2, hk=1, grad=True)
+    params = dict(block_size=4, sample_size=8, min_seq_len=8, causal=causal)  # real sampling: ratio weights
+    assert torch.autograd.gradcheck(lambda q, k, v: hyper_attention(q, k, v, **params), inputs, fast_mode=True)
+    out, lse = hyper_attention(*inputs, return_lse=True, **params)
+    assert lse.dtype == torch.float64  # the LSE keeps float64 precision too
+
+
+# ------------------------------------------------------------------- item 2: sparse on float64
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_sparse_float64_is_computed_in_float64(causal):
+    q, k, v = qkv(40, 40, grad=True)
+    params = dict(causal=causal, window=96, global_tokens=3, random_blocks=1, block=8)  # the window covers all
+    out = sparse_attention(q, k, v, **params)
+    assert out.dtype == torch.float64
+    assert rel(out, dense_attention(q, k, v, causal=causal)[0]) < 1e-13
+    small = qkv(20, 20, d=4, hq=2, hk=1, grad=True, seed=1)
+    assert torch.autograd.gradcheck(lambda a, b, c: sparse_attention(a, b, c, **params), small, fast_mode=True)
+
+
+# ------------------------------------------------------------------- item 3: hyper's exactness rule
+
+def test_hyper_pieces_shorter_than_min_seq_len_are_exact():
+    """n = 40, min_seq_len = 16: the square [0, 20) splits into halves of 10 < 16 rows, so it is one
+    exact leaf; the rectangle (20 queries x 20 keys) is approximated. With q_len = 8 < min_seq_len
+    against 40 keys, the prefix rectangle is exact too: the whole call is."""
+    q, k, v = qkv(40, 40, dtype=torch.float32)
+    params = dict(block_size=4, sample_size=4, min_seq_len=16)
+    out = hyper_attention(q, k, v, causal=True, **params)
+    ref = dense_attention(q, k, v, causal=True)[0]
+    assert rel(out[:, :, :20], ref[:, :, :20]) < 1e-6
+    assert rel(out[:, :, 20:], ref[:, :, 20:]) > 1e-3  # the approximation is active beyond
+    out = hyper_attention(q[:, :, -8:], k, v, causal=True, **params)
+    assert rel(out, ref[:, :, -8:]) < 1e-6
+
+
+# ------------------------------------------------------------------- item 4: pickling a patched model
+
+BUILTIN = [name for name, m in available_methods().items() if m.prefill.__module__.startswith("longpatch.")]
+
+
+@pytest.mark.parametrize("name", BUILTIN)
+def test_patched_model_survives_torch_save_and_deepcopy(name):
+    model = tiny_model("llama")
+    patch_model(model, {"method": name, "layers": 2, "min_seq_len": 0})
+    ids = torch.randint(0, 256, (1, 40))
+    ref = logits(model, ids)  # after a call: decode states and caches exist where a method keeps them
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    for clone in (torch.load(buf, weights_only=False), copy.deepcopy(model)):
+        assert clone.longpatch.routes[-1].method.name == name
+        torch.testing.assert_close(logits(clone, ids), ref, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------- item 5: argument checks
+
+def test_moba_rejects_more_chunk_means_than_full_chunks():
+    q, k, v = qkv(70, 70, dtype=torch.float32)
+    means = moba_chunk_means(k, 16)  # 4 full chunks
+    moba_attention(q, k, v, chunk_size=16, topk=2, chunk_means=means)
+    too_many = torch.cat([means, means[:, :, :1]], dim=2)
+    with pytest.raises(ValueError, match=r"(?=.*chunk_means)(?=.*5 chunks)(?=.*at most 4)"):
+        moba_attention(q, k, v, chunk_size=16, topk=2, chunk_means=too_many)
+
+
+def test_nsa_rejects_negative_gates():
+    q, k, v = qkv(16, 16, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"(?=.*gates)(?=.*-0\.5)(?=.*>= 0)"):
+        nsa_attention(q, k, v, gates=(1.0, -0.5, 0.5))
+
+
+@pytest.mark.parametrize("op", [hyper_attention, sparse_attention, performer_attention])
+def test_ops_reject_negative_seeds(op):
+    q, k, v = qkv(16, 16, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"(?=.*seed)(?=.*-1)(?=.*>= 0)"):
+        op(q, k, v, seed=-1)
+
+
+OPS = [exact_attention, hyper_attention, moba_attention, nsa_attention, sparse_attention, linear_attention,
+       performer_attention]
+
+
+@pytest.mark.parametrize("op", OPS, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("which", [0, 1, 2])
+def test_ops_reject_mixed_dtypes(op, which):
+    t = qkv(16, 16, dtype=torch.float32)
+    t[which] = t[which].double()
+    with pytest.raises(ValueError, match=r"(?=.*dtype)(?=.*float64)(?=.*float32)"):
+        op(*t)
+
+
+# ------------------------------------------------------------------- item 6: NaN / inf isolation
+
+CALLS = {
+    "exact": lambda q, k, v: exact_attention(q, k, v),
+    "hyper": lambda q, k, v: hyper_attention(q, k, v, block_size=8, sample_size=8, min_seq_len=32),
+    "moba": lambda q, k, v: moba_attention(q, k, v, chunk_size=16, topk=3),
+    "nsa": lambda q, k, v: nsa_attention(q, k, v, compress_block=16, compress_stride=8, select_block=16,
+                                         num_selected=4, window=32, gates=(0.0, 0.75, 0.25)),
+    "nsa_gates": lambda q, k, v: nsa_attention(q, k, v, compress_block=16, compress_stride=8, select_block=16,
+                                               num_selected=4, window=32, gates=(0.2, 0.5, 0.3)),
+    "sparse": lambda q, k, v: sparse_attention(q, k, v, window=24, global_tokens=4, random_blocks=1, block=16),
+    "linear": lambda q, k, v: linear_attention(q, k, v),
+    "performer": lambda q, k, v: performer_attention(q, k, v, num_features=32),
+}
+
+
+@pytest.mark.parametrize("name", list(CALLS))
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("where", ["k", "v", "kv"])
+def test_rows_before_a_non_finite_key_or_value_do_not_depend_on_it(name, bad, where, one_thread):
+    p = 77
+    q, k, v = qkv(200, 200, d=16, dtype=torch.float32)
+    ref = CALLS[name](q, k, v)
+    k2, v2 = k.clone(), v.clone()
+    for t, tag in ((k2, "k"), (v2, "v")):
+        if tag in where:
+            t[:, 1, p, 3] = bad
+    out = CALLS[name](q, k2, v2)
+    assert torch.isfinite(out[:, :, :p]).all()
+    torch.testing.assert_close(out[:, :, :p], ref[:, :, :p], atol=1e-5, rtol=1e-5)
+    # the rows of the other KV head never see a bad row at all
+    torch.testing.assert_close(out[:, :2], ref[:, :2], atol=1e-5, rtol=1e-5)
+    if name in ("exact", "linear", "performer"):  # every later row sees position p: the NaN shows
+        assert not torch.isfinite(out[:, 2:, p:]).any(-1).all()
