@@ -68,14 +68,12 @@ def _structured(batch, heads, kv_heads, n, d, dtype):
 
 def _caller(name: str, params: dict, head_dim: int):
     from .methods import get_method
-    m = get_method(name)
-    resolved = m.resolve_params(params)
-    buffers = m.make_buffers(head_dim=head_dim, **resolved) if m.make_buffers else {}
+    bound = get_method(name).bind(params, head_dim)
 
     def call(q, k, v, causal):
-        return m.prefill(q, k, v, causal=causal, scale=None, backend="auto", buffers=buffers, **resolved)
+        return bound(q, k, v, causal=causal)
 
-    return call, resolved
+    return call, bound.params
 
 
 def _fwd(call, q, k, v, causal):

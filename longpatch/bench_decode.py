@@ -1,7 +1,7 @@
 """Decode benchmark: one generated token (q_len = 1) against a KV cache, method vs exact attention.
 
 For every cache length n and every registered method that has a ``decode``: the method's decode state
-is built once from the cache with ``method.init_state(k, v, **params)`` (for MoBA: the chunk means,
+is built once from the cache with ``method.bind(params, head_dim).init_state(k, v)`` (for MoBA: the chunk means,
 "given" as they would be in a running generation, where each chunk's mean is computed once when the
 chunk fills), then the median wall time of ``repeats`` decode calls after one warm-up is compared
 with ``exact_attention`` decoding the same token against the same cache, in the same run.
@@ -48,19 +48,12 @@ def _decoder(name: str, params: dict, head_dim: int):
     m = get_method(name)
     if m.decode is None:
         raise ConfigError(f"method '{name}' has no decode (it falls back to exact attention when decoding)")
-    resolved = m.resolve_params(params)
-    buffers = m.make_buffers(head_dim=head_dim, **resolved) if m.make_buffers else {}
+    bound = m.bind(params, head_dim)
 
     def call(q, k, v, state):
-        extra = {"state": state} if m.stateful else {}
-        return m.decode(q, k, v, causal=True, scale=None, backend="auto", buffers=buffers, **extra, **resolved)
+        return bound(q, k, v, causal=True, state=state)
 
-    def make_state(k, v):
-        if not m.stateful:
-            return None
-        return m.init_state(k, v, **resolved) if m.init_state is not None else {}
-
-    return call, make_state, resolved
+    return call, bound.init_state, bound.params
 
 
 def _inputs(batch, heads, kv_heads, n, d, dtype, seed=0):

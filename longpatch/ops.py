@@ -6,9 +6,8 @@ from .methods.linear import linear_attention
 from .methods.moba import moba_attention, moba_chunk_means
 from .methods.nsa import nsa_attention, nsa_compress
 from .methods.nsa_module import NSAAttention
-from .methods.performer import performer_attention, redraw_features
+from .methods.performer import performer_attention
 from .methods.sparse import sparse_attention
 
 __all__ = ["NSAAttention", "exact_attention", "hyper_attention", "linear_attention", "merge_lse", "moba_attention",
-           "moba_chunk_means", "nsa_attention", "nsa_compress", "performer_attention", "redraw_features",
-           "sparse_attention"]
+           "moba_chunk_means", "nsa_attention", "nsa_compress", "performer_attention", "sparse_attention"]

@@ -5,11 +5,13 @@ import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from .config import PatchConfig, as_config, check_runnable, select_layers
 from .errors import ConfigError
 from .families import Family, detect_family
 from .methods import get_method
-from .routing import LayerRoute, reset_stats
+from .routing import LayerRoute, redraw_route, reset_stats
 
 REPORT_ATTR = "longpatch"
 
@@ -54,7 +56,8 @@ class PatchReport:
         for side, phases in self.breakdown().items():
             for paths in phases.values():
                 for path, s in paths.items():
-                    total = out[side].setdefault("method" if path == "method_exact" else path, {"calls": 0, "seconds": 0.0})
+                    key = "method" if path == "method_exact" else path
+                    total = out[side].setdefault(key, {"calls": 0, "seconds": 0.0})
                     total["calls"] += s["calls"]
                     total["seconds"] += s["seconds"]
         return out
@@ -75,7 +78,8 @@ def patch_model(model, cfg: "PatchConfig | dict | str | Path"):
     cfg = as_config(cfg)
     check_runnable(cfg)
     if getattr(model, REPORT_ATTR, None) is not None:
-        raise ConfigError("model is already patched by longpatch (see model.longpatch); call unpatch_model(model) first")
+        raise ConfigError("model is already patched by longpatch (see model.longpatch); "
+                          "call unpatch_model(model) first")
     family = detect_family(model, cfg.family)
     n = family.num_layers(model)
     chosen = set(select_layers(cfg.layers, n))
@@ -96,6 +100,22 @@ def unpatch_model(model):
     report.family.uninstall(model, report.routes)
     delattr(model, REPORT_ATTR)
     return model
+
+
+def redraw_buffers(model, seed: int | None = None) -> int:
+    """Draw new random buffers in every patched layer whose method has seeded ones (HyperAttention's
+    LSH directions, Performer's random features, the sparse method's random-block seed); returns how
+    many layers were redrawn. In place: the buffers keep their device and stay in the state_dict.
+
+    seed None: a fresh draw from torch's global generator (reproducible under torch.manual_seed);
+    an int: deterministic, each layer mixing in its index as at patch time. Decode states are
+    cleared (they were built with the old buffers). Performer's paper redraws periodically in training.
+    """
+    report: PatchReport | None = getattr(model, REPORT_ATTR, None)
+    if report is None:
+        raise ValueError("redraw_buffers: the model is not patched by longpatch")
+    base = int(torch.randint(0, 2 ** 62, (1,)).item()) if seed is None else int(seed)
+    return sum(redraw_route(r, base) for r in report.routes)
 
 
 def patched_layers(model) -> list[int]:

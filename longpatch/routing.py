@@ -12,7 +12,6 @@ min_seq_len, or decode for a method without one) or "original" (the model's own 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -20,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .methods import Method
+from .methods import BoundMethod, Method
 from .methods.exact import exact_attention
 
 log = logging.getLogger("longpatch")
@@ -28,13 +27,6 @@ _warned: set[str] = set()
 BUFFER_PREFIX = "longpatch_"  # method buffers live on the patched module under this prefix
 PHASES = ("prefill", "decode")
 PATHS = ("method", "method_exact", "exact", "original")
-
-# Where the built-in methods are exact (their own code says so: hyper.py, moba.py), for methods whose
-# registration does not set Method.exact_when itself.
-_BUILTIN_EXACT_WHEN = {
-    "hyper": lambda q_len, kv_len, p: kv_len <= p["min_seq_len"],
-    "moba": lambda q_len, kv_len, p: p["topk"] >= math.ceil(kv_len / p["chunk_size"]),
-}
 
 
 def warn_once(key: str, message: str) -> None:
@@ -51,6 +43,7 @@ class LayerRoute:
     min_seq_len: int = 0
     backend: str = "auto"
     owner: torch.nn.Module | None = None  # the module holding this layer's method buffers
+    bound: BoundMethod | None = None  # the method bound to params and head_dim (attach_buffers)
     buffer_names: tuple[str, ...] = ()
     state: dict = field(default_factory=dict)  # a stateful method's decode summaries
     calls: Counter = field(default_factory=Counter)  # (phase, path) -> number of calls
@@ -90,11 +83,12 @@ class LayerRoute:
         elif path == "exact":
             out = exact_attention(q, k, v, causal=causal, scale=scale, backend=self.backend)
         else:
-            fn = self.method.prefill if prefill else self.method.decode
+            if self.bound is None:  # a route used without a module (tests): bind on first use
+                self.bound = self.method.bind(self.params, q.shape[-1], self.layer_idx)
             # read through the owner so .to(device) and load_state_dict are always seen
-            bufs = {n: getattr(self.owner, BUFFER_PREFIX + n) for n in self.buffer_names}
-            extra = {"state": self.state} if self.method.stateful else {}
-            out = fn(q, k, v, causal=causal, scale=scale, backend=self.backend, buffers=bufs, **extra, **self.params)
+            bufs = {n: getattr(self.owner, BUFFER_PREFIX + n) for n in self.buffer_names} \
+                if self.owner is not None else None
+            out = self.bound(q, k, v, causal=causal, scale=scale, backend=self.backend, state=self.state, buffers=bufs)
         if sync:
             torch.cuda.synchronize(q.device)
         key = ("prefill" if prefill else "decode", self._recorded(path, q.shape[2], k.shape[2]))
@@ -105,21 +99,36 @@ class LayerRoute:
     def _recorded(self, path: str, q_len: int, kv_len: int) -> str:
         if path != "method":
             return path
-        exact_when = self.method.exact_when or _BUILTIN_EXACT_WHEN.get(self.method.name)
-        return "method_exact" if exact_when is not None and exact_when(q_len, kv_len, self.params) else path
+        return "method_exact" if self.bound.exact_at(q_len, kv_len) else path
 
 
 def attach_buffers(route: LayerRoute, owner: torch.nn.Module, head_dim: int, device) -> None:
     """Create the method's buffers (e.g. LSH directions) on `owner`, so they are in the state_dict."""
     route.owner = owner
-    if route.method is None or route.method.make_buffers is None:
+    if route.method is None:
         return
-    # layer_seed: every layer draws its own random buffers (LSH directions, random features) from the
-    # configured seed, as independently initialised layers would have
-    bufs = route.method.make_buffers(head_dim=head_dim, layer_seed=route.layer_idx, **route.params)
-    for name, t in bufs.items():
+    # the layer index: every layer draws its own random buffers (LSH directions, random features) from
+    # the configured seed, as independently initialised layers would have
+    route.bound = route.method.bind(route.params, head_dim, route.layer_idx)
+    for name, t in route.bound.buffers.items():
         owner.register_buffer(BUFFER_PREFIX + name, t.to(device))
-    route.buffer_names = tuple(bufs)
+        route.bound.buffers[name] = getattr(owner, BUFFER_PREFIX + name)  # one tensor, not a stale copy
+    route.buffer_names = tuple(route.bound.buffers)
+
+
+def redraw_route(route: LayerRoute, seed: int) -> bool:
+    """New random buffers for one route (in place: they keep their device and stay in the state_dict);
+    its decode state is cleared (it was built with the old ones). False when nothing was redrawn."""
+    if route.bound is None or not route.buffer_names:
+        return False
+    new = route.bound.redrawn(seed)
+    if not new:
+        return False
+    with torch.no_grad():
+        for name, t in new.items():
+            getattr(route.owner, BUFFER_PREFIX + name).copy_(t)
+    route.state.clear()
+    return True
 
 
 def detach_buffers(route: LayerRoute) -> None:

@@ -43,5 +43,4 @@ PROBE = register_method(Method(
     name="probe", summary="test method: exact attention that records its calls", prefill=_probe,
     params={"level": Param(1, (int,), "a test param", lambda x: x >= 0, "an int >= 0")},
     make_buffers=lambda head_dim, level, **_: {"marker": torch.full((head_dim,), float(level))},
-    approximate=False,
 ))

@@ -8,16 +8,20 @@ import math
 
 import pytest
 import torch
+from helpers import logits
 
 import longpatch.methods.performer as perf
-from longpatch import patch_model
+from longpatch import patch_model, redraw_buffers
 from longpatch.errors import ConfigError
 from longpatch.methods import get_method
-from longpatch.methods.performer import (gaussian_projection, performer_attention, performer_features,
-                                         redraw_features, softmax_kernel_estimate)
+from longpatch.methods.performer import (
+    gaussian_projection,
+    performer_attention,
+    performer_features,
+    softmax_kernel_estimate,
+)
 from longpatch.ops import exact_attention
 from longpatch.testing.tiny import tiny_model
-from helpers import logits
 
 PERFORMER = get_method("performer")
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -288,17 +292,18 @@ def test_projection_is_a_layer_buffer_and_redraw_changes_it():
     keys = [k for k in model.state_dict() if k.endswith("longpatch_projection")]
     assert len(keys) == 2 and model.state_dict()[keys[0]].shape == (32, 16)
     # each patched layer (2 and 3 of 4) draws its own features from the configured seed
-    mine = [perf.PERFORMER.make_buffers(head_dim=16, num_features=32, seed=7, layer_seed=i)["projection"] for i in (2, 3)]
+    mine = [perf.PERFORMER.make_buffers(head_dim=16, num_features=32, seed=7, layer_seed=i)["projection"]
+            for i in (2, 3)]
     assert torch.equal(model.state_dict()[keys[0]], mine[0]) and torch.equal(model.state_dict()[keys[1]], mine[1])
     assert not torch.equal(mine[0], mine[1])
     before = logits(model, ids)
-    assert redraw_features(model, seed=1) == 2
+    assert redraw_buffers(model, seed=1) == 2
     after = logits(model, ids)
     sd = {n: t.clone() for n, t in model.state_dict().items()}  # redraw works in place
     assert not torch.equal(sd[keys[0]], mine[0])
     assert not torch.equal(sd[keys[0]], sd[keys[1]])  # each layer its own draw
     assert not torch.allclose(before, after)
-    redraw_features(model)  # from torch's global generator
+    redraw_buffers(model)  # from torch's global generator
     assert not torch.equal(model.state_dict()[keys[0]], sd[keys[0]])
 
 

@@ -1,6 +1,7 @@
 """Sparse attention (torch path): every pattern equals a dense-mask oracle; decode; patched models."""
 import pytest
 import torch
+from helpers import dense_attention, logits
 
 from longpatch import patch_model, patched
 from longpatch.errors import ConfigError
@@ -8,7 +9,6 @@ from longpatch.methods import get_method
 from longpatch.methods import sparse as sp
 from longpatch.methods.sparse import random_key_blocks, sparse_attention
 from longpatch.testing.tiny import tiny_model
-from helpers import dense_attention, logits
 
 SPARSE = get_method("sparse")
 
@@ -204,7 +204,7 @@ def test_gradients_through_the_fused_kernel():
 def test_method_params_and_validation():
     assert SPARSE.resolve_params({}) == {"window": 1024, "global_tokens": 64, "dilation": 1, "random_blocks": 0,
                                          "block": 64, "seed": None}
-    assert SPARSE.decode is not None and SPARSE.approximate
+    assert SPARSE.decode is not None and SPARSE.exact_params is not None
     for bad in ({"window": 0}, {"dilation": 0}, {"global_tokens": -1}, {"random_blocks": -2}, {"block": 0},
                 {"seed": -1}, {"window": 2.5}, {"random_per_query": 3}):
         with pytest.raises(ConfigError):

@@ -8,6 +8,6 @@ from . import (
     performer,  # noqa: F401  (registers "performer")
     sparse,  # noqa: F401  (registers "sparse")
 )
-from .base import Method, Param, available_methods, get_method, register_method
+from .base import BoundMethod, Method, Param, available_methods, get_method, register_method
 
-__all__ = ["Method", "Param", "available_methods", "get_method", "register_method"]
+__all__ = ["BoundMethod", "Method", "Param", "available_methods", "get_method", "register_method"]

@@ -81,14 +81,19 @@ def one_of(doc: str, default: str, choices: tuple) -> Param:
 
 @dataclass
 class Method:
-    """A registered attention method.
+    """A registered attention method: its functions and what it declares about itself.
 
-    ``prefill(q, k, v, *, causal, scale, **params)`` returns the output tensor.
-    ``decode`` (optional) has the same signature and is called when q_len < kv_len; ``state``
-    is a per-layer dict the method may use to keep decode-time summaries beside the KV cache.
+    Callers do not call these functions directly: ``method.bind(params, head_dim, layer_idx)`` gives a
+    ``BoundMethod``, the one form in which routes and benchmarks run a method (docs/methods.md).
+
+    ``prefill(q, k, v, *, causal, scale, backend, buffers, [state,] **params)`` returns the output.
+    ``decode`` (optional) has the same signature and is called when q_len < kv_len; without it the
+    family adapter runs exact attention for that call. ``state`` (passed only when ``stateful``) is a
+    per-layer dict the method may use to keep decode-time summaries beside the KV cache;
+    ``init_state(k, v, *, buffers, **params)`` builds it from an existing cache in one pass.
     ``make_buffers(head_dim=, layer_seed=, **params)`` (optional) returns tensors the patched layer
     must keep in its state_dict (e.g. HyperAttention's LSH directions); ``layer_seed`` is the layer
-    index (the patch passes it; benchmarks of a single layer leave it out).
+    index (None for a lone call, as in the benchmarks).
     """
 
     name: str
@@ -97,13 +102,16 @@ class Method:
     params: dict[str, Param] = field(default_factory=dict)
     decode: Callable[..., Any] | None = None
     make_buffers: Callable[..., dict] | None = None
-    approximate: bool = True
     causal_only: bool = False  # non-causal calls keep the model's own attention (and are not benchmarked)
     stateful: bool = False
     init_state: Callable[..., dict] | None = None
     # exact_when(q_len, kv_len, params) -> True where this call computes exact attention anyway (e.g. below
     # a length threshold), so stats can tell the approximation from exact work done by the method's code
     exact_when: Callable[[int, int, dict], bool] | None = None
+    # exact_params(n, params) -> the params to change so that the method computes exact attention on
+    # sequences of up to n tokens (e.g. hyper's min_seq_len >= n); None: no setting makes it exact
+    # (linear, performer). The contract tests (tests/test_contract.py) hold every method to it.
+    exact_params: Callable[[int, dict], dict] | None = None
 
     def resolve_params(self, given: dict[str, Any] | None) -> dict[str, Any]:
         """Fill defaults and validate; unknown names are an error that lists the known ones."""
@@ -113,6 +121,64 @@ class Method:
             known = ", ".join(sorted(self.params)) or "(none)"
             raise ConfigError(f"params.{unknown[0]}: unknown parameter of method '{self.name}'; allowed: {known}")
         return {n: p.validate(self.name, n, given.get(n, p.default)) for n, p in self.params.items()}
+
+    def bind(self, params: dict[str, Any] | None, head_dim: int, layer_idx: int | None = None) -> BoundMethod:
+        """This method with validated params and its buffers drawn for ``head_dim`` (and the layer
+        ``layer_idx``: every patched layer draws its own; None for a lone call)."""
+        resolved = self.resolve_params(params)
+        buffers = {}
+        if self.make_buffers is not None:
+            buffers = self.make_buffers(head_dim=head_dim, layer_seed=layer_idx, **resolved)
+        return BoundMethod(self, resolved, buffers, head_dim, layer_idx)
+
+
+@dataclass
+class BoundMethod:
+    """A method bound to its params and buffers: how a route (routing.py) and the benchmarks call it.
+
+    ``buffers`` are the tensors ``make_buffers`` drew; a patched layer registers them on its module
+    and passes its own (moved, loaded) tensors to each call instead.
+    """
+
+    method: Method
+    params: dict[str, Any]
+    buffers: dict[str, Any]
+    head_dim: int
+    layer_idx: int | None = None
+
+    @property
+    def has_decode(self) -> bool:
+        return self.method.decode is not None
+
+    def __call__(self, q, k, v, *, causal: bool = True, scale: float | None = None, backend: str = "auto",
+                 state: dict | None = None, buffers: dict | None = None):
+        """Prefill when q_len == kv_len, else the method's decode; ``state`` reaches stateful methods only."""
+        fn = self.method.prefill if q.shape[2] == k.shape[2] else self.method.decode
+        if fn is None:
+            raise ValueError(f"method '{self.method.name}' has no decode (q_len < kv_len runs exact attention)")
+        extra = {"state": state} if self.method.stateful else {}
+        return fn(q, k, v, causal=causal, scale=scale, backend=backend,
+                  buffers=self.buffers if buffers is None else buffers, **extra, **self.params)
+
+    def init_state(self, k, v, buffers: dict | None = None) -> dict | None:
+        """A stateful method's decode state for the cache k/v, built in one pass (None when not stateful)."""
+        if not self.method.stateful:
+            return None
+        if self.method.init_state is None:
+            return {}
+        return self.method.init_state(k, v, buffers=self.buffers if buffers is None else buffers, **self.params)
+
+    def exact_at(self, q_len: int, kv_len: int) -> bool:
+        """Whether a call of this shape computes exact attention (``Method.exact_when``)."""
+        return self.method.exact_when is not None and bool(self.method.exact_when(q_len, kv_len, self.params))
+
+    def redrawn(self, seed: int) -> dict[str, Any]:
+        """Buffers drawn afresh from ``seed`` (mixed with the layer index like the patch's own draw);
+        {} for a method without buffers or without a ``seed`` param (nothing random to redraw)."""
+        if self.method.make_buffers is None or "seed" not in self.method.params:
+            return {}
+        return self.method.make_buffers(head_dim=self.head_dim, layer_seed=self.layer_idx,
+                                        **{**self.params, "seed": seed})
 
 
 _METHODS: dict[str, Method] = {}

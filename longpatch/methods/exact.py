@@ -125,10 +125,19 @@ def _prefill(q, k, v, *, causal=True, scale=None, backend="auto", **_):
     return exact_attention(q, k, v, causal=causal, scale=scale, backend=backend)
 
 
+def _always(q_len: int, kv_len: int, params: dict) -> bool:
+    return True
+
+
+def _no_change(n: int, params: dict) -> dict:
+    return {}
+
+
 EXACT = register_method(Method(
     name="exact",
     summary="exact softmax attention (torch SDPA on CPU, flash-attn on CUDA when installed)",
     prefill=_prefill,
     decode=_prefill,
-    approximate=False,
+    exact_when=_always,
+    exact_params=_no_change,
 ))

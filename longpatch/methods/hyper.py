@@ -463,6 +463,10 @@ def _exact_when(q_len: int, kv_len: int, params: dict) -> bool:
     return kv_len <= params["min_seq_len"] or q_len < params["min_seq_len"]
 
 
+def _exact_params(n: int, params: dict) -> dict:
+    return {"min_seq_len": max(n, params["min_seq_len"])}
+
+
 def _make_buffers(*, head_dim: int, lsh_num_projs: int = 7, seed: int | None = None, layer_seed: int | None = None,
                   **_):
     """{"lsh_dirs": [head_dim, lsh_num_projs]} from ``seed`` (None -> 0); an optional ``layer_seed``
@@ -489,4 +493,5 @@ HYPER = register_method(Method(
     },
     make_buffers=_make_buffers,
     exact_when=_exact_when,
+    exact_params=_exact_params,
 ))

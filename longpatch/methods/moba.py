@@ -728,6 +728,15 @@ def _run(q, k, v, *, causal=True, scale=None, backend="auto", buffers=None, stat
                           shared_selection=shared_selection, chunk_means=means, backend=backend)
 
 
+def _exact_when(q_len: int, kv_len: int, params: dict) -> bool:
+    """Where moba_attention short-cuts to exact attention: top-k covers every chunk."""
+    return params["topk"] >= math.ceil(kv_len / params["chunk_size"])
+
+
+def _exact_params(n: int, params: dict) -> dict:
+    return {"topk": max(params["topk"], math.ceil(n / params["chunk_size"]))}
+
+
 MOBA = register_method(Method(
     name="moba",
     summary="MoBA: each query attends to its own chunk + the top-k past chunks by q·mean(chunk keys)",
@@ -742,4 +751,6 @@ MOBA = register_method(Method(
     },
     stateful=True,
     init_state=init_state,
+    exact_when=_exact_when,
+    exact_params=_exact_params,
 ))

@@ -819,6 +819,13 @@ def _nonneg(name, doc):
     return nonneg_int(doc, DEFAULTS[name])
 
 
+def _exact_params(n: int, params: dict) -> dict:
+    """The selected and window branches each see every visible key, and the compressed branch (mean
+    keys: never exact) is gated off; the output is then g_slc * exact + g_win * exact = exact."""
+    return {"num_selected": max(params["num_selected"], math.ceil(n / params["select_block"])),
+            "window": max(params["window"], n), "gates": list(TRAINING_FREE_GATES)}
+
+
 class _NSAMethod(Method):
     """Checks the relations between parameters (stride <= block, forced blocks fit) at config time."""
 
@@ -852,4 +859,5 @@ NSA = register_method(_NSAMethod(
     causal_only=True,
     stateful=True,
     init_state=init_state,
+    exact_params=_exact_params,
 ))

@@ -27,7 +27,7 @@ numerator and denominator cancels:
   relative to their shift; when new keys raise it, the sums are rescaled by exp(old − new), so
   decoding equals prefill.
 
-The projection is a buffer of each patched layer (in the state_dict, seeded); ``redraw_features``
+The projection is a buffer of each patched layer (in the state_dict, seeded); ``longpatch.redraw_buffers``
 draws new ones, as the paper recommends when training.
 """
 from __future__ import annotations
@@ -270,33 +270,6 @@ def _make_buffers(*, head_dim: int, num_features: int = DEFAULT_NUM_FEATURES, or
     ``layer_seed`` gives each layer its own features."""
     return {"projection": gaussian_projection(num_features, head_dim, seed=layer_seed_of(seed, layer_seed),
                                               orthogonal=orthogonal)}
-
-
-def redraw_features(model, seed: int | None = None) -> int:
-    """Draw new random features for every performer-patched layer of ``model`` (in place, so the
-    buffers keep their device and stay in the state_dict); returns how many layers were redrawn.
-
-    seed None: a fresh draw from torch's global generator (reproducible under torch.manual_seed);
-    an int: deterministic, with a different projection per layer. Decode states are cleared (their
-    sums were built with the old features). The paper redraws periodically during training.
-    """
-    from ..routing import BUFFER_PREFIX  # imported here: routing imports the methods package
-    report = getattr(model, "longpatch", None)
-    if report is None:
-        raise ValueError("redraw_features: the model is not patched by longpatch")
-    base = int(torch.randint(0, 2 ** 62, (1,)).item()) if seed is None else int(seed)
-    count = 0
-    for route in report.routes:
-        if route.method is None or route.method.name != "performer" or "projection" not in route.buffer_names:
-            continue
-        buf = getattr(route.owner, BUFFER_PREFIX + "projection")
-        new = gaussian_projection(buf.shape[0], buf.shape[1], seed=layer_seed_of(base, route.layer_idx),
-                                  orthogonal=route.params.get("orthogonal", True))
-        with torch.no_grad():
-            buf.copy_(new)
-        route.state.clear()
-        count += 1
-    return count
 
 
 PERFORMER = register_method(Method(

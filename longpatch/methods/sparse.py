@@ -547,6 +547,12 @@ def _make_buffers(*, head_dim: int, seed: int | None = None, layer_seed: int | N
     return {"seed": torch.tensor(layer_seed_of(seed, layer_seed), dtype=torch.int64)}
 
 
+def _exact_params(n: int, params: dict) -> dict:
+    """A plain window of n keys is every key a query may see (causal), or every key within n // 2 on
+    each side (non-causal: a window of 2n covers the sequence)."""
+    return {"window": max(params["window"], 2 * n), "dilation": 1}
+
+
 SPARSE = register_method(Method(
     name="sparse",
     summary="position-based sparse attention: global tokens + (dilated) sliding window + BigBird random blocks",
@@ -564,4 +570,5 @@ SPARSE = register_method(Method(
         "seed": optional_int("seed of the random blocks (null -> 0); each patched layer mixes in its index"),
     },
     make_buffers=_make_buffers,
+    exact_params=_exact_params,
 ))
