@@ -110,11 +110,13 @@ def load_config(path_or_alias: str | Path) -> PatchConfig:
     if path.is_dir():
         path = path / CONFIG_FILE
         if not path.is_file():
-            raise ConfigError(f"config: {path_or_alias} has no {CONFIG_FILE}; was it saved with `longpatch apply --save`?")
+            raise ConfigError(f"config: {path_or_alias} has no {CONFIG_FILE}; was it saved with "
+                              "`longpatch apply --save`?")
     elif not path.is_file():
         alias = bundled_configs().get(str(path_or_alias))
         if alias is None:
-            raise ConfigError(f"config: {str(path_or_alias)!r} is neither a file nor a bundled alias; aliases: {', '.join(bundled_configs())}")
+            raise ConfigError(f"config: {str(path_or_alias)!r} is neither a file nor a bundled alias; "
+                              f"aliases: {', '.join(bundled_configs())}")
         path = alias
     try:
         text = path.read_bytes().decode("utf-8")
@@ -174,7 +176,8 @@ def check_runnable(cfg: PatchConfig) -> None:
 def bundled_configs() -> dict[str, Path]:
     """alias -> path of the YAML files shipped in longpatch.configs."""
     root = resources.files("longpatch.configs")
-    return {Path(p.name).stem: Path(str(p)) for p in sorted(root.iterdir(), key=lambda p: p.name) if p.name.endswith(".yaml")}
+    return {Path(p.name).stem: Path(str(p)) for p in sorted(root.iterdir(), key=lambda p: p.name)
+            if p.name.endswith(".yaml")}
 
 
 def _mapping(key, value):
@@ -201,7 +204,8 @@ def _check_layers(layers):
         return layers
     if isinstance(layers, int) and not isinstance(layers, bool) and layers >= 0:
         return layers
-    if isinstance(layers, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers):
+    if isinstance(layers, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                 for i in layers):
         if len(set(layers)) != len(layers):
             raise ConfigError(f"layers: got {list(layers)!r} with repeated indices; allowed: {_LAYERS_ALLOWED}")
         return sorted(layers)
@@ -230,7 +234,8 @@ def parse_layer_items(text: str, flag: str = "--layers") -> list:
         elif ":" in part:
             bits = [b.strip() for b in part.split(":")]
             if len(bits) not in (2, 3) or not all(b.isdigit() for b in bits):
-                raise ConfigError(f"{flag}: bad range {part!r}; allowed: start:end or start:end:step, ints >= 0 (end included)")
+                raise ConfigError(f"{flag}: bad range {part!r}; allowed: start:end or start:end:step, ints >= 0 "
+                                  "(end included)")
             start, end, step = int(bits[0]), int(bits[1]), int(bits[2]) if len(bits) == 3 else 1
             if step < 1 or end < start:
                 raise ConfigError(f"{flag}: bad range {part!r}; need start <= end and step >= 1 (end included)")
@@ -248,9 +253,11 @@ def select_layers(layers, num_layers: int) -> list[int]:
         return list(range(num_layers))
     if isinstance(layers, int):
         if layers > num_layers:
-            raise ConfigError(f"layers: got {layers}, but the model has {num_layers} layers; allowed: 0..{num_layers}, a list of indices, or 'all'")
+            raise ConfigError(f"layers: got {layers}, but the model has {num_layers} layers; allowed: "
+                              f"0..{num_layers}, a list of indices, or 'all'")
         return list(range(num_layers - layers, num_layers))
     bad = [i for i in layers if i >= num_layers]
     if bad:
-        raise ConfigError(f"layers: index {bad[0]} is out of range; the model has {num_layers} layers (0..{num_layers - 1})")
+        raise ConfigError(f"layers: index {bad[0]} is out of range; the model has {num_layers} layers "
+                          f"(0..{num_layers - 1})")
     return list(layers)

@@ -15,7 +15,8 @@ from .patching import REPORT_ATTR, patch_model, unpatch_model
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 TINY_PREFIX = "tiny:"
 DEMO = "demo"  # the shipped offline demo model (longpatch.assets.demo_model_path())
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
 
 
 def resolve_model_config(name: str, trust_remote_code: bool = False) -> PatchConfig:
@@ -84,7 +85,9 @@ def load_model(model: "str | PatchConfig | dict", **overrides):
     if cfg.model.startswith(TINY_PREFIX):
         from .testing.tiny import tiny_model
         dtype = _DTYPES.get(cfg.dtype, torch.float32)
-        return tiny_model(cfg.model[len(TINY_PREFIX):], attn_implementation=cfg.attn_implementation or "sdpa", dtype=dtype), None
+        model = tiny_model(cfg.model[len(TINY_PREFIX):], attn_implementation=cfg.attn_implementation or "sdpa",
+                           dtype=dtype)
+        return model, None
     return _load_hf(cfg)
 
 
@@ -197,7 +200,8 @@ def save_patch(model, cfg: PatchConfig, out_dir: str | Path, tokenizer=None) -> 
 
     out = check_save_target(out_dir)
     if not hasattr(model, "save_pretrained"):
-        raise LongpatchError(f"--save: {type(model).__name__} has no save_pretrained; only transformers models can be saved")
+        raise LongpatchError(f"--save: {type(model).__name__} has no save_pretrained; only transformers models "
+                             "can be saved")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
@@ -207,7 +211,8 @@ def save_patch(model, cfg: PatchConfig, out_dir: str | Path, tokenizer=None) -> 
         _save_unpatched(model, tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        (tmp / CONFIG_FILE).write_text("# written by `longpatch apply --save`; re-apply with longpatch.from_pretrained(DIR)\n"
+        (tmp / CONFIG_FILE).write_text("# written by `longpatch apply --save`; re-apply with "
+                                       "longpatch.from_pretrained(DIR)\n"
                                        "# model: where the weights beside this file came from\n"
                                        + yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         umask = os.umask(0)

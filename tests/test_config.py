@@ -74,6 +74,7 @@ def test_yaml_errors(tmp_path):
 
 def test_as_config_rejects_other_types():
     import torch
+
     from longpatch.testing.tiny import tiny_model
     with pytest.raises(ConfigError, match="config"):
         longpatch.patch_model(tiny_model("llama"), 42)

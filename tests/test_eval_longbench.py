@@ -128,7 +128,8 @@ def test_nothing_reachable_names_what_was_tried(tmp_path, monkeypatch):
 
     import huggingface_hub
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
-    with pytest.raises(DataError, match=r"Tried the hub dataset THUDM/LongBench file data\.zip.*no network.*--data PATH"):
+    with pytest.raises(DataError,
+                       match=r"Tried the hub dataset THUDM/LongBench file data\.zip.*no network.*--data PATH"):
         load_longbench(None)
     with pytest.raises(DataError, match="does not exist"):
         load_longbench(str(tmp_path / "nowhere"))

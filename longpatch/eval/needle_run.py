@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,16 +18,14 @@ from typing import Sequence
 import torch
 
 from ..errors import ConfigError
-from ..patching import patch_model, total_seconds, unpatch_model
+from ..patching import total_seconds
 from . import needle as N
 from .launch import Dist, run_sharded
 from .plan import PLAN_FILE, read_plan
-from .records import INTERRUPTED, RecordLog, announce_resume, read_records, records_file, write_json
+from .records import RecordLog, announce_resume, read_records, records_file, write_json
 from .report import seconds_by_path
 from .scoring import input_device
-from .sweep import Point, RunSpec, check_int, make_points, num_layers, parse_layer_sweep, prepare_model
-
-log = logging.getLogger("longpatch")
+from .sweep import Point, RunSpec, check_int, make_points, num_layers, parse_layer_sweep, prepare_model, run_points
 
 RESULTS_FILE = "results.json"
 CSV_FILE = "results.csv"
@@ -180,28 +177,13 @@ def _run(model, tokenizer, points, work: list[Trial], out: Path, dist: Dist, pro
         announce_resume(already, total, "generations", out)
     if not total:
         return
-    writer = RecordLog(records_file(out, dist.rank, dist.world))
     device = input_device(model)
     eos = tokenizer.eos_token_id
+    labels = {p.config_id: label for label, p in points}
     bar = tqdm(total=total, desc="eval needle", unit="gen", disable=not progress, dynamic_ncols=True)
-    try:
-        for label, point, pending in todo:
-            if not pending:
-                continue
-            patch_model(model, point.cfg)
-            try:
-                bar.set_description(f"{label} {point.label}")
-                for w in pending:
-                    writer.append(_generate(model, tokenizer, label, point, w, device, eos, dist.rank, run_id))
-                    bar.update(1)
-            finally:
-                unpatch_model(model)
-    except KeyboardInterrupt:
-        log.warning(INTERRUPTED, out)
-        raise
-    finally:
-        bar.close()
-        writer.close()
+    run_points(model, [(p, ws) for _, p, ws in todo], RecordLog(records_file(out, dist.rank, dist.world)), bar, out,
+               lambda p, w: _generate(model, tokenizer, labels[p.config_id], p, w, device, eos, dist.rank, run_id),
+               label=lambda p: f"{labels[p.config_id]} {p.label}")
 
 
 def _generate(model, tokenizer, label: str, point: Point, w: Trial, device, eos, rank: int, run_id: str) -> dict:

@@ -41,14 +41,24 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from ..errors import ConfigError, LongpatchError
-from ..patching import patch_model, total_seconds, unpatch_model
+from ..patching import total_seconds
 from .launch import Dist, run_sharded
 from .longbench import load_longbench, resolve_subsets
 from .plan import PLAN_FILE, Doc, nothing_to_evaluate, plan_documents, report_problems
-from .records import INTERRUPTED, RecordLog, announce_resume, read_records, records_file, write_json
+from .records import RecordLog, announce_resume, read_records, records_file, write_json
 from .report import print_results, record_index, summarize
 from .scoring import check_loss_path, evaluate_document, input_device, make_encoder, vocab_size
-from .sweep import Point, RunSpec, check_int, config_id, make_points, num_layers, parse_layer_sweep, prepare_model
+from .sweep import (
+    Point,
+    RunSpec,
+    check_int,
+    config_id,
+    make_points,
+    num_layers,
+    parse_layer_sweep,
+    prepare_model,
+    run_points,
+)
 
 __all__ = ["PerplexitySpec", "parse_layer_sweep", "perplexity", "run_eval_ppl", "summarize"]
 
@@ -172,30 +182,19 @@ def _run(model, points: list[Point], docs: list[Doc], out: Path, dist: Dist, war
         announce_resume(already, total, "document evaluations", out)
     device = input_device(model)
     bar = tqdm(total=total, desc="eval ppl", unit="doc", disable=not progress, dynamic_ncols=True)
-    try:
-        for point, pending in todo:
-            if not pending:
-                continue
-            patch_model(model, point.cfg)
-            try:
-                bar.set_description(point.label)
-                for _ in range(warmup):
-                    evaluate_document(model, pending[0].ids[None].to(device), chunk)
-                for doc in pending:
-                    model.longpatch.reset_stats()
-                    result = evaluate_document(model, doc.ids[None].to(device), chunk)
-                    writer.append(_record(point, doc, result, model.longpatch.breakdown(), dist.rank, run_id))
-                    bar.update(1)
-                    nll = result["nll_mean"]
-                    bar.set_postfix(ppl=f"{math.exp(nll):.3f}" if math.isfinite(nll) else "nan")
-            finally:
-                unpatch_model(model)
-    except KeyboardInterrupt:
-        log.warning(INTERRUPTED, out)
-        raise
-    finally:
-        bar.close()
-        writer.close()
+
+    def warm(point, pending):
+        for _ in range(warmup):
+            evaluate_document(model, pending[0].ids[None].to(device), chunk)
+
+    def one(point, doc):
+        model.longpatch.reset_stats()
+        result = evaluate_document(model, doc.ids[None].to(device), chunk)
+        nll = result["nll_mean"]
+        bar.set_postfix(ppl=f"{math.exp(nll):.3f}" if math.isfinite(nll) else "nan")
+        return _record(point, doc, result, model.longpatch.breakdown(), dist.rank, run_id)
+
+    run_points(model, todo, writer, bar, out, one, start=warm)
 
 
 def _record(point: Point, doc: Doc, result: dict, breakdown: dict, rank: int, run_id: str) -> dict:

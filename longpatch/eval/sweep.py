@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import dataclass, field, fields
+from typing import Callable
 
 from ..config import PatchConfig, load_config, parse_layer_items, select_layers
 from ..errors import ConfigError
 from ..patching import patch_model, unpatch_model
+from .records import INTERRUPTED, RecordLog
+
+log = logging.getLogger("longpatch")
 
 
 @dataclass
@@ -188,3 +193,31 @@ def num_layers(model, cfg: PatchConfig) -> int:
 def check_int(name: str, value, minimum: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ConfigError(f"{name}: got {value!r}; allowed: an int >= {minimum}")
+
+
+def run_points(model, todo: list[tuple[Point, list]], writer: RecordLog, bar, out,
+               one: Callable[[Point, object], dict], start: Callable[[Point, list], None] | None = None,
+               label: Callable[[Point], str] = lambda p: p.label) -> None:
+    """The loop of every evaluation: patch the model for each point that has pending items, append the
+    record one(point, item) of each item as it finishes, unpatch; closes writer and bar. start(point,
+    pending) runs after patching (warm-up). Interrupted, it says where the finished work is."""
+    try:
+        for point, pending in todo:
+            if not pending:
+                continue
+            patch_model(model, point.cfg)
+            try:
+                bar.set_description(label(point))
+                if start is not None:
+                    start(point, pending)
+                for item in pending:
+                    writer.append(one(point, item))
+                    bar.update(1)
+            finally:
+                unpatch_model(model)
+    except KeyboardInterrupt:
+        log.warning(INTERRUPTED, out)
+        raise
+    finally:
+        bar.close()
+        writer.close()
