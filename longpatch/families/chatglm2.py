@@ -29,15 +29,21 @@ def _groups(config) -> int:
     return config.multi_query_group_num if getattr(config, "multi_query_attention", False) else heads
 
 
-def _make_forward(core, route: LayerRoute, rep: int):
-    original_forward = core.forward  # the bound class method
+class _RoutedForward:
+    """The forward set on a patched core attention: an instance of a module-level class, not a
+    closure, so that a patched model survives torch.save and deepcopy."""
 
-    def forward(query_layer, key_layer, value_layer, attention_mask):
+    def __init__(self, core, route: LayerRoute, rep: int):
+        self.core, self.route, self.rep = core, route, rep
+
+    def __call__(self, query_layer, key_layer, value_layer, attention_mask):
+        route, rep = self.route, self.rep
         sq, skv = query_layer.shape[0], key_layer.shape[0]
         path = route.choose(sq, skv, None if attention_mask is None else "a padding or chunked-prefill mask")
         if path == "original":
+            original = type(self.core).forward  # the class's own forward
             return route.run(path, query_layer, key_layer, value_layer, causal=True, scale=None,
-                             original=lambda: original_forward(query_layer, key_layer, value_layer, attention_mask))
+                             original=lambda: original(self.core, query_layer, key_layer, value_layer, attention_mask))
         q = query_layer.permute(1, 2, 0, 3)
         # k/v were expanded head-by-head from the groups: every rep-th head is one group
         k = key_layer[:, :, ::rep].permute(1, 2, 0, 3)
@@ -45,8 +51,6 @@ def _make_forward(core, route: LayerRoute, rep: int):
         out = route.run(path, q, k, v, causal=True, scale=None)  # chatglm2 uses the default 1/sqrt(d)
         b, h, _, d = out.shape
         return out.permute(2, 0, 1, 3).reshape(sq, b, h * d)
-
-    return forward
 
 
 class ChatGLM2Family:
@@ -73,7 +77,7 @@ class ChatGLM2Family:
             route = routes[core.layer_number - 1]  # layer_number is 1-based
             # the layer's own device: with a device_map, layers live on different GPUs
             attach_buffers(route, core, head_dim, next(layer.parameters()).device)
-            core.forward = _make_forward(core, route, rep)
+            core.forward = _RoutedForward(core, route, rep)
             core._longpatch_route = route
 
     def uninstall(self, model, routes: list[LayerRoute]) -> None:
@@ -91,7 +95,8 @@ def prepare_loaded(model) -> None:
     longer carry, which fails with AttributeError on a plain model(ids).
     """
     config = model.config
-    for attr, value in (("use_cache", True), ("use_return_dict", True), ("return_dict", True), ("output_hidden_states", False)):
+    for attr, value in (("use_cache", True), ("use_return_dict", True), ("return_dict", True),
+                        ("output_hidden_states", False)):
         if not hasattr(config, attr):
             setattr(config, attr, value)
             log.info("longpatch: chatglm2 config had no %s; set to %s", attr, value)

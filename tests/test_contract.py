@@ -1,0 +1,165 @@
+"""The method contract, held by every registered method (a newly registered one is covered without a
+line here) on tiny models of the families: decode equals prefill, the params a method declares
+exact (``Method.exact_params``) reproduce the unpatched logits, unpatching restores the state_dict,
+a patched model pickles, and ``redraw_buffers`` redraws what the patch drew. See docs/methods.md."""
+import copy
+import io
+
+import pytest
+import torch
+from helpers import logits
+
+from longpatch import patch_model, redraw_buffers, unpatch_model
+from longpatch.methods import available_methods
+from longpatch.testing.tiny import BUILDERS, tiny_model
+
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              # the one cache argument both ChatGLM2's remote code and every transformers version take
+              pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")]
+
+# Every method longpatch registers (test helpers register their own probes: not part of the contract).
+METHODS = sorted(name for name, m in available_methods().items() if m.prefill.__module__.startswith("longpatch."))
+FAMILIES = sorted(BUILDERS)
+N = 40  # tokens: several chunks/blocks of the small params below
+
+# Small params that make each method approximate at N tokens, so decode-equals-prefill compares two
+# runs of the approximation, not of exact attention. A method missing here runs with its defaults.
+SMALL = {
+    "hyper": {"block_size": 8, "sample_size": 8, "min_seq_len": 16, "seed": 3},
+    "moba": {"chunk_size": 8, "topk": 2},
+    "nsa": {"compress_block": 8, "compress_stride": 4, "select_block": 8, "num_selected": 2, "window": 8,
+            "init_blocks": 1, "local_blocks": 1},
+    "sparse": {"window": 6, "global_tokens": 2, "random_blocks": 1, "block": 4, "seed": 5},
+    "performer": {"num_features": 16, "seed": 2},
+}
+
+
+def _config(name: str, exact: bool = False) -> dict:
+    method = available_methods()[name]
+    params = method.resolve_params(SMALL.get(name, {}))
+    if exact:
+        params.update(method.exact_params(N, params))
+    return {"method": name, "layers": "all", "params": params}
+
+
+def _ids(batch: int = 1) -> torch.Tensor:
+    return torch.randint(0, 256, (batch, N))
+
+
+def _step(model, ids, cache=None):
+    """(logits, cache) of one forward with a KV cache, for HF models and ChatGLM2's tuple outputs."""
+    with torch.no_grad():
+        out = model(ids, past_key_values=cache, use_cache=True)
+    return (out[0], out[1]) if isinstance(out, tuple) else (out.logits, out.past_key_values)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("name", METHODS)
+def test_exact_params_reproduce_unpatched_logits(name, family):
+    if available_methods()[name].exact_params is None:
+        pytest.skip(f"{name}: no setting makes it exact (exact_params is None)")
+    model = tiny_model(family)
+    ids = _ids(2)
+    ref = logits(model, ids)
+    patch_model(model, _config(name, exact=True))
+    torch.testing.assert_close(logits(model, ids), ref, atol=1e-5, rtol=1e-5)
+    stats = model.longpatch.breakdown()["patched"]["prefill"]
+    assert set(stats) <= {"method", "method_exact"}  # the method's code served every call
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "chatglm2"])
+@pytest.mark.parametrize("name", METHODS)
+def test_decode_equals_prefill(name, family):
+    """Each decode step's logits equal one prefill of the whole sequence. A method without its own
+    decode decodes with exact attention, so only its exact params make the two agree."""
+    method = available_methods()[name]
+    if method.decode is None and method.exact_params is None:
+        pytest.skip(f"{name}: no decode and no exact params")
+    model = tiny_model(family)
+    ids = _ids()
+    patch_model(model, _config(name, exact=method.decode is None))
+    full, _ = _step(model, ids)
+    start = N - 3
+    out, cache = _step(model, ids[:, :start])
+    steps = []
+    for t in range(start, N):
+        out, cache = _step(model, ids[:, t:t + 1], cache)
+        steps.append(out[:, -1])
+    torch.testing.assert_close(torch.stack(steps, 1), full[:, start:], atol=1e-4, rtol=1e-4)
+    decode = model.longpatch.breakdown()["patched"]["decode"]
+    assert ("exact" not in decode) if method.decode else (set(decode) == {"exact"})
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_bound_decode_equals_prefill_rows(name):
+    """The op-level form of the same contract: stepwise decode through ``BoundMethod`` (state kept
+    across steps, or built at once by ``init_state``) gives the prefill's rows."""
+    method = available_methods()[name]
+    if method.decode is None:
+        pytest.skip(f"{name}: no decode (exact attention decodes)")
+    bound = method.bind(SMALL.get(name, {}), head_dim=16, layer_idx=1)
+    q, k, v = torch.randn(1, 4, N, 16), torch.randn(1, 2, N, 16), torch.randn(1, 2, N, 16)
+    ref = bound(q, k, v)
+    state = {}
+    for t in range(N - 4, N):
+        row = bound(q[:, :, t:t + 1], k[:, :, :t + 1], v[:, :, :t + 1], state=state)
+        torch.testing.assert_close(row, ref[:, :, t:t + 1], atol=1e-5, rtol=1e-4)
+    state = bound.init_state(k[:, :, :N - 1], v[:, :, :N - 1])
+    assert (state is None) == (not method.stateful)
+    row = bound(q[:, :, N - 1:], k, v, state=state)
+    torch.testing.assert_close(row, ref[:, :, N - 1:], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("name", METHODS)
+def test_unpatch_restores_the_state_dict(name, family):
+    model = tiny_model(family)
+    ids = _ids()
+    ref = logits(model, ids)
+    before = {k: t.clone() for k, t in model.state_dict().items()}
+    patch_model(model, _config(name))
+    logits(model, ids)  # a forward may create decode state and stats: unpatch drops them too
+    added = set(model.state_dict()) - set(before)
+    assert all(k.rsplit(".", 1)[-1].startswith("longpatch_") for k in added)
+    assert len(added) == len(model.longpatch.routes) * len(model.longpatch.routes[0].buffer_names)
+    unpatch_model(model)
+    after = model.state_dict()
+    assert list(after) == list(before)
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    assert torch.equal(logits(model, ids), ref)
+
+
+@pytest.mark.parametrize("family", ["llama", "chatglm2"])
+@pytest.mark.parametrize("name", METHODS)
+def test_patched_model_pickles(name, family):
+    model = tiny_model(family)
+    ids = _ids()
+    patch_model(model, _config(name))
+    want = logits(model, ids)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    for other in (copy.deepcopy(model), torch.load(buf, weights_only=False)):
+        assert other.longpatch.rows() == model.longpatch.rows()
+        torch.testing.assert_close(logits(other, ids), want, atol=0, rtol=0)
+        unpatch_model(other)
+        assert set(other.state_dict()) == set(tiny_model(family).state_dict())
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_redraw_buffers_draws_what_the_patch_draws(name):
+    """redraw_buffers(model, seed=s) leaves the buffers a patch with seed s draws, layer by layer;
+    methods without seeded buffers have nothing to redraw."""
+    method = available_methods()[name]
+    model = tiny_model("llama")
+    cfg = _config(name)
+    patch_model(model, cfg)
+    seeded = method.make_buffers is not None and "seed" in method.params
+    assert redraw_buffers(model, seed=11) == (len(model.longpatch.routes) if seeded else 0)
+    if not seeded:
+        return
+    fresh = tiny_model("llama")
+    patch_model(fresh, {**cfg, "params": {**cfg["params"], "seed": 11}})
+    mine, theirs = model.state_dict(), fresh.state_dict()
+    keys = [k for k in mine if ".longpatch_" in k]
+    assert keys and all(torch.equal(mine[k], theirs[k]) for k in keys)
