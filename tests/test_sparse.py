@@ -134,13 +134,13 @@ def test_decode_equals_last_prefill_row(pattern):
 def test_decode_cost_does_not_grow_with_the_cache(monkeypatch):
     """One decode step reads at most window + G + random keys, whatever the cache length."""
     seen = []
-    real = sp._attend
+    real = sp.attend
 
-    def spy(q, k, v, scale, bias=None):
+    def spy(q, k, v, scale, **kw):
         seen.append(k.shape[-2])
-        return real(q, k, v, scale, bias)
+        return real(q, k, v, scale, **kw)
 
-    monkeypatch.setattr(sp, "_attend", spy)
+    monkeypatch.setattr(sp, "attend", spy)
     q, k, v = rand(1, 2, 1, 1, 3000)
     for pattern in (dict(window=16, global_tokens=4), dict(window=16, global_tokens=4, dilation=5, random_blocks=2)):
         seen.clear()
@@ -151,13 +151,13 @@ def test_decode_cost_does_not_grow_with_the_cache(monkeypatch):
 def test_never_scores_n_by_n(monkeypatch):
     """Every fused call sees a bounded key span, never the whole sequence."""
     calls = []
-    real = sp._attend
+    real = sp.attend
 
-    def spy(q, k, v, scale, bias=None):
+    def spy(q, k, v, scale, **kw):
         calls.append((q.shape[-2], k.shape[-2]))
-        return real(q, k, v, scale, bias)
+        return real(q, k, v, scale, **kw)
 
-    monkeypatch.setattr(sp, "_attend", spy)
+    monkeypatch.setattr(sp, "attend", spy)
     n = 2048
     q, k, v = rand(1, 1, 1, n, n)
     out = sparse_attention(q, k, v, window=32, global_tokens=4, random_blocks=1, block=16, backend="torch")

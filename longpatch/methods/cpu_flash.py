@@ -1,7 +1,7 @@
 """torch's fused CPU flash-attention kernel (it returns the LSE), shared by the methods that need
-(out, lse) of many attention calls on the CPU: exact (return_lse) and HyperAttention through
-``CpuFlashLSE``; MoBA, NSA and sparse through ``flash_lse`` (one entry: mask cast, autograd only
-when needed, LSE dtype).
+(out, lse) of many attention calls on the CPU: exact (return_lse) through ``CpuFlashLSE``;
+HyperAttention, MoBA, NSA and sparse through ``flash_lse`` (one entry: mask cast, autograd only when
+needed, LSE dtype), mostly by way of ``lse_attention.attend``.
 
 The aten op is private; where a torch build lacks it, FA_CPU is None and callers use plain PyTorch.
 Its causal flag aligns top-left: use it for squares (q_len == kv_len) or non-causal calls only.
@@ -51,8 +51,8 @@ def flash_lse(q, k, v, scale: float, mask=None, causal: bool = False):
     additive, broadcastable to [B, Hq, m, n]; causal aligns top-left. lse is float32 (float64 for
     float64). Differentiable in out and lse when an input requires grad. A row whose keys are all
     masked gets out 0 and lse 0 from the kernel: the caller marks such rows (``hide_empty``)."""
-    if mask is not None:
-        mask = mask.to(q.dtype)
+    if mask is not None:  # float32 for half inputs: HyperAttention's log-weights are not 0/-inf
+        mask = mask.to(mask_dtype(q.dtype))
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         out, lse = CpuFlashLSE.apply(q, k, v, mask, causal, scale)
     else:

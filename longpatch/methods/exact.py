@@ -6,19 +6,15 @@ import torch.nn.functional as F
 
 from .base import Method, register_method
 from .common import (
-    acc_dtype,
     causal_mask,
     check_qkv,
     default_scale,
-    group_queries,
     isolate_nonfinite,
     nonfinite_rows,
     resolve_backend,
 )
 from .cpu_flash import FA_CPU, CpuFlashLSE
-
-# Score entries per block of query rows on the plain-PyTorch LSE path (~128 MB of float32 scores).
-_LSE_BLOCK_ENTRIES = 1 << 25
+from .lse_attention import attention_lse_reference
 
 
 def exact_attention(q, k, v, *, causal: bool = True, scale: float | None = None, attn_mask=None,
@@ -46,7 +42,7 @@ def exact_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
         if q.device.type == "cpu" and FA_CPU is not None and attn_mask is None and (not causal or nq == nk) \
                 and q.dtype in (torch.float32, torch.bfloat16, torch.float16):
             return CpuFlashLSE.apply(q, k, v, None, causal, scale)  # fused, differentiable in out and lse
-        return exact_with_lse_reference(q, k, v, causal, scale, attn_mask)
+        return attention_lse_reference(q, k, v, scale, causal=causal, mask=attn_mask)
     if q.is_cuda and attn_mask is None and _flash_attn_usable(q):
         return _flash_attn(q, k, v, causal, scale)
     mask = attn_mask
@@ -71,38 +67,6 @@ def _and_masks(mask: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     if mask.dtype == torch.bool:
         return mask & visible
     return mask.masked_fill(~visible, float("-inf"))
-
-
-def exact_with_lse_reference(q, k, v, causal, scale, attn_mask=None):
-    """Plain-PyTorch exact attention with the LSE, in blocks of query rows (memory O(rows x kv_len)).
-
-    The readable twin of the fused and Triton paths (tests pair them with it); attn_mask as in
-    exact_attention. Rows that see no key get lse = -inf and a zero output.
-    """
-    b, hq, nq, d = q.shape
-    hk, nk = k.shape[1], k.shape[2]
-    qg = group_queries(q, hk)
-    acc = acc_dtype(q.dtype)  # float64 inputs stay float64 (out and lse)
-    kf, vf = k.to(acc).unsqueeze(2), v.to(acc).unsqueeze(2)  # [b, hk, 1, nk, d]
-    rows = max(1, _LSE_BLOCK_ENTRIES // max(1, b * hq * nk))
-    outs, lses = [], []
-    for s in range(0, nq, rows):
-        e = min(s + rows, nq)
-        scores = torch.matmul(qg[:, :, :, s:e].to(acc), kf.transpose(-1, -2)) * scale  # [b,hk,g,r,nk]
-        if causal:
-            vis = causal_mask(e - s, nk, q.device, q_offset=nk - nq + s)
-            scores = scores.masked_fill(~vis, float("-inf"))
-        if attn_mask is not None:
-            m = attn_mask[..., s:e, :] if attn_mask.shape[-2] > 1 else attn_mask
-            m = m.expand(b, hq, e - s, nk).reshape(b, hk, hq // hk, e - s, nk)
-            scores = scores.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else scores + m.to(acc)
-        lse = torch.logsumexp(scores, dim=-1)
-        safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-        p = torch.exp(scores - safe.unsqueeze(-1))
-        outs.append(torch.matmul(p, vf))
-        lses.append(lse)
-    out = torch.cat(outs, dim=3).reshape(b, hq, nq, d).to(q.dtype)
-    return out, torch.cat(lses, dim=3).reshape(b, hq, nq)
 
 
 def _flash_attn_usable(q) -> bool:

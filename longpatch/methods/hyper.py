@@ -50,8 +50,9 @@ from .common import (
     nonfinite_rows,
     resolve_backend,
 )
-from .cpu_flash import FA_CPU, CpuFlashLSE
-from .exact import exact_attention, exact_with_lse_reference
+from .exact import exact_attention
+from .lse_attention import attend
+from .lse_attention import attention_lse_reference as lse_reference
 
 DEFAULT_SEED = 0  # used when seed is None: HyperAttention is deterministic unless asked otherwise
 _SAMPLE_STREAM = 0x5EED_CAFE  # keeps the sampling stream apart from the direction stream of one seed
@@ -93,14 +94,12 @@ def lsh_sort_keys(x: torch.Tensor, dirs: torch.Tensor) -> torch.Tensor:
 
 def attention_lse_reference(q, k, v, *, causal: bool, scale: float, bias=None):
     """Plain PyTorch twin of every attention call HyperAttention makes (and of the Triton kernel):
-    q [B, Hq, Lq, d], k/v [B, Hk, Lk, d] (Hk divides Hq; query head h reads KV head h // (Hq/Hk)),
-    optional float additive ``bias`` [B, Hk or 1, Lk] (per key), causal aligned bottom-right (the
-    queries are the last Lq positions). Returns (out in q.dtype, lse float32; rows that see no key get
-    lse = -inf and a zero output): exact attention's row-blocked reference with the bias as a mask."""
+    q [B, Hq, Lq, d], k/v [B, Hk, Lk, d], optional float additive ``bias`` [B, Hk or 1, Lk] (per
+    key), causal aligned bottom-right: ``lse_attention.attention_lse_reference`` with the bias as a mask."""
     mask = None
     if bias is not None:  # per key -> additive mask per query head, broadcast over the query rows
         mask = bias.float().repeat_interleave(q.shape[1] // bias.shape[1], dim=1).unsqueeze(2)
-    return exact_with_lse_reference(q, k, v, causal, scale, mask)
+    return lse_reference(q, k, v, scale, causal=causal, mask=mask)
 
 
 def _attend(q, k, v, *, causal: bool, scale: float, bias, backend: str):
@@ -108,10 +107,7 @@ def _attend(q, k, v, *, causal: bool, scale: float, bias, backend: str):
     if backend == "triton":
         from ..kernels.attention import flash_attention
         return flash_attention(q, k, v, causal=causal, scale=scale, return_lse=True, key_bias=bias)
-    if q.device.type == "cpu" and FA_CPU is not None:
-        b4 = None if bias is None else bias.unsqueeze(2)  # [B, 1, 1, Lk]
-        return CpuFlashLSE.apply(q, k, v, b4, causal, scale)
-    return attention_lse_reference(q, k, v, causal=causal, scale=scale, bias=bias)
+    return attend(q, k, v, scale, causal=causal, mask=None if bias is None else bias.unsqueeze(2))
 
 
 # --------------------------------------------------------------------------- the op

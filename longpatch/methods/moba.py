@@ -58,8 +58,9 @@ from .common import (
     ordered_int,
     resolve_backend,
 )
-from .cpu_flash import additive_mask, flash_lse, fused_ok
+from .cpu_flash import additive_mask
 from .exact import exact_attention
+from .lse_attention import attend
 
 DEFAULT_CHUNK_SIZE = 2048
 DEFAULT_TOPK = 4
@@ -167,41 +168,6 @@ def _select(qw: torch.Tensor, means: torch.Tensor, pos: torch.Tensor, C: int, to
     return own, other
 
 
-# --------------------------------------------------------------------------- attention primitive
-
-def _plain_attention(q, k, v, scale, causal=False, mask=None):
-    """softmax attention with LSE in plain PyTorch (fallback when the fused kernel cannot run).
-    q [..., m, d], k/v [..., n, d] (broadcast over leading dims), causal top-left, additive mask."""
-    acc = acc_dtype(q.dtype)
-    s = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
-    if mask is not None:
-        s = s + mask
-    if causal:
-        m, n = s.shape[-2:]
-        s = s.masked_fill(~torch.ones(m, n, dtype=torch.bool, device=s.device).tril(), float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse.unsqueeze(-1))
-    return torch.matmul(p, v.to(acc)).to(q.dtype), lse
-
-
-def _attend(q, k, v, scale, causal=False, mask=None):
-    """(out, lse) of q [B, Hq, m, d] vs k/v [B, Hk, n, d] (Hk divides Hq), causal top-left; lse in
-    float32 (float64 for float64 inputs).
-
-    Uses torch's fused CPU flash-attention kernel (it returns the LSE, supports GQA by head
-    broadcasting and strided views), else plain PyTorch. Never called with m == 0 (the fused kernel
-    crashes on empty queries)."""
-    if fused_ok(q, k, v):
-        try:
-            return flash_lse(q, k, v, scale, mask, causal)
-        except RuntimeError:  # a layout the kernel does not take: fall back
-            pass
-    if k.shape[1] != q.shape[1]:
-        g = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-    return _plain_attention(q, k, v, scale, causal, mask)
-
-
 # --------------------------------------------------------------------------- own chunks
 
 def _own_pieces(p0: int, p1: int, nk: int, C: int, causal: bool) -> list[tuple]:
@@ -241,12 +207,12 @@ def _own_attention(qw, k1, v1, pos0: int, C: int, causal: bool, scale: float):
             qb = qw[:, a:b].unflatten(1, (f, C)).transpose(0, 1)  # [f, g, C, d] (a view)
             kb = k1[ks:ke].unflatten(0, (f, 1, C))  # [f, 1, C, d]
             vb = v1[ks:ke].unflatten(0, (f, 1, C))
-            o, l = _attend(qb, kb, vb, scale, causal=causal)
+            o, l = attend(qb, kb, vb, scale, causal=causal)
             out[:, a:b] = o.transpose(0, 1).flatten(1, 2)
             lse[:, a:b] = l.transpose(0, 1).flatten(1, 2)
         else:
             mask = _piece_mask(qs, qe, ks, ke, causal, qw.device)
-            o, l = _attend(qw[None, :, a:b], k1[None, None, ks:ke], v1[None, None, ks:ke], scale, mask=mask)
+            o, l = attend(qw[None, :, a:b], k1[None, None, ks:ke], v1[None, None, ks:ke], scale, mask=mask)
             out[:, a:b] = o[0]
             lse[:, a:b] = l[0]
     return out, lse
@@ -318,7 +284,7 @@ def _past_attention(qw, k1, v1, other, C: int, scale: float):
     lp = torch.empty(qp.shape[0], dtype=lse.dtype, device=qw.device)
     for c, s, e in _segments(ch):
         ks, ke = c * C, min((c + 1) * C, nk)
-        o, l = _attend(qp[None, None, s:e], k1[None, None, ks:ke], v1[None, None, ks:ke], scale)
+        o, l = attend(qp[None, None, s:e], k1[None, None, ks:ke], v1[None, None, ks:ke], scale)
         op[s:e] = o[0, 0]
         lp[s:e] = l[0, 0]
     out.index_copy_(0, ent, op)
@@ -506,7 +472,7 @@ def _decode_views(q, k, v, sel, own: int, C: int, scale: float):
                 heads = slice(hi * g + si, hi * g + si + 1) if hs == g else slice(hi * g, (hi + 1) * g)
                 qh = q[bi:bi + 1, heads]
                 spans = [(own * C, k.shape[2])] + [(c * C, c * C + C) for c in chunks[bi][hi][si]]
-                parts = [_attend(qh, kb[:, :, s0:s1], vb[:, :, s0:s1], scale) for s0, s1 in spans]
+                parts = [attend(qh, kb[:, :, s0:s1], vb[:, :, s0:s1], scale) for s0, s1 in spans]
                 ls = torch.stack([pl for _, pl in parts])  # [P, 1, gh, 1]
                 # softmax / log_softmax over the parts: exp(lse_part - lse_union) and the union's LSE
                 # without exp/log calls (those go through a threaded math library, costly for 3 numbers)
@@ -529,7 +495,7 @@ def _decode_one(q, k, v, means, C: int, topk: int, scale: float, shared: bool):
     sel = _gate_one(q.view(b, hk, g, d), means[:, :, :own], scale, shared, topk)  # all own past chunks are valid
     if sel is None:
         ko, vo = k[:, :, own * C:], v[:, :, own * C:]
-        out, lse = _attend(q, ko, vo, scale)
+        out, lse = attend(q, ko, vo, scale)
         return out, lse
     hs = sel.shape[2]
     if b * hk * hs * (sel.shape[-1] + 1) <= _VIEW_CALLS:
@@ -538,7 +504,7 @@ def _decode_one(q, k, v, means, C: int, topk: int, scale: float, shared: bool):
     tok = torch.cat([tok, own_tok.expand(b, hk, hs, own_tok.numel())], dim=-1)
     ks = gather_rows(k, tok).flatten(1, 2)  # [b, hk*hs, L, d]: per query head, or per KV head if shared
     vs = gather_rows(v, tok).flatten(1, 2)
-    return _attend(q, ks, vs, scale)
+    return attend(q, ks, vs, scale)
 
 
 # --------------------------------------------------------------------------- the triton path

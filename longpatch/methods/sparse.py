@@ -66,7 +66,8 @@ from .common import (
     nonfinite_rows,
     resolve_backend,
 )
-from .cpu_flash import additive_mask, flash_lse, fused_ok, hide_empty
+from .cpu_flash import additive_mask, hide_empty
+from .lse_attention import attend
 
 DEFAULT_WINDOW = 1024
 DEFAULT_GLOBAL_TOKENS = 64
@@ -162,33 +163,6 @@ def random_key_blocks(qblocks: torch.Tensor, n_key_blocks: int, count: int, seed
     return sel
 
 
-# --------------------------------------------------------------------------- attention primitive
-
-def _plain_attention(q, k, v, scale, bias=None):
-    """softmax attention with LSE in plain PyTorch (no fused kernel: CUDA torch path, odd dtypes).
-    q [..., Hq, m, d], k/v [..., Hk, n, d]; Hk divides Hq (repeated here: only on this fallback)."""
-    if k.shape[-3] != q.shape[-3]:
-        g = q.shape[-3] // k.shape[-3]
-        k, v = k.repeat_interleave(g, -3), v.repeat_interleave(g, -3)
-    acc = acc_dtype(q.dtype)
-    s = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
-    if bias is not None:
-        s = s + bias.to(acc)
-    lse = torch.logsumexp(s, dim=-1)
-    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    out = torch.matmul(torch.exp(s - safe.unsqueeze(-1)), v.to(acc))
-    return out.to(q.dtype), lse
-
-
-def _attend(q, k, v, scale, bias=None):
-    """(out, lse float32/64) of q [B, Hq, m, d] vs k/v [B, Hk, n, d] (views allowed), non-causal,
-    additive ``bias`` broadcastable to [B, Hq, m, n]. Rows whose keys are all masked must be fixed
-    by the caller (the fused kernel returns lse = 0 for them): ``hide_empty``."""
-    if fused_ok(q, k, v):
-        return flash_lse(q, k, v, scale, bias)
-    return _plain_attention(q, k, v, scale, bias)
-
-
 # --------------------------------------------------------------------------- part 1: global keys
 
 def _global_part(q1, k1, v1, off: int, G: int, causal: bool, scale: float):
@@ -198,20 +172,20 @@ def _global_part(q1, k1, v1, off: int, G: int, causal: bool, scale: float):
     gk = min(G, k1.shape[1])
     kg, vg = k1[None, :, :gk], v1[None, :, :gk]
     if not causal:
-        o, l = _attend(q1[None], kg, vg, scale)
+        o, l = attend(q1[None], kg, vg, scale)
         return o[0], l[0]
     # causal: rows with p >= gk - 1 see the whole prefix (one call); the first few rows see a part
     first_full = max(0, gk - 1 - off)  # row index of the first query that sees all gk keys
     out = q1.new_zeros((hq, nq, d))
     lse = torch.full((hq, nq), float("-inf"), dtype=acc_dtype(q1.dtype), device=q1.device)
     if first_full < nq:
-        o, l = _attend(q1[None, :, first_full:], kg, vg, scale)
+        o, l = attend(q1[None, :, first_full:], kg, vg, scale)
         out[:, first_full:], lse[:, first_full:] = o[0], l[0]
     if first_full > 0:
         rows = min(first_full, nq)
         p = torch.arange(off, off + rows, device=q1.device)[:, None]
         vis = torch.arange(gk, device=q1.device)[None, :] <= p  # p >= 0 always (causal: nq <= nk)
-        o, l = _attend(q1[None, :, :rows], kg, vg, scale, additive_mask(vis, q1.dtype))
+        o, l = attend(q1[None, :, :rows], kg, vg, scale, mask=additive_mask(vis, q1.dtype))
         o, l = hide_empty(o[0], l[0], vis.any(-1))
         out[:, :rows], lse[:, :rows] = o, l
     return out, lse
@@ -260,7 +234,7 @@ def band_attention(qs, ks, vs, s0: int, lo: int, hi: int, kmin: int, scale: floa
         k0, k1 = max(kmin, t0 - lo), min(n, t1 + hi)
         c0 = k0 - (t0 - lo)
         b = bias[: t1 - t0, c0: c0 + (k1 - k0)]
-        o, l = _attend(qs[None, :, t0 - s0: t1 - s0], ks[None, :, k0:k1], vs[None, :, k0:k1], scale, b)
+        o, l = attend(qs[None, :, t0 - s0: t1 - s0], ks[None, :, k0:k1], vs[None, :, k0:k1], scale, mask=b)
         out[:, t0 - s0: t1 - s0], lse[:, t0 - s0: t1 - s0] = o[0], l[0]
     if reg:
         per_call = max(1, _BAND_KEY_ELEMS // max(1, hk * L * d))
@@ -270,7 +244,7 @@ def band_attention(qs, ks, vs, s0: int, lo: int, hi: int, kmin: int, scale: floa
             qt = qs[:, a - s0: e - s0].unflatten(1, (len(tiles), T)).transpose(0, 1)  # [R, Hq, T, d]
             kt = ks[:, a - lo: e + hi].unfold(1, L, T).permute(1, 0, 3, 2)  # [R, Hk, L, d], a view
             vt = vs[:, a - lo: e + hi].unfold(1, L, T).permute(1, 0, 3, 2)
-            o, l = _attend(qt, kt, vt, scale, bias)
+            o, l = attend(qt, kt, vt, scale, mask=bias)
             out[:, a - s0: e - s0] = o.transpose(0, 1).flatten(1, 2)
             lse[:, a - s0: e - s0] = l.transpose(0, 1).flatten(1, 2)
     return out, lse
@@ -356,13 +330,13 @@ def _random_blocks_attention(qt, kt, vt, qbs, sel, kpos, key_ok, pat: SparsePatt
     block ("near") are recomputed with a row-level [B, R*B] bias that hides the window keys."""
     nb, hq, B, d = qt.shape
     vis = key_ok[:, None, :]  # [nb, 1, R*B]: every row of a far block sees the same keys
-    out, lse = _attend(qt, kt, vt, scale, additive_mask(vis, qt.dtype)[:, None])
+    out, lse = attend(qt, kt, vt, scale, mask=additive_mask(vis, qt.dtype)[:, None])
     out, lse = hide_empty(out, lse, vis.any(-1)[:, None])
     near = _near_window(qbs, sel, pat)
     if bool(near.any()):  # redo the few near blocks with the window keys hidden row by row
         p = (qbs[near][:, None] * B + torch.arange(B, device=qt.device)).unsqueeze(-1)  # [n, B, 1]
         vis = key_ok[near][:, None, :] & ~pat.in_window(p, kpos[near][:, None, :])  # [n, B, R*B]
-        o, l = _attend(qt[near], kt[near], vt[near], scale, additive_mask(vis, qt.dtype)[:, None])
+        o, l = attend(qt[near], kt[near], vt[near], scale, mask=additive_mask(vis, qt.dtype)[:, None])
         o, l = hide_empty(o, l, vis.any(-1)[:, None])
         idx = (torch.nonzero(near).flatten(),)
         out, lse = out.index_put(idx, o), lse.index_put(idx, l)  # out of place: `out` may be saved for backward
@@ -405,7 +379,7 @@ def _torch_sparse(q, k, v, pat: SparsePattern, scale: float, skip_window: bool =
     out, lse = torch.stack(outs), torch.stack(lses)
     a, e = _global_query_rows(off, nq, pat)
     if e > a:  # non-causal global queries see every key: exact rows
-        og, lg = _attend(q[:, :, a:e], k, v, scale)
+        og, lg = attend(q[:, :, a:e], k, v, scale)
         out, lse = _replace_rows(out, lse, a, e, og, lg)
     return out, lse
 
@@ -456,12 +430,12 @@ def _decode_one(q, k, v, pat: SparsePattern, scale: float):
         cut = (torch.nonzero(idx[1:] - idx[:-1] != 1).flatten() + 1).tolist()
         bounds = [0] + cut + [idx.numel()]
         if len(bounds) - 1 > _VIEW_RUNS:  # e.g. a dilated window: one gather (a copy of the union only)
-            return _attend(q, k.index_select(2, idx), v.index_select(2, idx), scale)
+            return attend(q, k.index_select(2, idx), v.index_select(2, idx), scale)
         first = idx[bounds[:-1]].tolist()
         runs = [(s, s + e - a) for s, a, e in zip(first, bounds[:-1], bounds[1:])]
     # few contiguous runs (plain window + global prefix): attend to views of the cache, no copy;
     # a one-row fused call runs on the calling thread, a copy may wake the whole thread pool
-    parts = [_attend(q, k[:, :, s:e], v[:, :, s:e], scale) for s, e in runs]
+    parts = [attend(q, k[:, :, s:e], v[:, :, s:e], scale) for s, e in runs]
     out, lse = parts[0]
     for o, l in parts[1:]:
         out, lse = merge_lse(out, lse, o, l)
