@@ -4,17 +4,17 @@ import torch
 
 pytest.importorskip("triton")
 
-from longpatch.methods import moba as M  # noqa: E402
-from longpatch.ops import moba_attention, moba_chunk_means  # noqa: E402
 from longpatch.kernels.moba import pairs_attention  # noqa: E402
-
+from longpatch.methods import moba as M  # noqa: E402
+from longpatch.methods.moba import cpu as moba_cpu  # noqa: E402
+from longpatch.ops import moba_attention, moba_chunk_means  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _pairs(q, k, chunk, topk, causal, shared=False):
     scale = q.shape[-1] ** -0.5
-    plan = M._Plan(q, k, chunk, topk, causal, None, scale, shared)
+    plan = moba_cpu._Plan(q, k, chunk, topk, causal, None, scale, shared)
     return M.selection_pairs(q, k, plan), scale
 
 

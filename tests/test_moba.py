@@ -1,5 +1,4 @@
 """MoBA (torch path): equality with a dense-mask oracle, decode with state, patched models."""
-import math
 
 import pytest
 import torch
@@ -10,6 +9,9 @@ from longpatch import patch_model, patched
 from longpatch.errors import ConfigError
 from longpatch.methods import get_method
 from longpatch.methods import moba as moba_mod
+from longpatch.methods.moba import cpu as moba_cpu
+from longpatch.methods.moba import method as moba_method
+from longpatch.methods.moba.naive import moba_reference
 from longpatch.ops import exact_attention, moba_attention, moba_chunk_means
 from longpatch.testing.tiny import tiny_model
 
@@ -17,45 +19,6 @@ MOBA = get_method("moba")
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def moba_oracle(q, k, v, chunk, topk, causal=True, scale=None, shared=False):
-    """MoBA from its definition with a dense [nq, nk] visibility mask, float64 attention.
-
-    Gate: score of chunk c for a query = scale * q . mean(keys of c) (a partial chunk averaged over
-    its real length), float32 means, products in float64 rounded to float32 like the op. A query
-    at position p (bottom-right) always sees its own chunk p // chunk; causal: the top (topk - 1)
-    chunks before it, keys <= p; non-causal: the top (topk - 1) other chunks anywhere (topk when it
-    has no position). Ties: the later chunk wins.
-    shared: the heads of a KV group use the sum of their scores.
-    """
-    b, hq, nq, d = q.shape
-    hk, nk = k.shape[1], k.shape[2]
-    g = hq // hk
-    scale = d ** -0.5 if scale is None else scale
-    nc = math.ceil(nk / chunk)
-    means = torch.stack([k[:, :, c * chunk:min((c + 1) * chunk, nk)].float().mean(2) for c in range(nc)], 2)
-    gate = (q.detach().double() @ means.detach().double().repeat_interleave(g, 1).transpose(-1, -2)) * scale
-    if shared:
-        gate = gate.view(b, hk, g, nq, nc).sum(2, keepdim=True).expand(b, hk, g, nq, nc).reshape(b, hq, nq, nc)
-    gate = gate.float().tolist()
-    vis = torch.zeros(b, hq, nq, nk, dtype=torch.bool)
-    for bi in range(b):
-        for h in range(hq):
-            for i in range(nq):
-                p = nk - nq + i
-                own = p // chunk if p >= 0 else None
-                if own is None:
-                    cands = list(range(nc))
-                else:
-                    cands = [c for c in range(nc) if (c < own if causal else c != own)]
-                cands.sort(key=lambda c: (gate[bi][h][i][c], c), reverse=True)
-                chosen = cands[:topk - (own is not None)] + ([own] if own is not None else [])
-                for c in chosen:
-                    vis[bi, h, i, c * chunk:(c + 1) * chunk] = True
-                if causal:
-                    vis[bi, h, i, p + 1:] = False
-    return dense_attention(q, k, v, causal=False, scale=scale, mask=vis)
 
 
 def rand(b, hq, hk, nq, nk, d=16, dtype=torch.float32, grad=False):
@@ -84,7 +47,7 @@ def test_matches_dense_oracle(hq, hk, nq, nk, chunk, topk, causal, shared):
     q, k, v = rand(2, hq, hk, nq, nk)
     out, lse = moba_attention(q, k, v, causal=causal, chunk_size=chunk, topk=topk, shared_selection=shared,
                               return_lse=True, backend="torch")
-    ref, ref_lse = moba_oracle(q, k, v, chunk, topk, causal=causal, shared=shared)
+    ref, ref_lse = moba_reference(q, k, v, chunk, topk, causal=causal, shared=shared)
     assert out.dtype == q.dtype and lse.dtype == torch.float32 and lse.shape == q.shape[:3]
     torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(lse.double(), ref_lse, atol=2e-6, rtol=1e-5)
@@ -93,7 +56,7 @@ def test_matches_dense_oracle(hq, hk, nq, nk, chunk, topk, causal, shared):
 def test_scale_is_honoured():
     q, k, v = rand(1, 2, 1, 64, 64)
     out = moba_attention(q, k, v, chunk_size=16, topk=2, scale=0.37)
-    ref, _ = moba_oracle(q, k, v, 16, 2, scale=0.37)
+    ref, _ = moba_reference(q, k, v, 16, 2, scale=0.37)
     torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=1e-5)
 
 
@@ -104,8 +67,8 @@ def test_topk_covering_all_chunks_is_exact(causal, nq, nk):
     ref = exact_attention(q, k, v, causal=causal)
     torch.testing.assert_close(moba_attention(q, k, v, causal=causal, chunk_size=16, topk=6), ref, atol=2e-6, rtol=1e-5)
     # the op short-cuts this case to exact attention; the sparse machinery gives the same answer
-    plan = moba_mod._Plan(q, k, 16, 6, causal, None, 0.25, False)
-    torch.testing.assert_close(moba_mod._torch_forward(q, k, v, plan)[0], ref, atol=2e-6, rtol=1e-5)
+    plan = moba_cpu._Plan(q, k, 16, 6, causal, None, 0.25, False)
+    torch.testing.assert_close(moba_cpu._torch_forward(q, k, v, plan)[0], ref, atol=2e-6, rtol=1e-5)
 
 
 def test_topk_one_is_own_chunk_only():
@@ -170,9 +133,9 @@ def test_small_windows_and_backward_tiles(monkeypatch):
     q, k, v = rand(1, 4, 2, 100, 100, dtype=torch.float64, grad=True)
     ref = moba_attention(q, k, v, chunk_size=16, topk=3)
     gref = torch.autograd.grad(ref.sum(), (q, k, v))
-    monkeypatch.setattr(moba_mod, "_PAIR_ROWS", 64)
-    monkeypatch.setattr(moba_mod, "_BWD_ELEMS", 600)
-    monkeypatch.setattr(moba_mod, "_GATE_ELEMS", 50)
+    monkeypatch.setattr(moba_cpu, "_PAIR_ROWS", 64)
+    monkeypatch.setattr(moba_cpu, "_BWD_ELEMS", 600)
+    monkeypatch.setattr(moba_cpu, "_GATE_ELEMS", 50)
     out = moba_attention(q, k, v, chunk_size=16, topk=3)
     torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-12)
     for a, b in zip(torch.autograd.grad(out.sum(), (q, k, v)), gref):
@@ -184,7 +147,7 @@ def test_small_windows_and_backward_tiles(monkeypatch):
 def test_gradients_match_oracle(causal, shared, nq):
     q, k, v = rand(1, 4, 2, nq, 70, dtype=torch.float64, grad=True)
     out, lse = moba_attention(q, k, v, causal=causal, chunk_size=16, topk=3, shared_selection=shared, return_lse=True)
-    ref, ref_lse = moba_oracle(q, k, v, 16, 3, causal=causal, shared=shared)
+    ref, ref_lse = moba_reference(q, k, v, 16, 3, causal=causal, shared=shared)
     do, dl = torch.randn_like(ref), torch.randn_like(ref_lse)
     got = torch.autograd.grad((out * do).sum() + (lse.double() * dl).sum(), (q, k, v))
     want = torch.autograd.grad((ref * do).sum() + (ref_lse * dl).sum(), (q, k, v))
@@ -195,13 +158,13 @@ def test_gradients_match_oracle(causal, shared, nq):
 def test_never_scores_n_by_n(monkeypatch):
     """Every attention call sees at most one chunk of keys; the gate at most n/chunk means."""
     seen = []
-    real = moba_mod.attend
+    real = moba_cpu.attend
 
     def spy(q, k, v, scale, **kw):
         seen.append(k.shape[-2])
         return real(q, k, v, scale, **kw)
 
-    monkeypatch.setattr(moba_mod, "attend", spy)
+    monkeypatch.setattr(moba_cpu, "attend", spy)
     q, k, v = rand(1, 2, 2, 256, 256)
     moba_attention(q, k, v, chunk_size=32, topk=3)
     assert seen and max(seen) <= 32
@@ -216,7 +179,7 @@ def _decode(q, k, v, state, **params):
 @pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("view_calls", [32, 0])  # one-token path: per-chunk calls on views / one gather
 def test_stepwise_decode_equals_prefill_and_reuses_chunk_means(shared, view_calls, monkeypatch):
-    monkeypatch.setattr(moba_mod, "_VIEW_CALLS", view_calls)
+    monkeypatch.setattr(moba_cpu, "_VIEW_CALLS", view_calls)
     params = dict(chunk_size=8, topk=3, shared_selection=shared)
     q, k, v = rand(2, 4, 2, 70, 70)
     full = moba_attention(q, k, v, **params)
@@ -227,7 +190,8 @@ def test_stepwise_decode_equals_prefill_and_reuses_chunk_means(shared, view_call
         rows.append(x.shape[2] // c * c)
         return real(x, c)
 
-    monkeypatch.setattr(moba_mod, "moba_chunk_means", counting)
+    for module in (moba_cpu, moba_method):  # the decode state's means and the op's own
+        monkeypatch.setattr(module, "moba_chunk_means", counting)
     state = {}
     _decode(q[:, :, :20], k[:, :, :20], v[:, :, :20], state, **params)  # a "prefill" of 20 tokens
     outs = [_decode(q[:, :, t:t + 1], k[:, :, :t + 1], v[:, :, :t + 1], state, **params) for t in range(20, 70)]

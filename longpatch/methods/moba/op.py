@@ -1,0 +1,143 @@
+"""``moba_attention``, the op: argument checks, the exact short-cut, and the choice between the
+CPU path (``cpu.py``), its one-token decode and the Triton kernel (``longpatch.kernels.moba``) fed
+with every (query row, selected chunk) pair."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..common import check_int, check_qkv, default_scale, isolate_nonfinite, nonfinite_rows, resolve_backend
+from ..exact import exact_attention
+from .cpu import (
+    DEFAULT_CHUNK_SIZE,
+    DEFAULT_TOPK,
+    _decode_one,
+    _MobaTorch,
+    _Plan,
+    _prefix_means,
+    _select,
+    _torch_forward,
+)
+
+# --------------------------------------------------------------------------- the triton path
+
+def selection_pairs(q, k, plan: _Plan):
+    """Every (query row, selected chunk) pair, own chunk included, sorted by (batch, KV head, chunk):
+    the work list of the block-sparse kernel. Returns a dict of int64 tensors:
+    row [P] (flat index into q viewed [b*hq*nq]), slot [P] (0 = own, 1.. past), pos [P] (absolute
+    query position), seg_start/seg_end [S] (pair ranges), seg_kv [S] (flat b*hk index),
+    seg_k0/seg_k1 [S] (key range of the chunk)."""
+    g, C, nq = plan.g, plan.C, plan.nq
+    rows, slots, chunks, kvs = [], [], [], []
+    for bi in range(plan.b):
+        for hi in range(plan.hk):
+            means = plan.means(k, bi, hi)
+            for a, e in plan.windows:
+                m = e - a
+                qw = q[bi, hi * g:(hi + 1) * g, a:e]
+                pos = torch.arange(a + plan.off, e + plan.off, device=q.device)
+                own, other = _select(qw, means, pos, C, plan.topk, plan.scale, plan.causal, plan.shared)
+                sel = torch.cat([own.view(1, m, 1).expand(g, m, 1), other.expand(g, m, other.shape[-1])], dim=-1)
+                ns = sel.shape[-1]
+                flat = sel.reshape(-1)
+                ent = torch.nonzero(flat >= 0).squeeze(1)
+                hrow = torch.div(ent, ns, rounding_mode="floor")  # h * m + i
+                h = torch.div(hrow, m, rounding_mode="floor")
+                i = hrow % m
+                rows.append(((bi * plan.hq + hi * g + h) * nq) + a + i)
+                slots.append(ent % ns)
+                chunks.append(flat[ent])
+                kvs.append(torch.full_like(ent, bi * plan.hk + hi))
+    row, slot, chunk, kv = (torch.cat(x) for x in (rows, slots, chunks, kvs))
+    nchunks = math.ceil(plan.nk / C)
+    key = kv * nchunks + chunk
+    key, order = torch.sort(key, stable=True)
+    row, slot = row[order], slot[order]
+    uniq, counts = torch.unique_consecutive(key, return_counts=True)
+    seg_end = torch.cumsum(counts, 0)
+    seg_start = seg_end - counts
+    seg_chunk = uniq % nchunks
+    seg_kv = torch.div(uniq, nchunks, rounding_mode="floor")
+    pos = row % nq + plan.off
+    return {"row": row, "slot": slot, "pos": pos, "seg_start": seg_start, "seg_end": seg_end, "seg_kv": seg_kv,
+            "seg_k0": seg_chunk * C, "seg_k1": torch.clamp(seg_chunk * C + C, max=plan.nk)}
+
+
+def _triton_path(q, k, v, plan: _Plan):
+    from ...kernels.moba import pairs_attention  # lazily: triton is optional
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    with torch.no_grad():
+        pairs = selection_pairs(q, k, plan)
+    o_p, l_p = pairs_attention(q, k, v, pairs, scale=plan.scale, causal=plan.causal)
+    b, hq, nq, d = q.shape
+    ns = int(pairs["slot"].max()) + 1  # own + past slots; every row has at least one pair
+    flat = pairs["row"] * ns + pairs["slot"]
+    o_all = torch.zeros(b * hq * nq * ns, d, dtype=torch.float32, device=q.device).index_copy(0, flat, o_p)
+    l_all = torch.full((b * hq * nq * ns,), float("-inf"), dtype=torch.float32, device=q.device)
+    l_all = l_all.index_copy(0, flat, l_p).view(-1, ns)
+    lse = torch.logsumexp(l_all, -1)
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    w = torch.exp(l_all - safe.unsqueeze(-1))
+    out = torch.einsum("rs,rsd->rd", w, o_all.view(-1, ns, d))
+    return out.view(b, hq, nq, d).to(q.dtype), lse.view(b, hq, nq)
+
+
+# --------------------------------------------------------------------------- the op
+
+def moba_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
+                   chunk_size: int = DEFAULT_CHUNK_SIZE, topk: int = DEFAULT_TOPK, shared_selection: bool = False,
+                   chunk_means: torch.Tensor | None = None, return_lse: bool = False, backend: str = "auto"):
+    """MoBA attention on the shared layout (q [b, hq, nq, d], k/v [b, hk, nk, d]).
+
+    chunk_size: keys per chunk. topk: chunks per query, own chunk included (1 = own chunk only).
+    shared_selection: the query heads of a KV group select together (sum of their gate scores).
+    chunk_means: [b, hk, >= m, d] means of the first m full chunks of ``k`` (``moba_chunk_means``),
+    reused instead of recomputed; chunks not covered are computed from ``k``.
+    Non-causal: the own chunk (the chunk holding the query's bottom-right position) has no mask and
+    the other topk - 1 chunks are chosen among ALL chunks, past and future (a query with no
+    position, non-causal q_len > kv_len, chooses topk chunks). Returns out (and float32 LSE).
+    """
+    check_qkv(q, k, v, causal)
+    check_int("moba_attention", "chunk_size", chunk_size, 1)
+    check_int("moba_attention", "topk", topk, 1)
+    scale = default_scale(scale, q.shape[-1])
+    backend = resolve_backend(backend, q, k, v)
+    if chunk_means is not None:
+        if chunk_means.dim() != 4 or chunk_means.shape[:2] != k.shape[:2] or chunk_means.shape[-1] != k.shape[-1]:
+            raise ValueError(f"chunk_means must be [b, kv_heads, n_chunks, d] = [{k.shape[0]}, {k.shape[1]}, *, "
+                             f"{k.shape[-1]}]; got {tuple(chunk_means.shape)}")
+        full = k.shape[2] // chunk_size
+        if chunk_means.shape[2] > full:  # means of chunks these keys do not have: not means of this cache
+            raise ValueError(f"moba_attention: chunk_means has {chunk_means.shape[2]} chunks; allowed: at most {full} "
+                             f"(the full chunks of {k.shape[2]} keys with chunk_size={chunk_size})")
+        chunk_means = chunk_means.detach()
+    bad = nonfinite_rows(k, v)
+    if bad is not None:
+        return isolate_nonfinite(
+            lambda q_, k_, v_: moba_attention(q_, k_, v_, causal=causal, scale=scale, chunk_size=chunk_size, topk=topk,
+                                              shared_selection=shared_selection, chunk_means=chunk_means,
+                                              return_lse=return_lse, backend=backend),
+            q, k, v, bad, return_lse)
+    b, hq, nq, d = q.shape
+    if nq == 0 or k.shape[2] == 0:
+        out = q.new_zeros(q.shape)
+        lse = torch.full((b, hq, nq), float("-inf"), dtype=torch.float32, device=q.device)
+        return (out, lse) if return_lse else out
+    nk = k.shape[2]
+    if topk >= math.ceil(nk / chunk_size):
+        # every query's union is every chunk it may see: exact (causal) attention, done densely
+        return exact_attention(q, k, v, causal=causal, scale=scale, return_lse=return_lse, backend=backend)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if nq == 1 and causal and backend == "torch" and not needs_grad:
+        means = _prefix_means(k, chunk_size, (k.shape[2] - 1) // chunk_size, chunk_means)
+        out, lse = _decode_one(q, k, v, means, chunk_size, topk, scale, shared_selection)
+        return (out, lse.float()) if return_lse else out
+    plan = _Plan(q, k, chunk_size, topk, causal, chunk_means, scale, shared_selection)
+    if backend == "triton":
+        out, lse = _triton_path(q, k, v, plan)
+    elif needs_grad:
+        out, lse = _MobaTorch.apply(q, k, v, plan)
+    else:
+        out, lse = _torch_forward(q, k, v, plan)
+    return (out, lse.float()) if return_lse else out
