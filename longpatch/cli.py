@@ -164,21 +164,36 @@ def demo(
     layers: str = typer.Option("0:4:1", help="sweep of replaced final layers (end included)"),
     max_docs: int = typer.Option(6, help="held-out documents of 4096 tokens to score"),
     out: str = typer.Option("runs/demo", help="output directory (eval results per config, demo.json, figure3.png)"),
+    needle_length: int = typer.Option(8192, help="needle prompt length in tokens (0: no retrieval column)"),
+    needle_template: str = typer.Option("passkey", help="code, passkey or a YAML template file"),
+    needle_trials: int = typer.Option(2, help="needle prompts per depth (5 depths, 10% to 90%)"),
     progress: bool = typer.Option(True, "--progress/--no-progress"),
 ):
-    """Offline main job: each method on the shipped demo model, perplexity and attention speed per layer count."""
+    """Offline main job: each method on the shipped demo model: perplexity, attention speed and needle
+    retrieval per layer count."""
     from .eval.demo import run_demo
 
-    summary = run_demo(layers=layers, max_docs=max_docs, out=out, progress=progress)
+    summary = run_demo(layers=layers, max_docs=max_docs, out=out, progress=progress, needle_length=needle_length,
+                       needle_template=needle_template, needle_trials=needle_trials)
+    nd = summary.get("needle")
     t = Table(title=f"demo model, {summary['seq_len']} tokens, {summary['max_docs']} held-out docs: "
-                    "perplexity and attention speed vs replaced layers", title_justify="left")
-    for col in ("config", "method", "layers", "ppl", "attention s", "speedup"):
+                    "perplexity, attention speed and retrieval vs replaced layers", title_justify="left")
+    cols = ["config", "method", "layers", "ppl", "attention s", "speedup"]
+    if nd:
+        cols.append(f"{nd['template']}@{nd['length']}")
+    for col in cols:
         t.add_column(col, justify="left" if col in ("config", "method") else "right")
     for r in summary["rows"]:
         sp = "-" if r["attention_speedup"] is None else f"{r['attention_speedup']:.2f}x"
-        t.add_row(r["config"], r["method"], str(r["layers"]), f"{r['ppl']:.3f}", f"{r['attention_seconds']:.2f}", sp)
+        cells = [r["config"], r["method"], str(r["layers"]), f"{r['ppl']:.3f}", f"{r['attention_seconds']:.2f}", sp]
+        if nd:
+            cells.append("-" if r.get("needle_accuracy") is None else f"{r['needle_accuracy']:.2f}")
+        t.add_row(*cells)
     console.print(t)
-    console.print(f"written to {out}: demo.json, figure3.png, and one eval directory per config")
+    if nd:
+        console.print(f"retrieval: accuracy over {len(nd['depths'])} depths x {nd['trials']} trials "
+                      f"(longpatch eval needle for the full grid)")
+    console.print(f"written to {out}: demo.json, figure3.png, needle/, and one eval directory per config")
 
 
 @command(bench_app, "attention")

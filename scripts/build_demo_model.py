@@ -112,6 +112,7 @@ def make_model(vocab_size: int, seed: int, rope_theta: float):
 class Sample:
     ids: list[int]        # L + 1 tokens
     answers: list[int]    # positions (into ids) of tokens that need retrieval; their targets are ids[pos]
+    lm: bool = True       # whether every token carries the language-model loss (not for random tokens)
 
 
 class Mixer:
@@ -179,14 +180,28 @@ class Mixer:
         ids[dst:dst + span] = ids[src:src + span]
         return Sample(ids, list(range(dst + 1, dst + span)))
 
-    def draw(self, rng: random.Random, n: int) -> Sample:
+    def synthetic(self, rng: random.Random, n: int) -> Sample:
+        """Random tokens with one span repeated later: the task on which induction heads form fastest
+        (nothing but copying can predict the second copy). Only the copy is scored."""
+        ids = [rng.randrange(256, len(self.tok)) for _ in range(n + 1)]
+        span = rng.randint(4, (n + 1) // 2)
+        src = rng.randrange(0, n + 2 - 2 * span)
+        dst = rng.randrange(src + span, n + 2 - span)
+        ids[dst:dst + span] = ids[src:src + span]
+        return Sample(ids, list(range(dst + 1, dst + span)), lm=False)
+
+    def draw(self, rng: random.Random, n: int, mix: str = "mix") -> Sample:
+        if mix == "synth":
+            return self.synthetic(rng, n)
         r = rng.random()
         if r < 0.35:
             return self.needles(rng, n, kind="code", n_needles=rng.randint(1, 4))
         if r < 0.55:
             return self.needles(rng, n, kind="prose", n_needles=rng.randint(1, 3))
-        if r < 0.8:
+        if r < 0.75:
             return self.repeat(rng, n)
+        if r < 0.8:
+            return self.synthetic(rng, n)
         return Sample(self.window(rng, n + 1), [])
 
 
@@ -206,21 +221,23 @@ def _fit(ids: list[int], answers: list[int], total: int) -> Sample:
     return Sample((ids[:pad] * (pad // max(1, len(ids)) + 1))[:pad] + ids, [a + pad for a in answers])
 
 
-def batch_tensors(samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
+def batch_tensors(samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids [b, L+1], answer mask [b, L+1], which rows carry the LM loss [b])."""
     ids = torch.tensor([s.ids for s in samples], dtype=torch.long)
     mask = torch.zeros(ids.shape, dtype=torch.bool)
     for i, s in enumerate(samples):
         mask[i, s.answers] = True
-    return ids, mask
+    return ids, mask, torch.tensor([s.lm for s in samples])
 
 
-def losses(model, ids: torch.Tensor, answer_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mean next-token NLL over all tokens, mean NLL over answer tokens or 0)."""
+def losses(model, ids: torch.Tensor, answer_mask: torch.Tensor, lm_rows: torch.Tensor):
+    """(mean next-token NLL over the LM rows' tokens or 0, mean NLL over answer tokens or 0)."""
     logits = model(ids[:, :-1]).logits
     nll = F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="none").view(ids.shape[0], -1)
     m = answer_mask[:, 1:]
     ans = nll[m].mean() if m.any() else nll.new_zeros(())
-    return nll.mean(), ans
+    lm = nll[lm_rows].mean() if lm_rows.any() else nll.new_zeros(())
+    return lm, ans
 
 
 @torch.no_grad()
@@ -229,28 +246,29 @@ def retrieval_accuracy(model, mixer: Mixer, n: int, kind: str, trials: int, seed
     rng = random.Random(seed)
     ok = 0
     for t in range(trials):
-        if kind == "repeat":
-            s = mixer.repeat(rng, n)
+        if kind in ("repeat", "synth"):
+            s = mixer.repeat(rng, n) if kind == "repeat" else mixer.synthetic(rng, n)
         else:
             s = mixer.needles(rng, n, kind=kind, depth=(t + 0.5) / trials,
                               value=str(rng.randrange(10000, 100000)), name="PASSKEY" if kind == "code" else "pass key")
-        ids, mask = batch_tensors([s])
+        ids, mask, _ = batch_tensors([s])
         pred = model(ids[:, :-1]).logits.argmax(-1)
         m = mask[:, 1:]
-        ok += bool((pred[m] == ids[:, 1:][m]).all()) if kind != "repeat" else (pred[m] == ids[:, 1:][m]).float().mean().item()
+        ok += bool((pred[m] == ids[:, 1:][m]).all()) if kind not in ("repeat", "synth") else (pred[m] == ids[:, 1:][m]).float().mean().item()
     return ok / trials
 
 
 # ---------------------------------------------------------------------------------------------
 
 
-def parse_phases(spec: str) -> list[tuple[int, int, int]]:
-    """'256x32:600,1024x8:300' -> [(256, 32, 600), (1024, 8, 300)] (length x batch : steps)."""
+def parse_phases(spec: str) -> list[tuple[int, int, int, str]]:
+    """'128x32:600:synth,1024x8:300' -> [(128, 32, 600, 'synth'), (1024, 8, 300, 'mix')]
+    (length x batch : steps [: mix], mix 'synth' = random-token copying only, 'mix' = the training mix)."""
     out = []
     for part in spec.split(","):
-        shape, steps = part.split(":")
+        shape, steps, *mix = part.split(":")
         n, b = shape.split("x")
-        out.append((int(n), int(b), int(steps)))
+        out.append((int(n), int(b), int(steps), mix[0] if mix else "mix"))
     return out
 
 
@@ -326,7 +344,7 @@ def main(argv=None):
         model.eval()
         row = {"step": state["step"]}
         for n in [int(x) for x in args.eval_lengths.split(",")]:
-            for kind in ("code", "prose", "repeat"):
+            for kind in ("code", "prose", "repeat", "synth"):
                 row[f"{kind}@{n}"] = round(retrieval_accuracy(model, held_mixer, n, kind, trials=8), 3)
         model.train()
         state["evals"].append(row)
@@ -336,16 +354,16 @@ def main(argv=None):
     last_ckpt, ema, ema_a = time.time(), None, None
     bounds = []
     acc = 0
-    for n, b, steps in phases:
-        bounds.append((acc, acc + steps, n, b))
+    for n, b, steps, mix in phases:
+        bounds.append((acc, acc + steps, n, b, mix))
         acc += steps
     while state["step"] < total:
         step = state["step"]
-        n, b = next((n, b) for lo, hi, n, b in bounds if lo <= step < hi)
+        n, b, mix = next((n, b, mix) for lo, hi, n, b, mix in bounds if lo <= step < hi)
         rng = random.Random(args.seed * 1_000_003 + step)
-        ids, mask = batch_tensors([mixer.draw(rng, n) for _ in range(b)])
+        ids, mask, lm_rows = batch_tensors([mixer.draw(rng, n, mix) for _ in range(b)])
         t0 = time.time()
-        lm, ans = losses(model, ids, mask)
+        lm, ans = losses(model, ids, mask, lm_rows)
         loss = lm + ans
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -382,7 +400,8 @@ def finish(model, tok, held_files, root, out, args, state, n_params, stream_toke
     log(f"held-out loss {held_loss:.4f} (4096-token windows of held-out files)")
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
-    from longpatch.demo import eval_documents, long_context_report
+    from longpatch.assets import eval_documents
+    from longpatch.eval.demo import long_context_report
     n_docs = write_eval_set(tok, held_files, root, out)
     long_ctx = long_context_report(model, tok, eval_documents(path=out))
     log(f"long context: {long_ctx}")

@@ -66,3 +66,19 @@ def test_uses_long_context_on_the_whole_eval_set(demo):
     r = long_context_report(model, tok, eval_documents())
     assert r["docs"] == 24
     assert r["late"] < r["early"] - 0.5 and r["late"] < r["late_short_context"] - 0.05
+
+
+def test_demo_job_reports_retrieval_beside_perplexity(tmp_path):
+    """The main job: perplexity, speed and needle accuracy for every demo config and layer count."""
+    import json
+
+    from longpatch.eval.demo import run_demo
+    s = run_demo(layers="0,4", max_docs=1, out=str(tmp_path), progress=False, needle_length=512, needle_trials=1)
+    assert s["needle"]["length"] == 512 and len(s["needle"]["depths"]) == 5
+    assert {r["config"] for r in s["rows"]} == set(demo_configs())
+    assert all(0 <= r["needle_accuracy"] <= 1 for r in s["rows"])
+    assert json.loads((tmp_path / "demo.json").read_text())["rows"] == s["rows"]
+    needle = json.loads((tmp_path / "needle" / "results.json").read_text())
+    assert {(r["config"], r["layers"]) for r in needle["summary"]} == \
+        {("exact", 0)} | {(c, 4) for c in demo_configs()}
+    assert (tmp_path / "figure3.png").stat().st_size > 0

@@ -56,22 +56,36 @@ def demo_configs() -> list[str]:
     return out
 
 
-def run_demo(layers: str = "0:4:1", max_docs: int = 6, out: str = "runs/demo", progress: bool = True) -> dict:
-    """The main offline job: a small-scale Figure 3 of the HyperAttention paper on the demo model.
+# Retrieval in the demo: one needle length, short enough that the whole demo stays within ~6 minutes
+# on 2 CPU cores (docs/demo.md has the timing), a few depths and trials.
+NEEDLE_LENGTH = 8192
+NEEDLE_DEPTHS = "0.1:0.9:0.2"
+NEEDLE_TRIALS = 2
+
+
+def run_demo(layers: str = "0:4:1", max_docs: int = 6, out: str = "runs/demo", progress: bool = True,
+             needle_length: int = NEEDLE_LENGTH, needle_template: str = "passkey",
+             needle_depths: str = NEEDLE_DEPTHS, needle_trials: int = NEEDLE_TRIALS) -> dict:
+    """The main offline job: a small-scale Figure 3 of the HyperAttention paper on the demo model,
+    with retrieval beside it.
 
     For every bundled demo config (one per method), sweep the number of replaced final layers and
-    measure held-out perplexity at 4096 tokens and the attention time against the unpatched model
-    (layers 0) in the same run. Writes one eval directory per config, demo.json and figure3.png.
+    measure held-out perplexity at 4096 tokens, the attention time against the unpatched model
+    (layers 0) in the same run, and needle-in-a-haystack accuracy (`needle_template` at
+    `needle_length` tokens; needle_length 0 skips it). Writes one eval directory per config, needle/,
+    demo.json and figure3.png.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from .needle_run import needle
     from .perplexity import perplexity
 
     path = demo_model_path()
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     tok = AutoTokenizer.from_pretrained(path)
     rows = []
-    for alias in demo_configs():
+    configs = demo_configs()
+    for alias in configs:
         res = perplexity(model, layers, config=alias, data="demo", seq_len=EVAL_MIN_TOKENS, max_docs=max_docs,
                          out=str(Path(out) / alias), tokenizer=tok, progress=progress)
         for c in res["configs"]:
@@ -80,25 +94,42 @@ def run_demo(layers: str = "0:4:1", max_docs: int = 6, out: str = "runs/demo", p
                          "ppl": a["ppl"], "attention_seconds": a["attention_seconds"],
                          "attention_speedup": a["attention_speedup"], "docs": a["docs"]})
     summary = {"model": str(path), "seq_len": EVAL_MIN_TOKENS, "max_docs": max_docs, "rows": rows}
+    if needle_length:
+        found = needle(model, layers, config=configs, template=needle_template, lengths=[needle_length],
+                       depths=needle_depths, trials=needle_trials, out=str(Path(out) / "needle"), tokenizer=tok,
+                       progress=progress)
+        # the 0-layer point is one shared exact baseline in the needle run
+        acc = {(s["config"], s["layers"]): s["accuracy"] for s in found["summary"]}
+        for r in rows:
+            r["needle_accuracy"] = acc.get(("exact" if r["layers"] == 0 else r["config"], r["layers"]))
+        summary["needle"] = {"template": needle_template, "length": needle_length,
+                             "depths": found["depths"], "trials": needle_trials}
     Path(out).mkdir(parents=True, exist_ok=True)
     (Path(out) / "demo.json").write_text(json.dumps(summary, indent=1))
-    _plot_demo(rows, Path(out) / "figure3.png")
+    _plot_demo(rows, Path(out) / "figure3.png", summary.get("needle"))
     return summary
 
 
-def _plot_demo(rows: list[dict], path: Path) -> None:
+def _plot_demo(rows: list[dict], path: Path, needle: dict | None = None) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, axes = plt.subplots(1, 3 if needle else 2, figsize=(15 if needle else 10, 4))
+    a1, a2 = axes[0], axes[1]
     for cfg in dict.fromkeys(r["config"] for r in rows):
         rs = [r for r in rows if r["config"] == cfg]
         label = next((r["method"] for r in rs if r["layers"]), cfg)
         a1.plot([r["layers"] for r in rs], [r["ppl"] for r in rs], "o-", label=label)
         a2.plot([r["layers"] for r in rs], [r["attention_speedup"] or 0 for r in rs], "o-", label=label)
+        if needle:
+            axes[2].plot([r["layers"] for r in rs], [r.get("needle_accuracy") or 0 for r in rs], "o-", label=label)
     a1.set(xlabel="replaced final layers", ylabel="perplexity (held-out stdlib, 4096 tokens)", title="quality")
     a2.set(xlabel="replaced final layers", ylabel="attention speedup vs exact", title="speed")
+    if needle:
+        axes[2].set(xlabel="replaced final layers", ylabel="needle accuracy", ylim=(-0.05, 1.05),
+                    title=f"retrieval ({needle['template']}, {needle['length']} tokens)")
+        axes[2].legend()
     a1.legend(), a2.legend()
     fig.suptitle("longpatch demo model: a small-scale Figure 3")
     fig.tight_layout()
