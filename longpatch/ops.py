@@ -4,8 +4,7 @@ from .methods.exact import exact_attention
 from .methods.hyper import hyper_attention
 from .methods.linear import linear_attention
 from .methods.moba import moba_attention, moba_chunk_means
-from .methods.nsa import nsa_attention, nsa_compress
-from .methods.nsa_module import NSAAttention
+from .methods.nsa import NSAAttention, nsa_attention, nsa_compress
 from .methods.performer import performer_attention
 from .methods.sparse import sparse_attention
 

@@ -1,7 +1,6 @@
 """NSA (torch path): a per-token dense oracle for all three branches, the references against the fast
 path, causality, exactness when the branches cover everything, decode with state, gradients, the
 trainable module and patched models."""
-import math
 from types import SimpleNamespace
 
 import pytest
@@ -14,15 +13,19 @@ from longpatch.methods import get_method
 from longpatch.methods import nsa as nsa_mod
 from longpatch.methods.exact import exact_attention
 from longpatch.methods.nsa import (
+    NSAAttention,
     compressed_attention_reference,
     nsa_attention,
     nsa_compress,
+    nsa_reference,
     selected_attention_reference,
     selection_scores_reference,
     topk_blocks,
     window_attention_reference,
 )
-from longpatch.methods.nsa_module import NSAAttention
+from longpatch.methods.nsa import cpu as nsa_cpu
+from longpatch.methods.nsa import method as nsa_method
+from longpatch.methods.nsa import op as nsa_op
 from longpatch.testing.tiny import tiny_model
 
 NSA = get_method("nsa")
@@ -38,68 +41,6 @@ def rand(b, hq, hk, nq, nk, d=8, dtype=torch.float32, grad=False):
     k = torch.randn(b, hk, nk, d, dtype=dtype, requires_grad=grad)
     v = torch.randn(b, hk, nk, d, dtype=dtype, requires_grad=grad)
     return q, k, v
-
-
-def _softmax_rows(q1, keys, vals, scale):
-    """q1 [h, d] vs keys/vals [m, d] (float64): (out [h, d], lse [h]); empty -> zeros, -inf."""
-    if keys.shape[0] == 0:
-        return torch.zeros_like(q1), torch.full(q1.shape[:1], float("-inf"), dtype=q1.dtype)
-    s = q1 @ keys.t() * scale
-    return torch.softmax(s, -1) @ vals, torch.logsumexp(s, -1)
-
-
-def nsa_oracle(q, k, v, *, compress_block, compress_stride, select_block, num_selected, window, init_blocks,
-               local_blocks, gates=(1 / 3, 1 / 3, 1 / 3), scale=None):
-    """NSA from the paper's definitions, one query position at a time, float64.
-
-    Returns the gated output, the three branch outputs, their LSEs [b, hq, nq, 3] and the selected
-    blocks {(b, kv_head, row): sorted list}. Importance of selection block j = sum over the group's
-    heads and over the visible compressed blocks i overlapping j of p_cmp, rounded to float32 like
-    the op; ties go to the later block."""
-    b, hq, nq, d = q.shape
-    hk, nk = k.shape[1], k.shape[2]
-    g = hq // hk
-    l, s, sb = compress_block, compress_stride, select_block
-    scale = d ** -0.5 if scale is None else scale
-    q, k, v = q.double(), k.double(), v.double()
-    nc = 0 if nk < l else (nk - l) // s + 1
-    ns = math.ceil(nk / sb)
-    branches = torch.zeros(3, b, hq, nq, d, dtype=torch.float64)
-    lse = torch.zeros(b, hq, nq, 3, dtype=torch.float64)
-    chosen = {}
-    for bi in range(b):
-        for hi in range(hk):
-            kc = torch.stack([k[bi, hi, i * s:i * s + l].mean(0) for i in range(nc)]) if nc else k.new_zeros(0, d)
-            vc = torch.stack([v[bi, hi, i * s:i * s + l].mean(0) for i in range(nc)]) if nc else k.new_zeros(0, d)
-            heads = slice(hi * g, (hi + 1) * g)
-            for r in range(nq):
-                t = nk - nq + r
-                q1 = q[bi, heads, r]
-                vis = [i for i in range(nc) if i * s + l - 1 <= t]
-                o_c, l_c = _softmax_rows(q1, kc[vis], vc[vis], scale)
-                p = torch.exp(q1 @ kc[vis].t() * scale - l_c[:, None]).sum(0) if vis else None
-                own = t // sb
-                imp = []
-                for j in range(ns):
-                    if j > own:
-                        imp.append(float("-inf"))
-                    elif j < init_blocks or own - local_blocks < j <= own:
-                        imp.append(float("inf"))
-                    else:
-                        tot = sum(float(p[n]) for n, i in enumerate(vis) if i * s < (j + 1) * sb and i * s + l > j * sb)
-                        imp.append(float(torch.tensor(tot, dtype=torch.float32)))
-                order = sorted(range(ns), key=lambda j: (imp[j], j), reverse=True)
-                sel = sorted(j for j in order[:num_selected] if imp[j] > float("-inf"))
-                chosen[(bi, hi, r)] = sel
-                toks = [x for j in sel for x in range(j * sb, min((j + 1) * sb, nk)) if x <= t]
-                o_s, l_s = _softmax_rows(q1, k[bi, hi, toks], v[bi, hi, toks], scale)
-                win = list(range(max(0, t - window + 1), t + 1))
-                o_w, l_w = _softmax_rows(q1, k[bi, hi, win], v[bi, hi, win], scale)
-                for n, (o, ll) in enumerate(((o_c, l_c), (o_s, l_s), (o_w, l_w))):
-                    branches[n, bi, heads, r] = o
-                    lse[bi, heads, r, n] = ll
-    out = sum(w * o for w, o in zip(gates, branches))
-    return out, branches, lse, chosen
 
 
 CASES = [  # hq, hk, nq, nk
@@ -118,7 +59,7 @@ def test_matches_per_token_oracle(hq, hk, nq, nk, dtype):
     q, k, v = rand(2, hq, hk, nq, nk, dtype=dtype)
     gates = (0.2, 0.5, 0.3)
     out, lse = nsa_attention(q, k, v, gates=gates, return_lse=True, backend="torch", **SMALL)
-    ref, _, ref_lse, _ = nsa_oracle(q, k, v, gates=gates, **SMALL)
+    ref, _, ref_lse, _ = nsa_reference(q, k, v, gates=gates, **SMALL)
     assert out.dtype == dtype and lse.shape == (2, hq, nq, 3)
     tol = dict(atol=2e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-10, rtol=1e-9)
     torch.testing.assert_close(out.double(), ref, **tol)
@@ -127,7 +68,7 @@ def test_matches_per_token_oracle(hq, hk, nq, nk, dtype):
 
 def test_reference_primitives_match_oracle():
     q, k, v = rand(1, 4, 2, 30, 57, dtype=torch.float64)
-    _, branches, ref_lse, chosen = nsa_oracle(q, k, v, **SMALL)
+    _, branches, ref_lse, chosen = nsa_reference(q, k, v, **SMALL)
     kw = dict(scale=8 ** -0.5, kv_len=57)
     blocks = dict(compress_block=8, compress_stride=4)
     kc, vc = nsa_compress(k, v, **blocks)
@@ -170,10 +111,10 @@ def test_fast_path_equals_reference_composition(hq, hk, nq, nk, gates):
 
 def test_fast_path_small_windows(monkeypatch):
     """Many windows of rows and window chunks (batched and one-by-one pieces) on small shapes."""
-    monkeypatch.setattr(nsa_mod, "_PAIR_ELEMS", 1)
-    monkeypatch.setattr(nsa_mod, "_WIN_CHUNK", 8)
-    monkeypatch.setattr(nsa_mod, "_CMP_ELEMS", 64)
-    monkeypatch.setattr(nsa_mod, "_TILE_ROWS", 4)
+    monkeypatch.setattr(nsa_cpu, "_PAIR_ELEMS", 1)
+    monkeypatch.setattr(nsa_cpu, "_WIN_CHUNK", 8)
+    monkeypatch.setattr(nsa_cpu, "_CMP_ELEMS", 64)
+    monkeypatch.setattr(nsa_cpu, "_TILE_ROWS", 4)
     q, k, v = rand(1, 4, 2, 70, 90)
     out, lse = nsa_attention(q, k, v, return_lse=True, **SMALL)
     ref, ref_lse = nsa_attention(q.double(), k.double(), v.double(), return_lse=True, **SMALL)
@@ -193,8 +134,8 @@ def test_fast_path_small_windows(monkeypatch):
     (dict(select_block=12, num_selected=4, window=30, local_blocks=1, init_blocks=2), 70, 83),
 ])
 def test_fast_path_block_regimes(params, nq, nk, monkeypatch):
-    monkeypatch.setattr(nsa_mod, "_PAIR_ELEMS", 1)  # several windows of rows, cut at odd offsets
-    monkeypatch.setattr(nsa_mod, "_WIN_CHUNK", 8)
+    monkeypatch.setattr(nsa_cpu, "_PAIR_ELEMS", 1)  # several windows of rows, cut at odd offsets
+    monkeypatch.setattr(nsa_cpu, "_WIN_CHUNK", 8)
     full = {"compress_block": 8, "compress_stride": 4, "init_blocks": 1, **params}
     q, k, v = rand(2, 4, 2, nq, nk)
     out, lse = nsa_attention(q, k, v, return_lse=True, **full)
@@ -206,7 +147,7 @@ def test_fast_path_block_regimes(params, nq, nk, monkeypatch):
 def test_fast_path_on_worker_threads_equals_one_thread(monkeypatch):
     """With 2 torch threads the windows run on 2 single-threaded workers: same answer as one
     thread, torch's thread count is restored, and the output tensor is complete."""
-    monkeypatch.setattr(nsa_mod, "_PAIR_ELEMS", 1)
+    monkeypatch.setattr(nsa_cpu, "_PAIR_ELEMS", 1)
     params = dict(compress_block=16, compress_stride=8, select_block=16, num_selected=5, window=40)
     q, k, v = rand(1, 8, 2, 300, 300, d=16)
     one = nsa_attention(q, k, v, **params)
@@ -278,7 +219,7 @@ def test_scale_and_gate_tensor():
     q, k, v = rand(2, 4, 2, 40, 40, dtype=torch.float64)
     gates = torch.rand(2, 4, 40, 3, dtype=torch.float64)
     out = nsa_attention(q, k, v, scale=0.3, gates=gates, **SMALL)
-    _, branches, _, _ = nsa_oracle(q, k, v, scale=0.3, **SMALL)
+    _, branches, _, _ = nsa_reference(q, k, v, scale=0.3, **SMALL)
     ref = sum(gates[..., i:i + 1] * branches[i] for i in range(3))
     torch.testing.assert_close(out, ref)
     out32 = nsa_attention(q.float(), k.float(), v.float(), scale=0.3, gates=gates.float(), **SMALL)
@@ -355,7 +296,8 @@ def test_stepwise_decode_equals_prefill_and_compresses_each_block_once(hq, hk, m
         pooled.append(out[0].shape[2])
         return out
 
-    monkeypatch.setattr(nsa_mod, "nsa_compress", counting)
+    for module in (nsa_op, nsa_method):  # the decode state's pooling and the op's own
+        monkeypatch.setattr(module, "nsa_compress", counting)
     state = {}
     _decode(q[:, :, :20], k[:, :, :20], v[:, :, :20], state, **params)
     outs = [_decode(q[:, :, t:t + 1], k[:, :, :t + 1], v[:, :, :t + 1], state, **params) for t in range(20, 60)]
@@ -513,7 +455,7 @@ def test_one_token_decode_path_equals_the_windowed_path(g, hk, nk, gates):
     kc, vc = nsa_compress(k, v, compress_block=8, compress_stride=4)
     cfg = SimpleNamespace(scale=8 ** -0.5, nk=nk, l=8, s=4, sb=16, num_selected=4, window=24, init_blocks=1,
                           local_blocks=2, cmp_out=True, need_lse=True)
-    ref_out, ref_lse = nsa_mod._fast_forward(q, k, v, kc, vc, cfg, nsa_mod._check_gates(gt, q))
+    ref_out, ref_lse = nsa_cpu._fast_forward(q, k, v, kc, vc, cfg, nsa_op._check_gates(gt, q))
     torch.testing.assert_close(out, ref_out, atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(lse, ref_lse, atol=2e-6, rtol=1e-5)
     g64 = gt.double() if isinstance(gt, torch.Tensor) else gt

@@ -19,7 +19,8 @@ import math
 import torch
 from torch import nn
 
-from .nsa import DEFAULT_GATES, DEFAULTS, _check_params, nsa_attention, num_compressed
+from .blocks import DEFAULT_GATES, DEFAULTS, _check_params, num_compressed
+from .op import nsa_attention
 
 
 class BlockCompressor(nn.Module):

@@ -1,0 +1,118 @@
+"""NSA's registration: the decode state (the compressed K/V, extended as blocks complete) and the
+Method with its parameter checks."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ...errors import ConfigError
+from ..base import Method, Param, nonneg_int, positive_int, register_method
+from ..common import (
+    probe_positions,
+)
+from .blocks import DEFAULTS, TRAINING_FREE_GATES, _check_params, nsa_compress, num_compressed
+from .op import nsa_attention
+
+# --------------------------------------------------------------------------- decode state and method
+
+def _state_compressed(state: dict, k, v, l: int, s: int):
+    """Compressed K/V of every complete block of the cache, kept in ``state`` and extended as blocks
+    complete: each block is pooled once. The key row closing each block is a fingerprint, checked at
+    log2(blocks) + 1 blocks (``probe_positions``: the recent ones densely): if the cache no longer
+    holds those rows (new sequence, beam reordering, cropped cache) the state is rebuilt."""
+    nc = num_compressed(k.shape[2], l, s)
+    kc, vc, probe = state.get("k_cmp"), state.get("v_cmp"), state.get("probe")
+    ok = (kc is not None and state.get("blocks") == (l, s) and kc.shape[:2] == k.shape[:2]
+          and kc.shape[-1] == k.shape[-1] and kc.device == k.device and kc.dtype == k.dtype)
+    if ok:
+        m = min(kc.shape[2], nc)
+        if m:
+            blocks = torch.tensor(probe_positions(m), dtype=torch.long, device=k.device)
+            ok = torch.equal(probe.index_select(2, blocks), k.index_select(2, blocks * s + l - 1))
+        kc, vc, probe = kc[:, :, :m], vc[:, :, :m], probe[:, :, :m]
+    if not ok:
+        kc, vc = nsa_compress(k[:, :, :0], v[:, :, :0], compress_block=l, compress_stride=s)
+        probe = k[:, :, :0]
+    m = kc.shape[2]
+    if m < nc:
+        nk_, nv_ = nsa_compress(k[:, :, m * s: (nc - 1) * s + l], v[:, :, m * s: (nc - 1) * s + l],
+                                compress_block=l, compress_stride=s)
+        kc, vc = torch.cat([kc, nk_], 2), torch.cat([vc, nv_], 2)
+        probe = torch.cat([probe, k[:, :, m * s + l - 1: (nc - 1) * s + l: s]], 2)
+    state.update(k_cmp=kc, v_cmp=vc, probe=probe, blocks=(l, s))
+    return kc, vc
+
+
+def init_state(k, v, *, compress_block: int = 32, compress_stride: int = 16, **_) -> dict:
+    """Decode state of a layer from an existing KV cache in one pass (its compressed K/V)."""
+    state: dict = {}
+    _state_compressed(state, k.detach(), v.detach(), compress_block, compress_stride)
+    return state
+
+
+def _run(q, k, v, *, causal=True, scale=None, backend="auto", buffers=None, state=None, gates=TRAINING_FREE_GATES,
+         **params):
+    compressed = None
+    if state is not None and causal:
+        l, s = params["compress_block"], params["compress_stride"]
+        compressed = _state_compressed(state, k.detach(), v.detach(), l, s)
+    return nsa_attention(q, k, v, causal=causal, scale=scale, gates=tuple(gates), compressed=compressed,
+                         backend=backend, **params)
+
+
+def _gates_ok(x) -> bool:
+    return isinstance(x, (list, tuple)) and len(x) == 3 and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0 for v in x)
+
+
+def _pint(name, doc):
+    return positive_int(doc, DEFAULTS[name])
+
+
+def _nonneg(name, doc):
+    return nonneg_int(doc, DEFAULTS[name])
+
+
+def _exact_params(n: int, params: dict) -> dict:
+    """The selected and window branches each see every visible key, and the compressed branch (mean
+    keys: never exact) is gated off; the output is then g_slc * exact + g_win * exact = exact."""
+    return {"num_selected": max(params["num_selected"], math.ceil(n / params["select_block"])),
+            "window": max(params["window"], n), "gates": list(TRAINING_FREE_GATES)}
+
+
+class _NSAMethod(Method):
+    """Checks the relations between parameters (stride <= block, forced blocks fit) at config time."""
+
+    def resolve_params(self, given):
+        params = super().resolve_params(given)
+        blocks = {n: v for n, v in params.items() if n != "gates"}
+        try:
+            _check_params(**blocks)
+        except ValueError as e:
+            raise ConfigError(f"params of method 'nsa': {e}") from None
+        return params
+
+
+NSA = register_method(_NSAMethod(
+    name="nsa",
+    summary="NSA: gated sum of compressed-block, selected-block (top-k by compressed scores) and window attention",
+    prefill=_run,
+    decode=_run,
+    params={
+        "compress_block": _pint("compress_block", "keys per compressed block (mean-pooled)"),
+        "compress_stride": _pint("compress_stride", "stride between compressed blocks (<= compress_block)"),
+        "select_block": _pint("select_block", "keys per selection block"),
+        "num_selected": _pint("num_selected", "selection blocks per query, forced init/local blocks included"),
+        "window": _pint("window", "sliding-window length in keys"),
+        "init_blocks": _nonneg("init_blocks", "first selection blocks always selected"),
+        "local_blocks": _nonneg("local_blocks", "selection blocks ending with the query's own block, always selected"),
+        "gates": Param(list(TRAINING_FREE_GATES), (list, tuple),
+                       "fixed gates [g_cmp, g_slc, g_win] of the training-free mode (default measured: docs/nsa.md)",
+                       _gates_ok, "a list of 3 finite numbers >= 0"),
+    },
+    causal_only=True,
+    stateful=True,
+    init_state=init_state,
+    exact_params=_exact_params,
+))
