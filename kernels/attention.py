@@ -23,20 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-_LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _mm(a, b, PREC: tl.constexpr):
-    # PREC 0: native tensor-core dot (bf16/fp16 in, fp32 accumulate); 1: exact fp32 ("ieee", no
-    # tf32) for fp32 inputs; 2: upcast to fp32 first (Triton's CPU interpreter computes bf16/fp16
-    # dots wrongly).
-    if PREC == 2:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    elif PREC == 1:
-        return tl.dot(a, b, input_precision="ieee")
-    else:
-        return tl.dot(a, b)
+from .common import LOG2E, mm, prep, row_delta
 
 
 @triton.jit
@@ -70,7 +57,7 @@ def _fwd_kernel(Q, K, V, Bias, O, Lse,
         n_ok = offs_n < LK
         k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        s = _mm(q, tl.trans(k), PREC) * qk_scale  # log2 domain
+        s = mm(q, tl.trans(k), PREC) * qk_scale  # log2 domain
         if HAS_BIAS:
             bias = tl.load(Bias + b * sbb + hk * sbh + offs_n, mask=n_ok, other=0.0)
             s = s + bias[None, :] * 1.4426950408889634
@@ -83,7 +70,7 @@ def _fwd_kernel(Q, K, V, Bias, O, Lse,
         p = tl.math.exp2(s - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _mm(p.to(v.dtype), v, PREC)
+        acc = acc * alpha[:, None] + mm(p.to(v.dtype), v, PREC)
         m_i = m_new
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
@@ -128,8 +115,8 @@ def _bwd_dq_kernel(Q, K, V, Bias, DO, Lse, Delta, DQ,
         n_ok = offs_n < LK
         k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        s = _mm(q, tl.trans(k), PREC) * qk_scale
-        dp = _mm(do, tl.trans(v), PREC)
+        s = mm(q, tl.trans(k), PREC) * qk_scale
+        dp = mm(do, tl.trans(v), PREC)
         if HAS_BIAS:
             bias = tl.load(Bias + b * sbb + hk * sbh + offs_n, mask=n_ok, other=0.0)
             s = s + bias[None, :] * 1.4426950408889634
@@ -138,7 +125,7 @@ def _bwd_dq_kernel(Q, K, V, Bias, DO, Lse, Delta, DQ,
             visible = visible & (offs_n[None, :] <= offs_m[:, None] + shift)
         p = tl.where(visible, tl.math.exp2(s - lse2[:, None]), 0.0)
         ds = p * (dp - delta[:, None])
-        dq += _mm(ds.to(k.dtype), k, PREC)
+        dq += mm(ds.to(k.dtype), k, PREC)
     dq = dq * scale
     tl.store(DQ + b * sgb + h * sgh + offs_m[:, None] * sgm + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=qd_mask)
 
@@ -183,8 +170,8 @@ def _bwd_dkdv_kernel(Q, K, V, Bias, DO, Lse, Delta, DK, DV,
             lse = tl.load(Lse + row + offs_m, mask=m_ok, other=0.0)
             lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
             delta = tl.load(Delta + row + offs_m, mask=m_ok, other=0.0)
-            s = _mm(q, tl.trans(k), PREC) * qk_scale
-            dp = _mm(do, tl.trans(v), PREC)
+            s = mm(q, tl.trans(k), PREC) * qk_scale
+            dp = mm(do, tl.trans(v), PREC)
             if HAS_BIAS:
                 s = s + bias[None, :]
             visible = n_ok[None, :] & m_ok[:, None]
@@ -192,8 +179,8 @@ def _bwd_dkdv_kernel(Q, K, V, Bias, DO, Lse, Delta, DK, DV,
                 visible = visible & (offs_n[None, :] <= offs_m[:, None] + shift)
             p = tl.where(visible, tl.math.exp2(s - lse2[:, None]), 0.0)
             ds = p * (dp - delta[:, None])
-            dv += _mm(tl.trans(p.to(do.dtype)), do, PREC)
-            dk += _mm(tl.trans(ds.to(q.dtype)), q, PREC)
+            dv += mm(tl.trans(p.to(do.dtype)), do, PREC)
+            dk += mm(tl.trans(ds.to(q.dtype)), q, PREC)
     dk = dk * scale
     # dK and dV are fresh contiguous tensors of the same shape: one set of strides serves both
     g_off = b * sgb + hk * sgh + offs_n[:, None] * sgn + offs_d[None, :]
@@ -211,10 +198,6 @@ def _prec(q: torch.Tensor) -> int:
     if q.dtype == torch.float32 or q.dtype == torch.float64:
         return 1
     return 2 if os.environ.get("TRITON_INTERPRET") == "1" else 0
-
-
-def _prep(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def _bias_args(bias, B, HK, LK, device):
@@ -240,26 +223,17 @@ def _forward(q, k, v, bias, causal, scale):
     _fwd_kernel[grid](q, k, v, bias_t, o, lse,
                       q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                       v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2), sbb, sbh,
-                      HQ, HQ // HK, LQ, LK, D, scale * _LOG2E,
+                      HQ, HQ // HK, LQ, LK, D, scale * LOG2E,
                       CAUSAL=causal, HAS_BIAS=has_bias, PREC=_prec(q),
                       BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd)
     return o, lse
-
-
-def _delta(do, o, dlse):
-    """The backward's row term rowsum(dO * O) in float32, minus dLSE when the LSE has a gradient
-    (d lse / d s = P, so a gradient on the LSE shifts every dS = P * (dP - delta) of the row)."""
-    delta = (do.float() * o.float()).sum(-1)
-    if dlse is not None:
-        delta = delta - dlse.float()
-    return delta.contiguous()
 
 
 def _backward(q, k, v, bias, o, lse, do, dlse, causal, scale):
     B, HQ, LQ, D = q.shape
     HK, LK = k.shape[1], k.shape[2]
     do = do.contiguous()
-    delta = _delta(do, o, dlse)
+    delta = row_delta(do, o, dlse)
     # fresh contiguous gradients: q, k, v may be strided views with gaps (empty_like would not
     # reproduce their strides then)
     dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
@@ -271,16 +245,16 @@ def _backward(q, k, v, bias, o, lse, do, dlse, causal, scale):
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2), sbb, sbh)
     _bwd_dq_kernel[(triton.cdiv(LQ, bm), B * HQ)](q, k, v, bias_t, do, lse, delta, dq, *strides, *dq.stride()[:3],
-                                                  HQ, HQ // HK, LQ, LK, D, scale * _LOG2E, scale, **common)
+                                                  HQ, HQ // HK, LQ, LK, D, scale * LOG2E, scale, **common)
     _bwd_dkdv_kernel[(triton.cdiv(LK, bn), B * HK)](q, k, v, bias_t, do, lse, delta, dk, dv, *strides, *dk.stride()[:3],
-                                                    HQ, HK, HQ // HK, LQ, LK, D, scale * _LOG2E, scale, **common)
+                                                    HQ, HK, HQ // HK, LQ, LK, D, scale * LOG2E, scale, **common)
     return dq, dk, dv
 
 
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bias, causal, scale):
-        q, k, v = _prep(q), _prep(k), _prep(v)
+        q, k, v = prep(q), prep(k), prep(v)
         o, lse = _forward(q, k, v, bias, causal, scale)
         ctx.save_for_backward(q, k, v, bias, o, lse)
         ctx.causal, ctx.scale = causal, scale

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import _mm
+from .common import mm
 
 
 @triton.jit
@@ -71,14 +71,14 @@ def _causal_prefix_kernel(Qf, Kf, V, S0, Z0, Num, Den,
         k = tl.load(k_base + offs_t[:, None] * skt + offs_m[None, :], mask=t_ok[:, None] & m_ok[None, :], other=0.0)
         v = tl.load(v_base + offs_t[:, None] * svt + offs_v[None, :], mask=t_ok[:, None] & v_ok[None, :],
                     other=0.0).to(tl.float32)
-        scores = _mm(q, tl.trans(k), PREC)
+        scores = mm(q, tl.trans(k), PREC)
         scores = tl.where(offs_t0[:, None] >= offs_t0[None, :], scores, 0.0)  # padded keys carry zero features
-        num = _mm(scores, v, PREC) + _mm(q, S, PREC)
+        num = mm(scores, v, PREC) + mm(q, S, PREC)
         tl.store(num_base + offs_t[:, None] * snt + offs_v[None, :], num, mask=t_ok[:, None] & v_ok[None, :])
         if WRITE_DEN and pid_v == 0:  # the denominator does not depend on the value block: one program writes it
             den = tl.sum(scores, 1) + tl.sum(q * z[None, :], 1)
             tl.store(den_base + offs_t, den, mask=t_ok)
-        S += _mm(tl.trans(k), v, PREC)
+        S += mm(tl.trans(k), v, PREC)
         z += tl.sum(k, 0)
 
 

@@ -19,39 +19,11 @@ two under ``TRITON_INTERPRET=1`` (kernels on CPU tensors).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-_LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _dot(a, b, UPCAST: tl.constexpr):
-    # UPCAST: compute in exact fp32. Used for fp32 inputs (no tf32) and in the CPU interpreter, whose
-    # half-precision dots are not trustworthy.
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        return tl.dot(a, b)
-
-
-@triton.jit
-def _softmax_step(q, k_ptrs, v_ptrs, kmask, visible, m_i, l_i, acc, qk_scale, UPCAST: tl.constexpr):
-    # one key tile of the online softmax (log2 domain); rows with nothing visible yet keep m = -inf
-    kt = tl.load(k_ptrs, mask=kmask, other=0.0)
-    vt = tl.load(v_ptrs, mask=kmask, other=0.0)
-    s = _dot(q, tl.trans(kt), UPCAST) * qk_scale
-    s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, UPCAST)
-    return m_new, l_i, acc
+from .common import LOG2E, dot, interpreted, row_delta, softmax_step
 
 
 @triton.jit
@@ -97,7 +69,7 @@ def _fwd_kernel(Q, K, V, Row, Pos, TileSeg, TileRow, SegEnd, SegKv, SegK0, SegK1
         visible = r_ok[:, None] & n_ok[None, :]
         if CAUSAL:
             visible = visible & (offs_n[None, :] <= qpos[:, None])
-        m_i, l_i, acc = _softmax_step(q, k_base + offs_n[:, None] * skn + offs_d[None, :],
+        m_i, l_i, acc = softmax_step(q, k_base + offs_n[:, None] * skn + offs_d[None, :],
                                       v_base + offs_n[:, None] * svn + offs_d[None, :], n_ok[:, None] & d_ok[None, :],
                                       visible, m_i, l_i, acc, qk_scale, UPCAST)
     seen = l_i > 0
@@ -143,14 +115,14 @@ def _bwd_dq_kernel(Q, K, V, Row, Pos, TileSeg, TileRow, SegEnd, SegKv, SegK0, Se
         n_ok = offs_n < k1
         kt = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         vt = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        s = _dot(q, tl.trans(kt), UPCAST) * qk_scale
+        s = dot(q, tl.trans(kt), UPCAST) * qk_scale
         visible = r_ok[:, None] & n_ok[None, :]
         if CAUSAL:
             visible = visible & (offs_n[None, :] <= qpos[:, None])
         p = tl.where(visible, tl.exp2(s - lse2[:, None]), 0.0)
-        dp = _dot(do.to(vt.dtype), tl.trans(vt), UPCAST)
+        dp = dot(do.to(vt.dtype), tl.trans(vt), UPCAST)
         ds = p * (dp - delta[:, None])
-        dq += _dot(ds.to(kt.dtype), kt, UPCAST)
+        dq += dot(ds.to(kt.dtype), kt, UPCAST)
     tl.store(DQ + offs_r[:, None] * D + offs_d[None, :], dq * scale, mask=rd_ok)
 
 
@@ -189,22 +161,22 @@ def _bwd_dkdv_kernel(Q, K, V, Row, Pos, BlkSeg, BlkStart, SegStart, SegEnd, SegK
         lse2 = tl.load(Lse + offs_r, mask=r_ok, other=0.0) * 1.4426950408889634
         lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)
         delta = tl.load(Delta + offs_r, mask=r_ok, other=0.0)
-        s = _dot(q, tl.trans(kt), UPCAST) * qk_scale  # [M, N]
+        s = dot(q, tl.trans(kt), UPCAST) * qk_scale  # [M, N]
         visible = r_ok[:, None] & n_ok[None, :]
         if CAUSAL:
             visible = visible & (offs_n[None, :] <= qpos[:, None])
         p = tl.where(visible, tl.exp2(s - lse2[:, None]), 0.0)
-        dv += _dot(tl.trans(p).to(do.dtype), do, UPCAST)
-        dp = _dot(do.to(vt.dtype), tl.trans(vt), UPCAST)
+        dv += dot(tl.trans(p).to(do.dtype), do, UPCAST)
+        dp = dot(do.to(vt.dtype), tl.trans(vt), UPCAST)
         ds = p * (dp - delta[:, None])
-        dk += _dot(tl.trans(ds).to(q.dtype), q, UPCAST)
+        dk += dot(tl.trans(ds).to(q.dtype), q, UPCAST)
     out_off = bk * sdkb + hk * sdkh + offs_n[:, None] * sdkn + offs_d[None, :]
     tl.store(DK + out_off, dk * scale, mask=nd_ok)
     tl.store(DV + out_off, dv, mask=nd_ok)
 
 
 def _blocks(device):
-    if os.environ.get("TRITON_INTERPRET") == "1" or device.type == "cpu":
+    if interpreted(device):
         return 32, 32  # the interpreter pays per program: few, moderate tiles
     return 64, 64
 
@@ -219,7 +191,7 @@ def _tiles(starts: torch.Tensor, ends: torch.Tensor, block: int) -> tuple[torch.
 
 
 def _upcast(q) -> bool:
-    return q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1" or q.device.type == "cpu"
+    return q.dtype == torch.float32 or interpreted(q.device)
 
 
 class _PairsAttention(torch.autograd.Function):
@@ -237,7 +209,7 @@ class _PairsAttention(torch.autograd.Function):
                 pairs["seg_k0"], pairs["seg_k1"], out, lse,
                 q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                 v.stride(0), v.stride(1), v.stride(2),
-                q.shape[1], k.shape[1], q.shape[2], d, scale * _LOG2E,
+                q.shape[1], k.shape[1], q.shape[2], d, scale * LOG2E,
                 CAUSAL=causal, UPCAST=_upcast(q), BLOCK_M=bm, BLOCK_N=bn,
                 BLOCK_D=max(16, triton.next_power_of_2(d)))
         ctx.save_for_backward(q, k, v, out, lse, tseg, trow, *(pairs[n] for n in _PAIR_KEYS))
@@ -250,10 +222,7 @@ class _PairsAttention(torch.autograd.Function):
         pairs = dict(zip(_PAIR_KEYS, rest))
         d = q.shape[-1]
         dout = torch.zeros_like(out) if dout is None else dout.float().contiguous()
-        delta = (dout * out).sum(-1)
-        if dlse is not None:
-            delta = delta - dlse.float()
-        delta = delta.contiguous()
+        delta = row_delta(dout, out, dlse)  # out is float32 here (the pairs' outputs)
         bm, bn = _blocks(q.device)
         common = dict(CAUSAL=ctx.causal, UPCAST=_upcast(q), BLOCK_M=bm, BLOCK_N=bn,
                       BLOCK_D=max(16, triton.next_power_of_2(d)))
@@ -266,13 +235,13 @@ class _PairsAttention(torch.autograd.Function):
             _bwd_dq_kernel[(tseg.numel(),)](
                 q, k, v, pairs["row"], pairs["pos"], tseg, trow, pairs["seg_end"], pairs["seg_kv"],
                 pairs["seg_k0"], pairs["seg_k1"], dout, lse, delta, dq_p, *strides,
-                q.shape[1], k.shape[1], q.shape[2], d, ctx.scale * _LOG2E, ctx.scale, **common)
+                q.shape[1], k.shape[1], q.shape[2], d, ctx.scale * LOG2E, ctx.scale, **common)
             bseg, bstart = _tiles(pairs["seg_k0"], pairs["seg_k1"], bn)
             _bwd_dkdv_kernel[(bseg.numel(),)](
                 q, k, v, pairs["row"], pairs["pos"], bseg, bstart, pairs["seg_start"], pairs["seg_end"],
                 pairs["seg_kv"], pairs["seg_k1"], dout, lse, delta, dk, dv, *strides,
                 dk.stride(0), dk.stride(1), dk.stride(2),
-                q.shape[1], k.shape[1], q.shape[2], d, ctx.scale * _LOG2E, ctx.scale, **common)
+                q.shape[1], k.shape[1], q.shape[2], d, ctx.scale * LOG2E, ctx.scale, **common)
         dq = torch.zeros(q.numel() // d, d, dtype=torch.float32, device=q.device).index_add_(0, pairs["row"], dq_p)
         return dq.view(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 

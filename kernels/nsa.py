@@ -37,15 +37,12 @@ pair the two under ``TRITON_INTERPRET=1`` (kernels on CPU tensors).
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from .attention import _delta, _prep
-
-_LOG2E = 1.4426950408889634
+from .common import LOG2E, interpreted, prep, row_delta
 
 # Notes on style, mostly for the CPU interpreter (TRITON_INTERPRET=1), which the tests use:
 # * The kernels call no @triton.jit helper (not even tl.zeros / tl.max / tl.sum, which are jit
@@ -69,10 +66,6 @@ except AttributeError:  # pragma: no cover - a Triton that renamed them: same re
         return a + b
 
 
-def _interpreted(device) -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1" or device.type == "cpu"
-
-
 def _compute(q: torch.Tensor) -> dict:
     """Compute dtype of the tiles and dot precision.
 
@@ -80,7 +73,7 @@ def _compute(q: torch.Tensor) -> dict:
     fp32 accumulation. Anything in the CPU interpreter: upcast to fp32, because the interpreter
     computes bf16/fp16 dots wrongly.
     """
-    if q.dtype in (torch.float32, torch.float64) or _interpreted(q.device):
+    if q.dtype in (torch.float32, torch.float64) or interpreted(q.device):
         return dict(CDT=tl.float32, DOT="ieee")
     # DOT None: the backend's default, meaningless for half inputs (and "tf32" is not allowed on every backend)
     return dict(CDT=tl.float16 if q.dtype == torch.float16 else tl.bfloat16, DOT=None)
@@ -269,7 +262,7 @@ def _gpu_block(dtype: torch.dtype, block_d: int) -> int:
 
 def _band_blocks(d: int, q: torch.Tensor) -> tuple[int, int, int]:
     block_d = max(16, triton.next_power_of_2(d))
-    if _interpreted(q.device):
+    if interpreted(q.device):
         return 32, 32, block_d  # the interpreter: moderate tiles (and the tests reach the band skipping)
     block = _gpu_block(q.dtype, block_d)
     return block, block, block_d
@@ -284,7 +277,7 @@ def _band_forward(q, k, v, nk, geom, scale):
     if NQ:
         _band_fwd_kernel[(triton.cdiv(NQ * (HQ // HK), bm), B * HK)](
             q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
-            HQ, HK, HQ // HK, NQ, nk, D, *geom, scale * _LOG2E,
+            HQ, HK, HQ // HK, NQ, nk, D, *geom, scale * LOG2E,
             **_compute(q), BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd)
     return o, lse
 
@@ -293,7 +286,7 @@ def _band_backward(q, k, v, nk, geom, scale, o, lse, do, dlse):
     B, HQ, NQ, D = q.shape
     HK = k.shape[1]
     do = do.contiguous()
-    delta = _delta(do, o, dlse)
+    delta = row_delta(do, o, dlse)
     dq = torch.zeros(q.shape, device=q.device, dtype=q.dtype)
     # zeros: key rows past nk (a preallocated cache) get no gradient and no program writes them
     dk = torch.zeros(k.shape, device=k.device, dtype=k.dtype)
@@ -305,18 +298,18 @@ def _band_backward(q, k, v, nk, geom, scale, o, lse, do, dlse):
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3])
     _band_bwd_dq_kernel[(triton.cdiv(NQ * (HQ // HK), bm), B * HK)](
         q, k, v, do, lse, delta, dq, *strides, *dq.stride()[:3],
-        HQ, HK, HQ // HK, NQ, nk, D, *geom, scale * _LOG2E, scale, **common)
+        HQ, HK, HQ // HK, NQ, nk, D, *geom, scale * LOG2E, scale, **common)
     if nk > 0:
         _band_bwd_dkdv_kernel[(triton.cdiv(nk, bn), B * HK)](
             q, k, v, do, lse, delta, dk, dv, *strides, *dk.stride()[:3],
-            HQ, HK, HQ // HK, NQ, nk, D, *geom, scale * _LOG2E, scale, **common)
+            HQ, HK, HQ // HK, NQ, nk, D, *geom, scale * LOG2E, scale, **common)
     return dq, dk, dv
 
 
 class _BandAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, nk, geom, scale):
-        q, k, v = _prep(q), _prep(k), _prep(v)
+        q, k, v = prep(q), prep(k), prep(v)
         o, lse = _band_forward(q, k, v, nk, geom, scale)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.nk, ctx.geom, ctx.scale = nk, geom, scale
@@ -465,15 +458,15 @@ def selection_scores(q, k_cmp, lse_cmp, *, scale=None, compress_block: int = 32,
     if NQ == 0 or ns == 0:
         return out
     with torch.no_grad():
-        q, k_cmp = _prep(q.detach()), _prep(k_cmp.detach())
+        q, k_cmp = prep(q.detach()), prep(k_cmp.detach())
         lse_cmp = lse_cmp.detach().float().contiguous()
         block_d = max(16, triton.next_power_of_2(D))
-        big = q.dtype in (torch.float32, torch.float64) and block_d > 128 and not _interpreted(q.device)
+        big = q.dtype in (torch.float32, torch.float64) and block_d > 128 and not interpreted(q.device)
         bm, bc, bs = _SCORE_BLOCKS or ((16, 16, 16) if big else (32, 32, 32))
         grid = (triton.cdiv(NQ, bm), triton.cdiv(ns, bs), B * HK)
         _scores_kernel[grid](q, k_cmp, lse_cmp, out, *q.stride()[:3], *k_cmp.stride()[:3],
                              HQ, HK, HQ // HK, NQ, NC, ns, D, kv_len - NQ, l, s, sel,
-                             int(init_blocks), int(local_blocks), _scale(scale, D) * _LOG2E,
+                             int(init_blocks), int(local_blocks), _scale(scale, D) * LOG2E,
                              **_compute(q), BLOCK_M=bm, BLOCK_C=bc, BLOCK_S=bs, BLOCK_D=block_d)
     return out
 
@@ -656,7 +649,7 @@ def _sel_blocks(d: int, group: int, sel: int, slots: int, q: torch.Tensor) -> di
     """Tile sizes of the selected-attention kernels (every tl.dot dimension >= 16)."""
     block_d = max(16, triton.next_power_of_2(d))
     block_g = max(16, triton.next_power_of_2(group))  # tl.dot needs >= 16 rows: pad with masked heads
-    if _interpreted(q.device):
+    if interpreted(q.device):
         # few, large tiles: the interpreter pays per operation; one tile of every slot x a whole block
         block_n = max(16, min(128, triton.next_power_of_2(sel)))
         n_slots = max(1, min(triton.next_power_of_2(max(slots, 1)), 256 // block_n))
@@ -691,7 +684,7 @@ def _users(idx: torch.Tensor, ns: int) -> tuple[torch.Tensor, torch.Tensor]:
 class _SelectedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, idx, scale, sel, kv_len):
-        q, k, v = _prep(q), _prep(k), _prep(v)
+        q, k, v = prep(q), prep(k), prep(v)
         B, HQ, NQ, D = q.shape
         HK = k.shape[1]
         S = idx.shape[-1]
@@ -701,7 +694,7 @@ class _SelectedAttention(torch.autograd.Function):
         if NQ:
             _sel_fwd_kernel[(NQ, B * HK)](
                 q, k, v, idx, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
-                HQ, HK, HQ // HK, NQ, kv_len, D, S, kv_len - NQ, sel, scale * _LOG2E,
+                HQ, HK, HQ // HK, NQ, kv_len, D, S, kv_len - NQ, sel, scale * LOG2E,
                 **_compute(q), SLOTS=blk["SLOTS"], BLOCK_G=blk["BLOCK_G"], BLOCK_N=blk["BLOCK_N"],
                 BLOCK_D=blk["BLOCK_D"])
         ctx.save_for_backward(q, k, v, idx, o, lse)
@@ -718,7 +711,7 @@ class _SelectedAttention(torch.autograd.Function):
         S = idx.shape[-1]
         ns = triton.cdiv(kv_len, sel)
         do = torch.zeros_like(o) if do is None else do.to(o.dtype).contiguous()
-        delta = _delta(do, o, dlse)
+        delta = row_delta(do, o, dlse)
         dq = torch.zeros(q.shape, device=q.device, dtype=q.dtype)
         # zeros: keys nobody selected (and cache rows past kv_len) get no program
         dk = torch.zeros(k.shape, device=k.device, dtype=k.dtype)
@@ -729,12 +722,12 @@ class _SelectedAttention(torch.autograd.Function):
         strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3])
         _sel_bwd_dq_kernel[(NQ, B * HK)](
             q, k, v, idx, do, lse, delta, dq, *strides, *dq.stride()[:3],
-            HQ, HK, G, NQ, kv_len, D, S, kv_len - NQ, sel, scale * _LOG2E, scale,
+            HQ, HK, G, NQ, kv_len, D, S, kv_len - NQ, sel, scale * LOG2E, scale,
             **_compute(q), SLOTS=blk["SLOTS"], BLOCK_G=blk["BLOCK_G"], BLOCK_N=blk["BLOCK_N"], BLOCK_D=blk["BLOCK_D"])
         users, start = _users(idx, ns)
         _sel_bwd_dkdv_kernel[(B * HK * ns, triton.cdiv(sel, blk["BLOCK_N"]))](
             q, k, v, do, lse, delta, users, start, dk, dv, *strides, *dk.stride()[:3],
-            HQ, HK, G, NQ, kv_len, ns, D, kv_len - NQ, sel, blk["BLOCK_R"] // G, scale * _LOG2E, scale,
+            HQ, HK, G, NQ, kv_len, ns, D, kv_len - NQ, sel, blk["BLOCK_R"] // G, scale * LOG2E, scale,
             **_compute(q), BLOCK_R=blk["BLOCK_R"], BLOCK_N=blk["BLOCK_N"], BLOCK_D=blk["BLOCK_D"])
         return dq, dk, dv, None, None, None, None
 

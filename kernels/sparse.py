@@ -28,16 +28,11 @@ tests pair the two under ``TRITON_INTERPRET=1``.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from .attention import _delta
-from .moba import _dot, _softmax_step  # exact fp32 / interpreter-safe dots and the online-softmax step
-
-_LOG2E = 1.4426950408889634
+from .common import LOG2E, dot, interpreted, row_delta, softmax_step
 
 
 @triton.jit
@@ -77,7 +72,7 @@ def _fwd_kernel(Q, K, V, O, Lse,
         if CAUSAL:
             visible = visible & (j[None, :] <= pos[:, None])
         kmask = j_ok[:, None] & d_ok[None, :]
-        m_i, l_i, acc = _softmax_step(q, k_base + j[:, None] * skn + offs_d[None, :],
+        m_i, l_i, acc = softmax_step(q, k_base + j[:, None] * skn + offs_d[None, :],
                                       v_base + j[:, None] * svn + offs_d[None, :], kmask, visible,
                                       m_i, l_i, acc, qk_scale, UPCAST)
     # 2. the band of this tile's rows, keys >= G only (subsequence indices >= KMIN)
@@ -91,7 +86,7 @@ def _fwd_kernel(Q, K, V, O, Lse,
         kpos = POS_C + R * t
         visible = u_ok[:, None] & t_ok[None, :] & (t[None, :] >= s[:, None] - LO) & (t[None, :] <= s[:, None] + HI)
         kmask = t_ok[:, None] & d_ok[None, :]
-        m_i, l_i, acc = _softmax_step(q, k_base + kpos[:, None] * skn + offs_d[None, :],
+        m_i, l_i, acc = softmax_step(q, k_base + kpos[:, None] * skn + offs_d[None, :],
                                       v_base + kpos[:, None] * svn + offs_d[None, :], kmask, visible,
                                       m_i, l_i, acc, qk_scale, UPCAST)
     seen = l_i > 0
@@ -147,9 +142,9 @@ def _bwd_dq_kernel(Q, K, V, DO, Lse, Delta, DQ,
         kmask = j_ok[:, None] & d_ok[None, :]
         kt = tl.load(k_base + j[:, None] * skn + offs_d[None, :], mask=kmask, other=0.0)
         vt = tl.load(v_base + j[:, None] * svn + offs_d[None, :], mask=kmask, other=0.0)
-        p = tl.where(visible, tl.exp2(_dot(q, tl.trans(kt), UPCAST) * qk_scale - lse2[:, None]), 0.0)
-        ds = p * (_dot(do.to(vt.dtype), tl.trans(vt), UPCAST) - delta[:, None])
-        dq += _dot(ds.to(kt.dtype), kt, UPCAST)
+        p = tl.where(visible, tl.exp2(dot(q, tl.trans(kt), UPCAST) * qk_scale - lse2[:, None]), 0.0)
+        ds = p * (dot(do.to(vt.dtype), tl.trans(vt), UPCAST) - delta[:, None])
+        dq += dot(ds.to(kt.dtype), kt, UPCAST)
     s_first = S0 + pid_m * BLOCK_M
     s_last = S0 + tl.minimum(pid_m * BLOCK_M + BLOCK_M, MQ) - 1
     b_end = tl.minimum(NS, s_last + HI + 1)
@@ -161,9 +156,9 @@ def _bwd_dq_kernel(Q, K, V, DO, Lse, Delta, DQ,
         kmask = t_ok[:, None] & d_ok[None, :]
         kt = tl.load(k_base + kpos[:, None] * skn + offs_d[None, :], mask=kmask, other=0.0)
         vt = tl.load(v_base + kpos[:, None] * svn + offs_d[None, :], mask=kmask, other=0.0)
-        p = tl.where(visible, tl.exp2(_dot(q, tl.trans(kt), UPCAST) * qk_scale - lse2[:, None]), 0.0)
-        ds = p * (_dot(do.to(vt.dtype), tl.trans(vt), UPCAST) - delta[:, None])
-        dq += _dot(ds.to(kt.dtype), kt, UPCAST)
+        p = tl.where(visible, tl.exp2(dot(q, tl.trans(kt), UPCAST) * qk_scale - lse2[:, None]), 0.0)
+        ds = p * (dot(do.to(vt.dtype), tl.trans(vt), UPCAST) - delta[:, None])
+        dq += dot(ds.to(kt.dtype), kt, UPCAST)
     tl.store(DQ + g_off, dq * scale, mask=rd_ok)
 
 
@@ -228,17 +223,17 @@ def _bwd_dkdv_kernel(Q, K, V, DO, Lse, Delta, DK, DV,
             else:
                 sq = S0 + u
                 visible = visible & (t[None, :] >= sq[:, None] - LO) & (t[None, :] <= sq[:, None] + HI)
-            p = tl.where(visible, tl.exp2(_dot(q, tl.trans(kt), UPCAST) * qk_scale - lse2[:, None]), 0.0)
-            dv += _dot(tl.trans(p).to(do.dtype), do, UPCAST)
-            ds = p * (_dot(do.to(vt.dtype), tl.trans(vt), UPCAST) - delta[:, None])
-            dk += _dot(tl.trans(ds).to(q.dtype), q, UPCAST)
+            p = tl.where(visible, tl.exp2(dot(q, tl.trans(kt), UPCAST) * qk_scale - lse2[:, None]), 0.0)
+            dv += dot(tl.trans(p).to(do.dtype), do, UPCAST)
+            ds = p * (dot(do.to(vt.dtype), tl.trans(vt), UPCAST) - delta[:, None])
+            dk += dot(tl.trans(ds).to(q.dtype), q, UPCAST)
     out_off = ((b * HK + hk) * NK + kpos)[:, None] * D + offs_d[None, :]
     tl.store(DK + out_off, dk * scale, mask=kd_ok)
     tl.store(DV + out_off, dv, mask=kd_ok)
 
 
 def _blocks(q) -> tuple[int, int]:
-    if os.environ.get("TRITON_INTERPRET") == "1" or q.device.type == "cpu":
+    if interpreted(q.device):
         return 32, 32  # the interpreter pays per program: few, moderate tiles
     if q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 64:
         return 64, 64
@@ -248,8 +243,7 @@ def _blocks(q) -> tuple[int, int]:
 
 
 def _upcast(q) -> bool:
-    return q.dtype in (torch.float32, torch.float64) or os.environ.get("TRITON_INTERPRET") == "1" \
-        or q.device.type == "cpu"
+    return q.dtype in (torch.float32, torch.float64) or interpreted(q.device)
 
 
 def _classes(nq: int, nk: int, window: int, global_tokens: int, dilation: int, causal: bool):
@@ -279,7 +273,7 @@ def _forward(q, k, v, window, global_tokens, dilation, causal, scale):
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
             hq, hq // hk, nq, i0, mq, s0, ns, kmin, lo, hi, min(global_tokens, nk), c, dilation, nk - nq, d,
-            scale * _LOG2E, CAUSAL=bool(causal), UPCAST=_upcast(q), BLOCK_M=bm, BLOCK_N=bn,
+            scale * LOG2E, CAUSAL=bool(causal), UPCAST=_upcast(q), BLOCK_M=bm, BLOCK_N=bn,
             BLOCK_D=max(16, triton.next_power_of_2(d)))
     return out, lse
 
@@ -288,7 +282,7 @@ def _backward(q, k, v, out, lse, dout, dlse, window, global_tokens, dilation, ca
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     dout = dout.contiguous()
-    delta, lse = _delta(dout, out, dlse), lse.contiguous()
+    delta, lse = row_delta(dout, out, dlse), lse.contiguous()
     dq = torch.zeros((b, hq, nq, d), dtype=torch.float32, device=q.device)
     dk = torch.zeros((b, hk, nk, d), dtype=torch.float32, device=q.device)
     dv = torch.zeros((b, hk, nk, d), dtype=torch.float32, device=q.device)
@@ -301,16 +295,16 @@ def _backward(q, k, v, out, lse, dout, dlse, window, global_tokens, dilation, ca
     for c, i0, mq, s0, ns, kmin, lo, hi in _classes(nq, nk, window, global_tokens, dilation, causal):
         _bwd_dq_kernel[(triton.cdiv(mq, bm), b * hq)](
             q, k, v, dout, lse, delta, dq, *strides,
-            hq, hq // hk, nq, i0, mq, s0, ns, kmin, lo, hi, ng, c, dilation, off, d, scale * _LOG2E, scale, **meta)
+            hq, hq // hk, nq, i0, mq, s0, ns, kmin, lo, hi, ng, c, dilation, off, d, scale * LOG2E, scale, **meta)
         if ns > kmin:  # the class's band keys (positions >= G)
             _bwd_dkdv_kernel[(triton.cdiv(ns - kmin, bn), b * hk)](
                 q, k, v, dout, lse, delta, dk, dv, *strides,
-                hq, hk, hq // hk, nq, nk, i0, mq, s0, kmin, ns, lo, hi, c, dilation, off, d, scale * _LOG2E,
+                hq, hk, hq // hk, nq, nk, i0, mq, s0, kmin, ns, lo, hi, c, dilation, off, d, scale * LOG2E,
                 scale, GLOBAL=False, **meta)
     if ng > 0:  # the global keys, seen by rows of every class
         _bwd_dkdv_kernel[(triton.cdiv(ng, bn), b * hk)](
             q, k, v, dout, lse, delta, dk, dv, *strides,
-            hq, hk, hq // hk, nq, nk, 0, nq, 0, 0, ng, 0, 0, 0, 1, off, d, scale * _LOG2E,
+            hq, hk, hq // hk, nq, nk, 0, nq, 0, 0, ng, 0, 0, 0, 1, off, d, scale * LOG2E,
             scale, GLOBAL=True, **meta)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
