@@ -122,8 +122,10 @@ def _band_fwd_kernel(Q, K, V, O, Lse,
     for start_n in range(n_start, n_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < NK
-        kt = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0).to(CDT)
-        vt = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0).to(CDT)
+        kt = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :],
+                     mask=n_ok[:, None] & d_ok[None, :], other=0.0).to(CDT)
+        vt = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :],
+                     mask=n_ok[:, None] & d_ok[None, :], other=0.0).to(CDT)
         s = tl.dot(q, tl.trans(kt), input_precision=DOT) * qk_scale  # log2 domain
         # key n visible iff it exists, lies wholly at or before t (n*STRIDE + OFF <= t), is in the window
         visible = (r_ok[:, None] & n_ok[None, :] & (offs_n[None, :] * STRIDE + OFF <= t[:, None])
@@ -164,7 +166,8 @@ def _band_bwd_dq_kernel(Q, K, V, DO, Lse, Delta, DQ,
     t = SHIFT + pos
     rd_mask = r_ok[:, None] & d_ok[None, :]
     q = tl.load(Q + b * sqb + h[:, None] * sqh + pos[:, None] * sqm + offs_d[None, :], mask=rd_mask, other=0.0).to(CDT)
-    do = tl.load(DO + b * sdb + h[:, None] * sdh + pos[:, None] * sdm + offs_d[None, :], mask=rd_mask, other=0.0).to(CDT)
+    do = tl.load(DO + b * sdb + h[:, None] * sdh + pos[:, None] * sdm + offs_d[None, :],
+                 mask=rd_mask, other=0.0).to(CDT)
     rows = (b * HQ + h) * NQ + pos
     lse = tl.load(Lse + rows, mask=r_ok, other=0.0)
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)  # empty rows: p = 0
@@ -179,8 +182,10 @@ def _band_bwd_dq_kernel(Q, K, V, DO, Lse, Delta, DQ,
     for start_n in range(n_start, n_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < NK
-        kt = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0).to(CDT)
-        vt = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0).to(CDT)
+        kt = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :],
+                     mask=n_ok[:, None] & d_ok[None, :], other=0.0).to(CDT)
+        vt = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :],
+                     mask=n_ok[:, None] & d_ok[None, :], other=0.0).to(CDT)
         s = tl.dot(q, tl.trans(kt), input_precision=DOT) * qk_scale
         visible = (r_ok[:, None] & n_ok[None, :] & (offs_n[None, :] * STRIDE + OFF <= t[:, None])
                    & (offs_n[None, :] > t[:, None] - WIN))
@@ -188,7 +193,8 @@ def _band_bwd_dq_kernel(Q, K, V, DO, Lse, Delta, DQ,
         dp = tl.dot(do, tl.trans(vt), input_precision=DOT)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(kt.dtype), kt, input_precision=DOT)
-    tl.store(DQ + b * sgb + h[:, None] * sgh + pos[:, None] * sgm + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
+    tl.store(DQ + b * sgb + h[:, None] * sgh + pos[:, None] * sgm + offs_d[None, :],
+             (dq * scale).to(DQ.dtype.element_ty),
              mask=rd_mask)
 
 
@@ -375,8 +381,8 @@ def window_attention(q, k, v, *, scale=None, window: int = 512, kv_len: int | No
 def _scores_kernel(Q, KC, Lse, Out,
                    sqb, sqh, sqm, skb, skh, skn,
                    HQ, HK, GROUP, NQ, NC, NS, D, SHIFT, CMP_L, CMP_S, SEL, INIT, LOCAL, qk_scale,
-                   CDT: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
-                   BLOCK_D: tl.constexpr):
+                   CDT: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+                   BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     # One program per (query tile, selection-block tile, batch x KV head): it loads each compressed
     # key tile once and the query heads of the whole group against it, sums their probabilities
     # over the group, then maps compressed blocks to selection blocks with a 0/1 overlap matrix.
@@ -405,7 +411,8 @@ def _scores_kernel(Q, KC, Lse, Out,
     for start_c in range(c_start, c_end, BLOCK_C):
         offs_c = start_c + tl.arange(0, BLOCK_C)
         c_ok = offs_c < NC
-        kc = tl.load(kc_base + offs_c[:, None] * skn + offs_d[None, :], mask=c_ok[:, None] & d_ok[None, :], other=0.0).to(CDT)
+        kc = tl.load(kc_base + offs_c[:, None] * skn + offs_d[None, :],
+                     mask=c_ok[:, None] & d_ok[None, :], other=0.0).to(CDT)
         visible = m_ok[:, None] & c_ok[None, :] & (offs_c[None, :] * CMP_S + CMP_L - 1 <= t[:, None])
         p_sum = tl.full([BLOCK_M, BLOCK_C], 0.0, tl.float32)
         for g in range(0, GROUP):
@@ -626,7 +633,8 @@ def _sel_bwd_dkdv_kernel(Q, K, V, DO, Lse, Delta, Users, UserStart, DK, DV,
         r_ok = (r_user < USERS_PER_TILE) & (u < u1)
         i = tl.load(Users + u, mask=r_ok, other=0).to(tl.int64)
         rd_mask = r_ok[:, None] & d_ok[None, :]
-        q = tl.load(Q + b * sqb + h[:, None] * sqh + i[:, None] * sqm + offs_d[None, :], mask=rd_mask, other=0.0).to(CDT)
+        q = tl.load(Q + b * sqb + h[:, None] * sqh + i[:, None] * sqm + offs_d[None, :],
+                    mask=rd_mask, other=0.0).to(CDT)
         do = tl.load(DO + b * sdb + h[:, None] * sdh + i[:, None] * sdm + offs_d[None, :], mask=rd_mask,
                      other=0.0).to(CDT)
         rows = (b * HQ + h) * NQ + i
@@ -745,7 +753,8 @@ def selected_attention(q, k, v, idx, *, scale=None, select_block: int = 64, kv_l
     B, HQ, NQ, _ = q.shape
     HK = k.shape[1]
     if idx.dim() != 4 or tuple(idx.shape[:3]) != (B, HK, NQ):
-        raise ValueError(f"selected_attention: idx must be [b, hk, nq, S] = [{B}, {HK}, {NQ}, S]; got {tuple(idx.shape)}")
+        raise ValueError(f"selected_attention: idx must be [b, hk, nq, S] = [{B}, {HK}, {NQ}, S]; "
+                         f"got {tuple(idx.shape)}")
     if kv_len > k.shape[2] or select_block < 1:
         raise ValueError(f"selected_attention: need kv_len <= k.shape[2] ({k.shape[2]}) and select_block >= 1; "
                          f"got {kv_len}, {select_block}")
