@@ -1,8 +1,8 @@
 import pytest
 import torch
+from helpers import dense_attention
 
 from longpatch.ops import exact_attention, merge_lse
-from helpers import dense_attention
 
 
 @pytest.mark.parametrize("hq,hk", [(4, 4), (4, 2), (6, 1)])

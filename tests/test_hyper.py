@@ -3,12 +3,12 @@ import math
 
 import pytest
 import torch
+from helpers import logits
 
 from longpatch.errors import ConfigError
 from longpatch.methods import get_method
 from longpatch.methods.hyper import attention_lse_reference, gray_rank, lsh_directions, lsh_sort_keys
 from longpatch.ops import exact_attention, hyper_attention
-from helpers import logits
 
 
 def rel_err(a, b):

@@ -154,13 +154,15 @@ def _check_branch(kernel, refs, inputs, kw, gen):
         ref_out, ref_lse = ref(*inputs, **kw)
         assert torch.equal(torch.isfinite(lse), torch.isfinite(ref_lse)), ref.__name__
         fin = torch.isfinite(ref_lse)
-        torch.testing.assert_close(out.double(), ref_out.double(), **fwd_tol, msg=lambda m: f"{ref.__name__}: {m}")
+        name = ref.__name__
+        torch.testing.assert_close(out.double(), ref_out.double(), **fwd_tol, msg=lambda m, name=name: f"{name}: {m}")
         torch.testing.assert_close(lse[fin].double(), ref_lse[fin].double(), **fwd_tol,
-                                   msg=lambda m: f"{ref.__name__}: {m}")
+                                   msg=lambda m, name=ref.__name__: f"{name}: {m}")
         want = torch.autograd.grad(_loss(ref_out, ref_lse, w, u), diff)
         for a, b in zip(got, want):
             assert a.dtype == dtype
-            torch.testing.assert_close(a.double(), b.double(), **bwd_tol, msg=lambda m: f"{ref.__name__} grad: {m}")
+            torch.testing.assert_close(a.double(), b.double(), **bwd_tol,
+                                       msg=lambda m, name=name: f"{name} grad: {m}")
     return out, lse
 
 

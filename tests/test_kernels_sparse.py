@@ -5,10 +5,11 @@ import torch
 
 pytest.importorskip("triton")
 
+from test_sparse import oracle, rand, spec  # noqa: E402
+
+from longpatch.kernels.sparse import window_global_attention  # noqa: E402
 from longpatch.methods import sparse as sp  # noqa: E402
 from longpatch.methods.sparse import sparse_attention  # noqa: E402
-from longpatch.kernels.sparse import window_global_attention  # noqa: E402
-from test_sparse import oracle, rand, spec  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

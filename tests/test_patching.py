@@ -3,11 +3,11 @@ import logging
 
 import pytest
 import torch
+from helpers import PROBE_CALLS, logits
 
 import longpatch
-from longpatch import ConfigError, routing, patch_model, patched, patched_layers, unpatch_model
+from longpatch import ConfigError, patch_model, patched, patched_layers, routing, unpatch_model
 from longpatch.testing.tiny import tiny_model
-from helpers import PROBE_CALLS, logits
 
 HF = ["llama", "phi", "qwen2", "mistral"]
 

@@ -39,7 +39,8 @@ def _base_function(base: str, module):
     if base == "eager":
         fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
         if fn is None:
-            raise UnsupportedModelError(f"{type(module).__name__}: no eager_attention_forward to fall back to; load the model with attn_implementation='sdpa'")
+            raise UnsupportedModelError(f"{type(module).__name__}: no eager_attention_forward to fall back to; "
+                                        "load the model with attn_implementation='sdpa'")
         return fn
     return ALL_ATTENTION_FUNCTIONS[base]
 
@@ -62,7 +63,8 @@ def _make_attention(base: str):
 
         def original():
             mask = _eager_mask(attention_mask, query, key, causal) if base == "eager" else attention_mask
-            return _base_function(base, module)(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
+            fn = _base_function(base, module)
+            return fn(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
 
         route: LayerRoute | None = getattr(module, ROUTE_ATTR, None)
         if route is None:
@@ -105,7 +107,8 @@ def _register(base: str) -> str:
 
 class HFAttentionInterfaceFamily:
     name = "hf"
-    summary = "transformers models dispatching through AttentionInterface (Llama, Phi, Mistral, Qwen2/3, GLM-4, Gemma, ...)"
+    summary = ("transformers models dispatching through AttentionInterface "
+               "(Llama, Phi, Mistral, Qwen2/3, GLM-4, Gemma, ...)")
 
     def matches(self, model) -> bool:
         return isinstance(model, PreTrainedModel) and bool(_attention_modules(model))
@@ -118,11 +121,13 @@ class HFAttentionInterfaceFamily:
         if base.startswith(PREFIX):
             raise UnsupportedModelError("model is already patched by longpatch; call unpatch_model first")
         if base not in ("sdpa", "eager") and base not in ALL_ATTENTION_FUNCTIONS:
-            raise UnsupportedModelError(f"attn_implementation {base!r} cannot be wrapped; use sdpa, eager or flash_attention_2")
+            raise UnsupportedModelError(f"attn_implementation {base!r} cannot be wrapped; "
+                                        "use sdpa, eager or flash_attention_2")
         key = _register(base)
         model.set_attn_implementation(key)
         if model.config._attn_implementation != key:
-            raise UnsupportedModelError(f"{type(model).__name__} does not let its attention implementation be switched at runtime")
+            raise UnsupportedModelError(f"{type(model).__name__} does not let its attention implementation "
+                                        "be switched at runtime")
         model._longpatch_base_impl = base
         for m in _attention_modules(model):
             route = routes[m.layer_idx]

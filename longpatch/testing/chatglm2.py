@@ -22,7 +22,8 @@ class ChatGLMConfig(PretrainedConfig):
                  kv_channels=16, num_attention_heads=4, multi_query_attention=True,
                  multi_query_group_num=2, seq_length=4096, rope_ratio=1.0, layernorm_epsilon=1e-5, **kw):
         self.num_layers, self.padded_vocab_size, self.hidden_size = num_layers, padded_vocab_size, hidden_size
-        self.ffn_hidden_size, self.kv_channels, self.num_attention_heads = ffn_hidden_size, kv_channels, num_attention_heads
+        self.ffn_hidden_size, self.kv_channels = ffn_hidden_size, kv_channels
+        self.num_attention_heads = num_attention_heads
         self.multi_query_attention, self.multi_query_group_num = multi_query_attention, multi_query_group_num
         self.seq_length, self.rope_ratio, self.layernorm_epsilon = seq_length, rope_ratio, layernorm_epsilon
         super().__init__(**kw)

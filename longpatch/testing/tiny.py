@@ -45,7 +45,8 @@ BUILDERS = {"llama": _llama, "phi": _phi, "qwen2": _qwen2, "mistral": _mistral, 
 def tiny_model(name: str, seed: int = 0, attn_implementation: str = "sdpa", dtype=torch.float32, **overrides):
     """A small random-weight model of family `name` in eval mode."""
     if name not in BUILDERS:
-        raise ConfigError(f"model: tiny:{name} is not a tiny model; allowed: {', '.join('tiny:' + n for n in BUILDERS)}")
+        allowed = ", ".join("tiny:" + n for n in BUILDERS)
+        raise ConfigError(f"model: tiny:{name} is not a tiny model; allowed: {allowed}")
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         if name != "chatglm2":
