@@ -1,6 +1,7 @@
 """Helpers every attention op shares: shape checks, GQA views, LSE merges, backend choice."""
 from __future__ import annotations
 
+import functools
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -60,7 +61,9 @@ def nonfinite_rows(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
     """Bool [b, kv_heads, kv_len]: the positions whose key or value row holds a NaN or an inf; None
     when every row is finite (the usual case: one summing pass over k and v decides it)."""
     acc = acc_dtype(k.dtype)
-    if bool(torch.isfinite(k.sum(dtype=acc) + v.sum(dtype=acc))):  # NaN/inf propagate into the sums
+    # NaN/inf propagate into the sums (each summed on its own: a bad call with k and v on different
+    # devices must reach the op's own one-line check, not fail here)
+    if bool(torch.isfinite(k.sum(dtype=acc))) and bool(torch.isfinite(v.sum(dtype=acc))):
         return None
     bad = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))
     return bad if bool(bad.any()) else None  # the sums overflowed on finite inputs
@@ -88,6 +91,23 @@ def isolate_nonfinite(op, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bad
         return res.masked_fill(hit, float("nan"))
     out, lse = res
     return out.masked_fill(hit, float("nan")), lse.masked_fill(hit[..., 0], float("nan"))
+
+
+def guards_nonfinite(op):
+    """Decorator of an attention op ``op(q, k, v, *, ..., return_lse=False, ...)``: when a key or value
+    row holds NaN/inf, run it through ``isolate_nonfinite`` so that rows that do not attend to that
+    position do not depend on it. Every op needs it: fused kernels weigh masked values by 0 (0 * NaN =
+    NaN), chunked prefix sums are GEMMs with 0/1 matrices, performer's key stabiliser is shared, and
+    NSA's gate 0 multiplies a NaN branch. Finite inputs pay one summing pass over k and v."""
+    @functools.wraps(op)
+    def guarded(q, k, v, **kwargs):
+        floats = all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in (k, v))
+        bad = nonfinite_rows(k, v) if floats else None
+        if bad is None:
+            return op(q, k, v, **kwargs)
+        return isolate_nonfinite(lambda q_, k_, v_: op(q_, k_, v_, **kwargs), q, k, v, bad,
+                                 bool(kwargs.get("return_lse", False)))
+    return guarded
 
 
 def default_scale(scale: float | None, head_dim: int) -> float:

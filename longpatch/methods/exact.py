@@ -9,14 +9,14 @@ from .common import (
     causal_mask,
     check_qkv,
     default_scale,
-    isolate_nonfinite,
-    nonfinite_rows,
+    guards_nonfinite,
     resolve_backend,
 )
 from .cpu_flash import FA_CPU, CpuFlashLSE
 from .lse_attention import attention_lse_reference
 
 
+@guards_nonfinite
 def exact_attention(q, k, v, *, causal: bool = True, scale: float | None = None, attn_mask=None,
                     return_lse: bool = False, backend: str = "auto"):
     """softmax(q kᵀ · scale [+ mask]) v on the shared layout.
@@ -28,12 +28,6 @@ def exact_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
     """
     group, nq, nk = check_qkv(q, k, v, causal)
     scale = default_scale(scale, q.shape[-1])
-    bad = nonfinite_rows(k, v)
-    if bad is not None:  # fused kernels weigh masked values by 0, and 0 * NaN = NaN
-        return isolate_nonfinite(
-            lambda q_, k_, v_: exact_attention(q_, k_, v_, causal=causal, scale=scale, attn_mask=attn_mask,
-                                               return_lse=return_lse, backend=backend),
-            q, k, v, bad, return_lse)
     backend = resolve_backend(backend, q, k, v)
     if backend == "triton" and attn_mask is None:
         from ..kernels import attention as tk  # imported lazily: triton is optional

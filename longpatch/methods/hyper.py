@@ -44,10 +44,9 @@ from .common import (
     check_qkv,
     check_seed,
     default_scale,
-    isolate_nonfinite,
+    guards_nonfinite,
     layer_seed_of,
     merge_lse,
-    nonfinite_rows,
     resolve_backend,
 )
 from .exact import exact_attention
@@ -112,6 +111,7 @@ def _attend(q, k, v, *, causal: bool, scale: float, bias, backend: str):
 
 # --------------------------------------------------------------------------- the op
 
+@guards_nonfinite
 def hyper_attention(q, k, v, *, causal: bool = True, scale: float | None = None, block_size: int = 256,
                     sample_size: int = 256, lsh_num_projs: int = 7, min_seq_len: int = 4096,
                     seed: int | None = None, lsh_dirs: torch.Tensor | None = None, return_lse: bool = False,
@@ -135,14 +135,6 @@ def hyper_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
         check_int("hyper_attention", name, val, 1)
     check_int("hyper_attention", "lsh_num_projs", lsh_num_projs, 1, 30)
     check_seed("hyper_attention", seed)
-    bad = nonfinite_rows(k, v)
-    if bad is not None:
-        return isolate_nonfinite(
-            lambda q_, k_, v_: hyper_attention(q_, k_, v_, causal=causal, scale=scale, block_size=block_size,
-                                               sample_size=sample_size, lsh_num_projs=lsh_num_projs,
-                                               min_seq_len=min_seq_len, seed=seed, lsh_dirs=lsh_dirs,
-                                               return_lse=return_lse, backend=backend),
-            q, k, v, bad, return_lse)
     d = q.shape[-1]
     scale = default_scale(scale, d)
     backend = resolve_backend(backend, q, k, v)

@@ -37,8 +37,7 @@ from .common import (
     acc_dtype,
     check_qkv,
     group_queries,
-    isolate_nonfinite,
-    nonfinite_rows,
+    guards_nonfinite,
     probe_positions,
     resolve_backend,
 )
@@ -271,6 +270,7 @@ def _check_feature_map(feature_map) -> None:
         raise ValueError(f"feature_map must be one of {', '.join(FEATURE_MAPS)}; got {feature_map!r}")
 
 
+@guards_nonfinite
 def linear_attention(q, k, v, *, causal: bool = True, scale: float | None = None, feature_map: str = "elu+1",
                      return_lse: bool = False, backend: str = "auto"):
     """Linear attention φ(q)ᵀ Σ φ(k_j) v_jᵀ / φ(q)ᵀ Σ φ(k_j) on the shared layout.
@@ -284,11 +284,6 @@ def linear_attention(q, k, v, *, causal: bool = True, scale: float | None = None
     _check_feature_map(feature_map)
     if return_lse:
         raise ValueError("linear_attention has no softmax log-sum-exp (return_lse is not supported)")
-    bad = nonfinite_rows(k, v)
-    if bad is not None:  # the chunk summaries are summed by GEMMs with 0/1 matrices: 0 * NaN spreads it
-        return isolate_nonfinite(
-            lambda q_, k_, v_: linear_attention(q_, k_, v_, causal=causal, feature_map=feature_map, backend=backend),
-            q, k, v, bad)
     backend = resolve_backend(backend, q, k, v)
     if q.shape[2] == 0 or k.shape[2] == 0:
         return q.new_zeros(q.shape[:3] + (v.shape[-1],))

@@ -44,9 +44,8 @@ from .common import (
     check_qkv,
     check_seed,
     default_scale,
-    isolate_nonfinite,
+    guards_nonfinite,
     layer_seed_of,
-    nonfinite_rows,
     resolve_backend,
 )
 from .linear import build_state, feature_attention, finish, stateful_attention
@@ -189,6 +188,7 @@ def _prepare(x, scale, num_features, orthogonal, seed, projection):
     return projection.to(x.device), root
 
 
+@guards_nonfinite
 def performer_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
                         num_features: int = DEFAULT_NUM_FEATURES, feature_type: str = "positive",
                         orthogonal: bool = True, seed: int | None = None, projection: torch.Tensor | None = None,
@@ -207,13 +207,6 @@ def performer_attention(q, k, v, *, causal: bool = True, scale: float | None = N
     check_seed("performer_attention", seed)
     if return_lse:
         raise ValueError("performer_attention has no softmax log-sum-exp (return_lse is not supported)")
-    bad = nonfinite_rows(k, v)
-    if bad is not None:  # the shared key stabiliser and the causal prefix sums would spread it
-        return isolate_nonfinite(
-            lambda q_, k_, v_: performer_attention(q_, k_, v_, causal=causal, scale=scale, num_features=num_features,
-                                                   feature_type=feature_type, orthogonal=orthogonal, seed=seed,
-                                                   projection=projection, backend=backend),
-            q, k, v, bad)
     backend = resolve_backend(backend, q, k, v)
     if q.shape[2] == 0 or k.shape[2] == 0:
         return q.new_zeros(q.shape[:3] + (v.shape[-1],))

@@ -60,10 +60,9 @@ from .common import (
     check_int,
     check_qkv,
     default_scale,
-    isolate_nonfinite,
+    guards_nonfinite,
     layer_seed_of,
     merge_lse,
-    nonfinite_rows,
     resolve_backend,
 )
 from .cpu_flash import additive_mask, hide_empty
@@ -460,6 +459,7 @@ def _triton_path(q, k, v, pat: SparsePattern, scale: float):
 
 # --------------------------------------------------------------------------- the op
 
+@guards_nonfinite
 def sparse_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
                      window: int = DEFAULT_WINDOW, global_tokens: int = DEFAULT_GLOBAL_TOKENS,
                      dilation: int = DEFAULT_DILATION, random_blocks: int = DEFAULT_RANDOM_BLOCKS,
@@ -480,14 +480,6 @@ def sparse_attention(q, k, v, *, causal: bool = True, scale: float | None = None
     check_qkv(q, k, v, causal)
     pat = SparsePattern(window=window, global_tokens=global_tokens, dilation=dilation, random_blocks=random_blocks,
                         block=block, seed=0 if seed is None else seed, causal=bool(causal))
-    bad = nonfinite_rows(k, v)
-    if bad is not None:
-        return isolate_nonfinite(
-            lambda q_, k_, v_: sparse_attention(q_, k_, v_, causal=causal, scale=scale, window=window,
-                                                global_tokens=global_tokens, dilation=dilation,
-                                                random_blocks=random_blocks, block=block, seed=seed,
-                                                return_lse=return_lse, backend=backend),
-            q, k, v, bad, return_lse)
     scale = default_scale(scale, q.shape[-1])
     backend = resolve_backend(backend, q, k, v)
     b, hq, nq, d = q.shape

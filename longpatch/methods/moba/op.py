@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from ..common import check_int, check_qkv, default_scale, isolate_nonfinite, nonfinite_rows, resolve_backend
+from ..common import check_int, check_qkv, default_scale, guards_nonfinite, resolve_backend
 from ..exact import exact_attention
 from .cpu import (
     DEFAULT_CHUNK_SIZE,
@@ -85,6 +85,7 @@ def _triton_path(q, k, v, plan: _Plan):
 
 # --------------------------------------------------------------------------- the op
 
+@guards_nonfinite
 def moba_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
                    chunk_size: int = DEFAULT_CHUNK_SIZE, topk: int = DEFAULT_TOPK, shared_selection: bool = False,
                    chunk_means: torch.Tensor | None = None, return_lse: bool = False, backend: str = "auto"):
@@ -112,13 +113,6 @@ def moba_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
             raise ValueError(f"moba_attention: chunk_means has {chunk_means.shape[2]} chunks; allowed: at most {full} "
                              f"(the full chunks of {k.shape[2]} keys with chunk_size={chunk_size})")
         chunk_means = chunk_means.detach()
-    bad = nonfinite_rows(k, v)
-    if bad is not None:
-        return isolate_nonfinite(
-            lambda q_, k_, v_: moba_attention(q_, k_, v_, causal=causal, scale=scale, chunk_size=chunk_size, topk=topk,
-                                              shared_selection=shared_selection, chunk_means=chunk_means,
-                                              return_lse=return_lse, backend=backend),
-            q, k, v, bad, return_lse)
     b, hq, nq, d = q.shape
     if nq == 0 or k.shape[2] == 0:
         out = q.new_zeros(q.shape)

@@ -11,8 +11,7 @@ from ..common import (
     check_gates,
     check_qkv,
     default_scale,
-    isolate_nonfinite,
-    nonfinite_rows,
+    guards_nonfinite,
     resolve_backend,
 )
 from ..cpu_flash import fused_ok
@@ -54,6 +53,7 @@ def _compressed_for(k, v, compress, compressed, l, s):
                      f"got {compress!r}")
 
 
+@guards_nonfinite
 def nsa_attention(q, k, v, *, causal: bool = True, scale: float | None = None, compress_block: int = 32,
                   compress_stride: int = 16, select_block: int = 64, num_selected: int = 16, window: int = 512,
                   init_blocks: int = 1, local_blocks: int = 2, gates=DEFAULT_GATES, compress="mean",
@@ -74,15 +74,6 @@ def nsa_attention(q, k, v, *, causal: bool = True, scale: float | None = None, c
     _check_params(compress_block, compress_stride, select_block, num_selected, window, init_blocks, local_blocks)
     gates = _check_gates(gates, q)
     scale = default_scale(scale, q.shape[-1])
-    bad = nonfinite_rows(k, v)
-    if bad is not None:
-        return isolate_nonfinite(
-            lambda q_, k_, v_: nsa_attention(q_, k_, v_, causal=causal, scale=scale, compress_block=compress_block,
-                                             compress_stride=compress_stride, select_block=select_block,
-                                             num_selected=num_selected, window=window, init_blocks=init_blocks,
-                                             local_blocks=local_blocks, gates=gates, compress=compress,
-                                             compressed=compressed, return_lse=return_lse, backend=backend),
-            q, k, v, bad, return_lse)
     backend = resolve_backend(backend, q, k, v)
     b, hq, nq, d = q.shape
     nk = k.shape[2]
