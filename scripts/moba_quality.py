@@ -93,7 +93,7 @@ def demo(a) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from longpatch import patch_model, unpatch_model
-    from longpatch.demo import demo_model_path
+    from longpatch.assets import demo_model_path
 
     path = Path(a.model_dir) if a.model_dir else demo_model_path()
     tok = AutoTokenizer.from_pretrained(path)
