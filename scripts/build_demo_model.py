@@ -93,12 +93,21 @@ def token_stream(tokenizer, files: list[Path]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
-def make_model(vocab_size: int, seed: int, rope_theta: float):
+def make_model(vocab_size: int, seed: int, rope_theta: float, rope_scaling: str = "none"):
+    """rope_scaling 'yarn:F:N': YaRN with factor F over N original positions, recorded in config.json so
+    plain transformers loads it. YaRN stretches only the RoPE dimensions whose wavelength exceeds the
+    trained length, so the rotations a model trained at N tokens sees at F*N are ones it has seen,
+    while the fast dimensions that resolve neighbouring tokens stay as trained."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    rope = {"rope_type": "default", "rope_theta": rope_theta}
+    if rope_scaling != "none":
+        kind, factor, original = rope_scaling.split(":")
+        rope = {"rope_type": kind, "rope_theta": rope_theta, "factor": float(factor),
+                "original_max_position_embeddings": int(original)}
     cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=32768,
-                      rope_theta=rope_theta, tie_word_embeddings=True, attn_implementation="sdpa",
+                      rope_parameters=rope, tie_word_embeddings=True, attn_implementation="sdpa",
                       bos_token_id=0, eos_token_id=0)
     torch.manual_seed(seed)
     return LlamaForCausalLM(cfg)
@@ -118,12 +127,13 @@ class Sample:
 class Mixer:
     """Draws training (or evaluation) samples from a token stream; all randomness from `rng`."""
 
-    def __init__(self, tokenizer, stream: torch.Tensor, synth_vocab: int = 0):
+    def __init__(self, tokenizer, stream: torch.Tensor, synth_vocab: int = 0, synth_span: str = "half"):
         self.tok = tokenizer
         self.stream = stream
         # random-token copying draws from ids 256..256+synth_vocab (0: the whole vocabulary); a
         # smaller alphabet makes every token frequent, so the matching is learned from more examples
         self.synth_hi = 256 + synth_vocab if synth_vocab else len(tokenizer)
+        self.synth_span = synth_span  # 'half': the second half repeats the first (the classic task)
 
     def enc(self, text: str) -> list[int]:
         return self.tok(text, add_special_tokens=False)["input_ids"]
@@ -187,9 +197,12 @@ class Mixer:
         """Random tokens with one span repeated later: the task on which induction heads form fastest
         (nothing but copying can predict the second copy). Only the copy is scored."""
         ids = [rng.randrange(256, self.synth_hi) for _ in range(n + 1)]
-        span = rng.randint(4, (n + 1) // 2)
-        src = rng.randrange(0, n + 2 - 2 * span)
-        dst = rng.randrange(src + span, n + 2 - span)
+        if self.synth_span == "half":
+            span, src, dst = (n + 1) // 2, 0, (n + 1) // 2
+        else:
+            span = rng.randint(4, (n + 1) // 2)
+            src = rng.randrange(0, n + 2 - 2 * span)
+            dst = rng.randrange(src + span, n + 2 - span)
         ids[dst:dst + span] = ids[src:src + span]
         return Sample(ids, list(range(dst + 1, dst + span)), lm=False)
 
@@ -235,9 +248,12 @@ def batch_tensors(samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, to
 
 def losses(model, ids: torch.Tensor, answer_mask: torch.Tensor, lm_rows: torch.Tensor):
     """(mean next-token NLL over the LM rows' tokens or 0, mean NLL over answer tokens or 0)."""
-    logits = model(ids[:, :-1]).logits
-    nll = F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="none").view(ids.shape[0], -1)
+    hidden = model.model(input_ids=ids[:, :-1]).last_hidden_state
     m = answer_mask[:, 1:]
+    # the vocabulary projection is a large share of this small model's compute: only where scored
+    need = m | lm_rows[:, None]
+    nll = hidden.new_zeros(need.shape, dtype=torch.float32)
+    nll[need] = F.cross_entropy(model.lm_head(hidden[need]).float(), ids[:, 1:][need], reduction="none")
     ans = nll[m].mean() if m.any() else nll.new_zeros(())
     lm = nll[lm_rows].mean() if lm_rows.any() else nll.new_zeros(())
     return lm, ans
@@ -288,6 +304,9 @@ def main(argv=None):
     ap.add_argument("--phases", default="256x32:800,1024x8:400,4096x2:300,8192x1:150")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--rope-theta", type=float, default=1e6)
+    ap.add_argument("--rope-scaling", default="none", help="'none' or 'yarn:FACTOR:ORIGINAL_POSITIONS'")
+    ap.add_argument("--synth-span", default="half", choices=["half", "random"],
+                    help="copying task: the second half repeats the first, or a random span reappears")
     ap.add_argument("--synth-vocab", type=int, default=0, help="alphabet of the random-token copying task (0: all)")
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--eval-lengths", default="1024,4096")
@@ -318,9 +337,10 @@ def main(argv=None):
         stream, held_stream = token_stream(tok, train_files), token_stream(tok, held_files)
         torch.save((stream, held_stream), ckpt / "stream.pt")
     log(f"tokenizer: vocab {len(tok)}; training stream {len(stream):,} tokens, held-out {len(held_stream):,}")
-    mixer, held_mixer = Mixer(tok, stream, args.synth_vocab), Mixer(tok, held_stream, args.synth_vocab)
+    mixer = Mixer(tok, stream, args.synth_vocab, args.synth_span)
+    held_mixer = Mixer(tok, held_stream, args.synth_vocab, args.synth_span)
 
-    model = make_model(len(tok), args.seed, args.rope_theta)
+    model = make_model(len(tok), args.seed, args.rope_theta, args.rope_scaling)
     n_params = sum(p.numel() for p in model.parameters())
     phases = parse_phases(args.phases)
     total = sum(p[2] for p in phases)
