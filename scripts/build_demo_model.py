@@ -311,6 +311,7 @@ def main(argv=None):
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--eval-lengths", default="1024,4096")
     ap.add_argument("--stop-after", type=int, default=0, help="stop (with a checkpoint) after this step; 0 = run all")
+    ap.add_argument("--export", default="", help="only write the checkpoint as a loadable model to this directory")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     args = ap.parse_args(argv)
     if args.threads:
@@ -340,6 +341,9 @@ def main(argv=None):
     mixer = Mixer(tok, stream, args.synth_vocab, args.synth_span)
     held_mixer = Mixer(tok, held_stream, args.synth_vocab, args.synth_span)
 
+    saved = torch.load(ckpt / "state.pt", weights_only=False) if (ckpt / "state.pt").is_file() else None
+    if saved is not None:  # the architecture is the checkpoint's, whatever this command line says
+        args.rope_theta, args.rope_scaling = saved["args"]["rope_theta"], saved["args"].get("rope_scaling", "none")
     model = make_model(len(tok), args.seed, args.rope_theta, args.rope_scaling)
     n_params = sum(p.numel() for p in model.parameters())
     phases = parse_phases(args.phases)
@@ -354,14 +358,19 @@ def main(argv=None):
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
     state = {"step": 0, "curve": [], "evals": [], "seconds": 0.0, "tokens": 0}
-    if (ckpt / "state.pt").is_file():
-        saved = torch.load(ckpt / "state.pt", weights_only=False)
+    if saved is not None:
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["opt"])
         sched.load_state_dict(saved["sched"])
         state = saved["state"]
         log(f"resumed at step {state['step']} ({state['seconds'] / 60:.1f} min of training so far)")
-    log(f"model: {n_params / 1e6:.2f}M parameters, rope_theta {args.rope_theta:g}; phases {phases}")
+    log(f"model: {n_params / 1e6:.2f}M parameters, rope_theta {args.rope_theta:g}, rope scaling "
+        f"{args.rope_scaling}; phases {phases}")
+    if args.export:  # a loadable snapshot of the checkpoint, to probe with `longpatch eval needle --model DIR`
+        model.save_pretrained(args.export, safe_serialization=True)
+        tok.save_pretrained(args.export)
+        log(f"exported the step-{state['step']} checkpoint to {args.export}")
+        return 0
 
     def save_ckpt():
         tmp = ckpt / "state.pt.tmp"
