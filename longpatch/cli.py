@@ -164,7 +164,7 @@ def demo(
     layers: str = typer.Option("0:4:1", help="sweep of replaced final layers (end included)"),
     max_docs: int = typer.Option(6, help="held-out documents of 4096 tokens to score"),
     out: str = typer.Option("runs/demo", help="output directory (eval results per config, demo.json, figure3.png)"),
-    needle_length: int = typer.Option(8192, help="needle prompt length in tokens (0: no retrieval column)"),
+    needle_length: int = typer.Option(4096, help="needle prompt length in tokens (0: no retrieval column)"),
     needle_template: str = typer.Option("passkey", help="code, passkey or a YAML template file"),
     needle_trials: int = typer.Option(2, help="needle prompts per depth (5 depths, 10% to 90%)"),
     progress: bool = typer.Option(True, "--progress/--no-progress"),
@@ -180,7 +180,8 @@ def demo(
                     "perplexity, attention speed and retrieval vs replaced layers", title_justify="left")
     cols = ["config", "method", "layers", "ppl", "attention s", "speedup"]
     if nd:
-        cols.append(f"{nd['template']}@{nd['length']}")
+        length = nd["length"]
+        cols.append(f"{nd['template']}@{length // 1024}k" if length % 1024 == 0 else f"{nd['template']}@{length}")
     for col in cols:
         t.add_column(col, justify="left" if col in ("config", "method") else "right")
     for r in summary["rows"]:

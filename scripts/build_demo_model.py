@@ -193,11 +193,11 @@ class Mixer:
         ids[dst:dst + span] = ids[src:src + span]
         return Sample(ids, list(range(dst + 1, dst + span)))
 
-    def synthetic(self, rng: random.Random, n: int) -> Sample:
+    def synthetic(self, rng: random.Random, n: int, span_mode: str | None = None) -> Sample:
         """Random tokens with one span repeated later: the task on which induction heads form fastest
         (nothing but copying can predict the second copy). Only the copy is scored."""
         ids = [rng.randrange(256, self.synth_hi) for _ in range(n + 1)]
-        if self.synth_span == "half":
+        if (span_mode or self.synth_span) == "half":
             span, src, dst = (n + 1) // 2, 0, (n + 1) // 2
         else:
             span = rng.randint(4, (n + 1) // 2)
@@ -209,6 +209,8 @@ class Mixer:
     def draw(self, rng: random.Random, n: int, mix: str = "mix") -> Sample:
         if mix == "synth":
             return self.synthetic(rng, n)
+        if mix == "synthr":  # a random span at a random offset: no fixed distance to learn instead of copying
+            return self.synthetic(rng, n, "random")
         r = rng.random()
         if r < 0.35:
             return self.needles(rng, n, kind="code", n_needles=rng.randint(1, 4))
@@ -217,7 +219,7 @@ class Mixer:
         if r < 0.75:
             return self.repeat(rng, n)
         if r < 0.8:
-            return self.synthetic(rng, n)
+            return self.synthetic(rng, n, "random")
         return Sample(self.window(rng, n + 1), [])
 
 
@@ -266,7 +268,7 @@ def retrieval_accuracy(model, mixer: Mixer, n: int, kind: str, trials: int, seed
     ok = 0
     for t in range(trials):
         if kind in ("repeat", "synth"):
-            s = mixer.repeat(rng, n) if kind == "repeat" else mixer.synthetic(rng, n)
+            s = mixer.repeat(rng, n) if kind == "repeat" else mixer.synthetic(rng, n, "random")
         else:
             s = mixer.needles(rng, n, kind=kind, depth=(t + 0.5) / trials,
                               value=str(rng.randrange(10000, 100000)), name="PASSKEY" if kind == "code" else "pass key")
@@ -284,7 +286,8 @@ def retrieval_accuracy(model, mixer: Mixer, n: int, kind: str, trials: int, seed
 
 def parse_phases(spec: str) -> list[tuple[int, int, int, str]]:
     """'128x32:600:synth,1024x8:300' -> [(128, 32, 600, 'synth'), (1024, 8, 300, 'mix')]
-    (length x batch : steps [: mix], mix 'synth' = random-token copying only, 'mix' = the training mix)."""
+    (length x batch : steps [: mix]; mix 'synth': random-token copying only (--synth-span), 'synthr': the
+    same with a random span at a random offset, 'mix': the training mix)."""
     out = []
     for part in spec.split(","):
         shape, steps, *mix = part.split(":")

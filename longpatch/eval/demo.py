@@ -58,7 +58,7 @@ def demo_configs() -> list[str]:
 
 # Retrieval in the demo: one needle length, short enough that the whole demo stays within ~6 minutes
 # on 2 CPU cores (docs/demo.md has the timing), a few depths and trials.
-NEEDLE_LENGTH = 8192
+NEEDLE_LENGTH = 4096
 NEEDLE_DEPTHS = "0.1:0.9:0.2"
 NEEDLE_TRIALS = 2
 
