@@ -197,7 +197,14 @@ class Mixer:
         """Random tokens with one span repeated later: the task on which induction heads form fastest
         (nothing but copying can predict the second copy). Only the copy is scored."""
         ids = [rng.randrange(256, self.synth_hi) for _ in range(n + 1)]
-        if (span_mode or self.synth_span) == "half":
+        mode = span_mode or self.synth_span
+        if mode == "periodic":
+            # one random block repeated to the end; its length differs per sample, so only
+            # content matching (not a fixed distance) predicts the repeats
+            period = rng.randint(8, max(8, (n + 1) // 2))
+            ids = [ids[i % period] for i in range(n + 1)]
+            return Sample(ids, list(range(period + 1, n + 1)), lm=False)
+        if mode == "half":
             span, src, dst = (n + 1) // 2, 0, (n + 1) // 2
         else:
             span = rng.randint(4, (n + 1) // 2)
@@ -211,6 +218,8 @@ class Mixer:
             return self.synthetic(rng, n)
         if mix == "synthr":  # a random span at a random offset: no fixed distance to learn instead of copying
             return self.synthetic(rng, n, "random")
+        if mix == "synthp":
+            return self.synthetic(rng, n, "periodic")
         r = rng.random()
         if r < 0.35:
             return self.needles(rng, n, kind="code", n_needles=rng.randint(1, 4))
@@ -287,7 +296,8 @@ def retrieval_accuracy(model, mixer: Mixer, n: int, kind: str, trials: int, seed
 def parse_phases(spec: str) -> list[tuple[int, int, int, str]]:
     """'128x32:600:synth,1024x8:300' -> [(128, 32, 600, 'synth'), (1024, 8, 300, 'mix')]
     (length x batch : steps [: mix]; mix 'synth': random-token copying only (--synth-span), 'synthr': the
-    same with a random span at a random offset, 'mix': the training mix)."""
+    same with a random span at a random offset, 'synthp': a random block of random length repeated,
+    'mix': the training mix)."""
     out = []
     for part in spec.split(","):
         shape, steps, *mix = part.split(":")
@@ -308,7 +318,7 @@ def main(argv=None):
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--rope-theta", type=float, default=1e6)
     ap.add_argument("--rope-scaling", default="none", help="'none' or 'yarn:FACTOR:ORIGINAL_POSITIONS'")
-    ap.add_argument("--synth-span", default="half", choices=["half", "random"],
+    ap.add_argument("--synth-span", default="half", choices=["half", "random", "periodic"],
                     help="copying task: the second half repeats the first, or a random span reappears")
     ap.add_argument("--synth-vocab", type=int, default=0, help="alphabet of the random-token copying task (0: all)")
     ap.add_argument("--eval-every", type=int, default=100)
