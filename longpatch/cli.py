@@ -180,8 +180,8 @@ def demo(
                     "perplexity, attention speed and retrieval vs replaced layers", title_justify="left")
     cols = ["config", "method", "layers", "ppl", "attention s", "speedup"]
     if nd:
-        length = nd["length"]
-        cols.append(f"{nd['template']}@{length // 1024}k" if length % 1024 == 0 else f"{nd['template']}@{length}")
+        from .eval.needle import length_label
+        cols.append(f"{nd['template']}@{length_label(nd['length'])}")
     for col in cols:
         t.add_column(col, justify="left" if col in ("config", "method") else "right")
     for r in summary["rows"]:

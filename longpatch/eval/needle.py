@@ -301,7 +301,7 @@ def heatmap(records: list[dict], config: str, layers: int, path: Path, title: st
     data = np.array([[np.nan if v is None else v for v in row] for row in grid], dtype=float)
     fig, ax = plt.subplots(figsize=(1.2 + 1.1 * len(lengths), 1.0 + 0.38 * len(depths)))
     im = ax.imshow(data, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
-    ax.set_xticks(range(len(lengths)), [_k(n) for n in lengths])
+    ax.set_xticks(range(len(lengths)), [length_label(n) for n in lengths])
     ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
     for i in range(len(depths)):
         for j in range(len(lengths)):
@@ -315,5 +315,6 @@ def heatmap(records: list[dict], config: str, layers: int, path: Path, title: st
     plt.close(fig)
 
 
-def _k(n: int) -> str:
+def length_label(n: int) -> str:
+    """4096 -> '4k'; lengths that are not a multiple of 1024 as they are."""
     return f"{n // 1024}k" if n % 1024 == 0 else str(n)

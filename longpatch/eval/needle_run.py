@@ -22,7 +22,7 @@ from ..patching import total_seconds
 from . import needle as N
 from .launch import Dist, run_sharded
 from .plan import PLAN_FILE, read_plan
-from .records import RecordLog, announce_resume, read_records, records_file, write_json
+from .records import RecordLog, announce_resume, read_records, records_file, write_csv, write_json
 from .report import seconds_by_path
 from .scoring import input_device
 from .sweep import Point, RunSpec, check_int, make_points, num_layers, parse_layer_sweep, prepare_model, run_points
@@ -218,8 +218,11 @@ def summarize(out: "str | Path", plots: bool = True) -> dict:
     if not records:
         raise ConfigError(f"eval needle: no generation finished in {out}; nothing to report")
     summary = N.summarize_records(records)
+    cells: dict[tuple, list[dict]] = {}
+    for r in records:
+        cells.setdefault((r["config"], r["layers"], r["length"]), []).append(r)
     for s in summary:  # attention time of the cell's generations, per path (the layer stats)
-        rs = [r for r in records if (r["config"], r["layers"], r["length"]) == (s["config"], s["layers"], s["length"])]
+        rs = cells[(s["config"], s["layers"], s["length"])]
         s["attention_seconds"] = sum(r["attention_seconds"] for r in rs)
         s["seconds"] = sum(r["seconds"] for r in rs)
         s["attention_seconds_by_path"] = seconds_by_path(rs)
@@ -235,19 +238,8 @@ def summarize(out: "str | Path", plots: bool = True) -> dict:
     info = {k: meta[k] for k in ("model", "template", "filler", "lengths", "depths", "trials", "seed")}
     results = {**info, "records": [{k: r[k] for k in keep} for r in records], "summary": summary, "files": files}
     write_json(out / RESULTS_FILE, results)
-    _write_csv(summary, out / CSV_FILE)
+    write_csv(out / CSV_FILE, list(summary[0]), summary)
     return results
-
-
-def _write_csv(summary: list[dict], path: Path) -> None:
-    import csv
-
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(summary[0]))
-        w.writeheader()
-        w.writerows(summary)
-    tmp.replace(path)
 
 
 def _safe(text: str) -> str:
@@ -262,7 +254,7 @@ def print_results(results: dict) -> None:
     lengths = results["lengths"]
     t = Table(title=f"{results['model']}: needle accuracy ({results['template']}, {len(results['depths'])} depths x "
                     f"{results['trials']} trials)", title_justify="left", box=box.SIMPLE_HEAD)
-    for col in ["config", "layers", *[N._k(n) for n in lengths], "attn s"]:
+    for col in ["config", "layers", *[N.length_label(n) for n in lengths], "attn s"]:
         t.add_column(col, justify="left" if col == "config" else "right")
     rows: dict[tuple, dict] = {}
     for s in results["summary"]:

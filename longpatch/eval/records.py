@@ -83,6 +83,19 @@ def removed_on_failure(out: Path, keep_if_existed: bool):
         raise
 
 
+def write_csv(path: Path, columns: list[str], rows) -> None:
+    """Rows (dicts) as CSV with the given columns (None as empty), written atomically like write_json."""
+    import csv
+
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(columns)
+        for row in rows:
+            w.writerow(["" if row.get(k) is None else row[k] for k in columns])
+    os.replace(tmp, path)
+
+
 def write_json(path: Path, data: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(data, indent=1, sort_keys=False, allow_nan=False, default=_json_default) + "\n")

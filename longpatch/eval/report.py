@@ -2,15 +2,13 @@
 (ppl and speedup against replaced layers, ppl per category), and the table the CLI prints."""
 from __future__ import annotations
 
-import csv
 import math
-import os
 from pathlib import Path
 
 from ..patching import total_seconds
 from .longbench import CATEGORIES
 from .plan import read_plan
-from .records import read_records, write_json
+from .records import read_records, write_csv, write_json
 
 RESULTS_FILE = "results.json"
 CSV_FILE = "results.csv"
@@ -88,7 +86,7 @@ def summarize(out: "str | Path", plots: bool = True) -> dict:
     }
     if plots:
         results["files"]["plots"] = _plots(results, out)
-    _write_csv(results, out / CSV_FILE)
+    write_csv(out / CSV_FILE, list(_CSV_COLUMNS), _csv_rows(results))
     write_json(out / RESULTS_FILE, results)
     return results
 
@@ -142,22 +140,16 @@ _CSV_COLUMNS = ("config_id", "label", "method", "layers", "scope", "name", "docs
                 "nonfinite_docs", "refcode_metric")
 
 
-def _write_csv(results: dict, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(_CSV_COLUMNS)
-        for c in results["configs"]:
-            rows = [("all", "all", c["all"])] + [("category", k, v) for k, v in c["categories"].items()] \
-                + [("subset", k, v) for k, v in c["subsets"].items()]
-            for scope, name, s in rows:
-                by_path = s["attention_seconds_by_path"]
-                row = {**s, "config_id": c["config_id"], "label": c["label"], "method": c["method"] or "",
-                       "layers": c["layers"], "scope": scope, "name": name,
-                       "patched_attention_seconds": total_seconds(by_path.get("patched", {})),
-                       "unpatched_attention_seconds": total_seconds(by_path.get("unpatched", {}))}
-                w.writerow(["" if row.get(k) is None else row[k] for k in _CSV_COLUMNS])
-    os.replace(tmp, path)
+def _csv_rows(results: dict):
+    for c in results["configs"]:
+        scopes = [("all", "all", c["all"])] + [("category", k, v) for k, v in c["categories"].items()] \
+            + [("subset", k, v) for k, v in c["subsets"].items()]
+        for scope, name, s in scopes:
+            by_path = s["attention_seconds_by_path"]
+            yield {**s, "config_id": c["config_id"], "label": c["label"], "method": c["method"] or "",
+                   "layers": c["layers"], "scope": scope, "name": name,
+                   "patched_attention_seconds": total_seconds(by_path.get("patched", {})),
+                   "unpatched_attention_seconds": total_seconds(by_path.get("unpatched", {}))}
 
 
 def _plots(results: dict, out: Path) -> list[str]:
