@@ -1,4 +1,4 @@
-"""The `longpatch` command line: list, apply, demo, bench attention|decode, eval ppl|needle."""
+"""The `longpatch` command line: list, apply, demo, bench attention|decode, eval ppl|needle|longbench."""
 from __future__ import annotations
 
 import functools
@@ -17,7 +17,7 @@ _TYPER = dict(no_args_is_help=True, rich_markup_mode=None)
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, **_TYPER,
                   help="Patch the attention of pretrained transformers models with fast long-context methods.")
 bench_app = typer.Typer(**_TYPER, help="Benchmarks (speed, memory, error vs exact attention).")
-eval_app = typer.Typer(**_TYPER, help="Quality evaluation (LongBench perplexity, needle in a haystack).")
+eval_app = typer.Typer(**_TYPER, help="Quality evaluation (LongBench perplexity, task scores; needle in a haystack).")
 app.add_typer(bench_app, name="bench")
 app.add_typer(eval_app, name="eval")
 # emoji=False: model ids such as tiny:llama must not turn into pictures (":llama:" is an emoji code)
@@ -290,6 +290,52 @@ def eval_needle(
         print_results(results)
         console.print(f"written to {out}: results.json, results.csv, {', '.join(results['files']['heatmaps'])}",
                       markup=False)
+
+
+@command(eval_app, "longbench")
+def eval_longbench(
+    model: str = typer.Option(..., "--model",
+                              help="bundled alias, hub id, local path, saved patch dir, demo, or tiny:<family>"),
+    config: Optional[str] = typer.Option(None, help="config file or alias, or a comma-separated list of them "
+                                                    "(each gets the whole sweep)"),
+    method: Optional[str] = typer.Option(None),
+    set_: list[str] = typer.Option([], "--set"),
+    layers: Optional[str] = typer.Option(None, help="counts of final layers, as in eval ppl: 20 | 0,4,8 | 0:28:4 | "
+                                                    "all; default: the config's layers (--data demo: 0,2,4)"),
+    tasks: str = typer.Option("all", help="all, en, zh, or comma-separated tasks/categories"),
+    e: bool = typer.Option(False, "--e", help="LongBench-E: its 13 tasks, scores per length bucket 0-4k/4-8k/8k+"),
+    max_length: Optional[int] = typer.Option(None, help="prompt budget in tokens, cut in the middle (default: "
+                                                        "LongBench's for the model, else its positions - 500; "
+                                                        "--data demo: 2048)"),
+    max_samples: Optional[int] = typer.Option(None, help="at most the first N records per task (--data demo: 4)"),
+    max_new_tokens: Optional[int] = typer.Option(None, help="cap every task's generation length (quick checks "
+                                                            "only: not LongBench's protocol)"),
+    data: Optional[str] = typer.Option(None, help="data.zip, dir of <task>.jsonl, parquet, or demo (code "
+                                                  "completion from the demo model's held-out code); "
+                                                  "default: hub THUDM/LongBench"),
+    out: str = typer.Option("runs/longbench"),
+    tokenizer: Optional[str] = typer.Option(None, help="name or path (default: the model's)"),
+    num_processes: int = typer.Option(1, help="local worker processes sharing the records"),
+    strict: bool = typer.Option(False, help="a malformed record is fatal instead of reported and skipped"),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code"),
+    progress: bool = typer.Option(True, "--progress/--no-progress"),
+):
+    """LongBench task scores per config and layer count (the paper's Table 1): official prompts, greedy
+    generation and metrics (resumable)."""
+    from .eval.longbench_run import longbench, print_results
+
+    results = longbench(model, layers, config=config, method=method, sets=set_, tasks=tasks, e=e,
+                        max_length=max_length, max_samples=max_samples, max_new_tokens=max_new_tokens, data=data,
+                        out=out, tokenizer=tokenizer,
+                        num_processes=num_processes, strict=strict, trust_remote_code=trust_remote_code,
+                        progress=progress)
+    if results:
+        print_results(results)
+        console.print(f"written to {out}: {RESULTS_NAMES}, and per (config, layers) "
+                      f"<dir>/pred/<task>.jsonl and <dir>/result.json", markup=False)
+
+
+RESULTS_NAMES = "results.json, results.csv, scores_vs_layers.png"
 
 
 @command(bench_app, "decode")

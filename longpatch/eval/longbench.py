@@ -13,6 +13,9 @@ Sources, in the form `load_longbench(data=...)` takes them:
 
 Every record is validated (fields input, context, answers, length, dataset, language, all_classes,
 _id); a bad line is reported as `file:line: what is wrong` and skipped, or raised when strict.
+
+LongBench-E (`e=True`): the length-balanced test files `<subset>_e.jsonl` of the same archive.
+`code_completion_tasks` turns code files into lcc-format tasks (the offline `eval longbench --data demo`).
 """
 from __future__ import annotations
 
@@ -151,7 +154,7 @@ class _Bad(Exception):
     pass
 
 
-def validate_record(obj, subset: str, where: str) -> Record:
+def validate_record(obj, subset: str, where: str, suffix: str = "") -> Record:
     """A raw record (parsed JSON object or parquet row) -> Record; raises _Bad(message)."""
     if not isinstance(obj, dict):
         raise _Bad(f"expected a JSON object, got {type(obj).__name__}")
@@ -169,7 +172,7 @@ def validate_record(obj, subset: str, where: str) -> Record:
             ok = bool(value)
         if not ok:
             raise _Bad(f"field {name!r}: got {_short(value)}; expected {wanted}")
-    if obj["dataset"] != subset:
+    if obj["dataset"] not in (subset, subset + suffix):
         raise _Bad(f"field 'dataset' is {obj['dataset']!r} but this file holds subset {subset!r}")
     classes = obj["all_classes"]
     return Record(subset=subset, doc_id=obj["_id"], context=obj["context"], input=obj["input"],
@@ -212,28 +215,29 @@ def _json_problem(text: str, e: json.JSONDecodeError) -> str:
 # ---- loading ---------------------------------------------------------------------------------------
 
 def load_longbench(data: "str | Path | None" = None, subsets: "str | Sequence[str]" = "all",
-                   strict: bool = False) -> LongBench:
+                   strict: bool = False, e: bool = False) -> LongBench:
     """Read the requested LongBench subsets from `data` (see the module doc for the accepted forms).
 
     Malformed records are collected in `.problems` for the caller to report or, with strict=True,
     raise DataError naming file and line. Requested subsets the source lacks are listed in `.missing`;
     a subset named explicitly (not via 'all' or a category) that is missing is an error, as is
-    finding none at all.
+    finding none at all. e: read LongBench-E's `<subset>_e.jsonl` files instead (not from parquet).
     """
+    suffix = "_e" if e else ""
     known = subset_categories(data)
     wanted = resolve_subsets(subsets, data)
     explicit = {n for n in _names(subsets) if n in known}
     path, label = _locate(data)
     out = LongBench(source=label, records={s: [] for s in wanted}, categories={s: known[s] for s in wanted})
     present: set[str] = set()
-    for subset, rows, unit in _open_source(path, wanted, known):
+    for subset, rows, unit in _open_source(path, wanted, known, suffix):
         present.add(subset)
         seen: dict[str, str] = {}
         for file, n, obj in rows:
             try:
                 if isinstance(obj, _Bad):
                     raise obj
-                rec = validate_record(obj, subset, f"{file}:{n}" if unit == "line" else f"{file}:row {n}")
+                rec = validate_record(obj, subset, f"{file}:{n}" if unit == "line" else f"{file}:row {n}", suffix)
                 if rec.doc_id in seen:
                     raise _Bad(f"duplicate _id {rec.doc_id!r} (first at {seen[rec.doc_id]})")
             except _Bad as e:
@@ -247,7 +251,7 @@ def load_longbench(data: "str | Path | None" = None, subsets: "str | Sequence[st
     out.missing = [s for s in wanted if s not in present]
     if len(out.missing) == len(wanted):
         raise DataError(f"LongBench data: {label} holds none of the requested subsets ({', '.join(wanted)}); "
-                        f"expected files named <subset>.jsonl (or parquet rows whose 'dataset' names a subset)")
+                        f"expected files named <subset>{suffix}.jsonl (or parquet rows whose 'dataset' names a subset)")
     hard = [s for s in out.missing if s in explicit]
     if hard:
         raise DataError(f"LongBench data: {label} has no subset {', '.join(hard)}")
@@ -299,36 +303,37 @@ def _first_line(e: Exception) -> str:
     return f"{type(e).__name__}: {first}" if first else type(e).__name__
 
 
-def _open_source(path: Path, wanted: list[str], known: dict[str, str]):
+def _open_source(path: Path, wanted: list[str], known: dict[str, str], suffix: str = ""):
     """Yield (subset, rows, unit) for each requested subset the source holds; rows are
     (file, 1-based line or row number, parsed object or _Bad)."""
     if path.is_file():
-        suffix = path.suffix.lower()
-        if suffix == ".zip":
-            yield from _zip_members(path, wanted)
-        elif suffix == ".parquet":
+        ext = path.suffix.lower()
+        if ext == ".zip":
+            yield from _zip_members(path, wanted, suffix)
+        elif ext == ".parquet":
             yield from _parquet_rows([path], path.parent, wanted, known)
-        elif suffix == ".jsonl":
-            if path.stem in wanted:
-                yield path.stem, _jsonl_file(path), "line"
+        elif ext == ".jsonl":
+            subset = path.stem.removesuffix(suffix) if suffix else path.stem
+            if subset in wanted and path.stem == subset + suffix:
+                yield subset, _jsonl_file(path), "line"
         else:
             raise DataError(f"LongBench data: {path} is neither a .zip, a .jsonl nor a .parquet file")
         return
     for root in (path, path / "data"):
-        files = [root / f"{s}.jsonl" for s in wanted if (root / f"{s}.jsonl").is_file()]
+        files = [(s, root / f"{s}{suffix}.jsonl") for s in wanted if (root / f"{s}{suffix}.jsonl").is_file()]
         if files:
-            for f in files:
-                yield f.stem, _jsonl_file(f), "line"
+            for s, f in files:
+                yield s, _jsonl_file(f), "line"
             return
     if (path / HUB_FILE).is_file():
-        yield from _zip_members(path / HUB_FILE, wanted)
+        yield from _zip_members(path / HUB_FILE, wanted, suffix)
         return
     parquet = sorted(path.rglob("*.parquet"))
     if parquet:
         yield from _parquet_rows(parquet, path, wanted, known)
         return
-    raise DataError(f"LongBench data: {path} holds no <subset>.jsonl (in it or in {path / 'data'}), no {HUB_FILE} "
-                    f"and no *.parquet files; subsets looked for: {', '.join(wanted)}")
+    raise DataError(f"LongBench data: {path} holds no <subset>{suffix}.jsonl (in it or in {path / 'data'}), "
+                    f"no {HUB_FILE} and no *.parquet files; subsets looked for: {', '.join(wanted)}")
 
 
 def _jsonl_file(path: Path):
@@ -337,7 +342,7 @@ def _jsonl_file(path: Path):
             yield str(path), n, obj
 
 
-def _zip_members(path: Path, wanted: list[str]):
+def _zip_members(path: Path, wanted: list[str], suffix: str = ""):
     try:
         zf = zipfile.ZipFile(path)
     except (zipfile.BadZipFile, OSError) as e:
@@ -350,8 +355,8 @@ def _zip_members(path: Path, wanted: list[str]):
                 continue
             members.setdefault(base[: -len(".jsonl")], name)
         for subset in wanted:
-            if subset in members:
-                yield subset, _zip_rows(zf, path, members[subset]), "line"
+            if subset + suffix in members:
+                yield subset, _zip_rows(zf, path, members[subset + suffix]), "line"
 
 
 def _zip_rows(zf: zipfile.ZipFile, path: Path, name: str):
@@ -393,3 +398,35 @@ def _demo_eval_dir():
 
 # `--data demo`: the held-out evaluation set shipped with the demo model (one code subset).
 register_source("demo", _demo_eval_dir, subsets={"demo_code": "code"})
+
+
+# ---- code-completion tasks from code files (lcc format) --------------------------------------------
+
+_COMMENT_MARKS = ("#", "`", "//")  # lines LongBench's code_sim skips in a prediction: never an answer
+
+
+def code_completion_tasks(records: Sequence[Record], subset: str, at: float = 0.6) -> list[Record]:
+    """One lcc-format task per code file: context = the file up to a line boundary, answer = its next
+    non-empty line (trailing whitespace removed, indentation kept), input empty, `length` the
+    context's word count as in LongBench. The cut is the first line boundary at or after the fraction
+    `at` of the file's characters whose next non-empty line is code (no comment or fence marks, at
+    least 4 characters); files without one give no task."""
+    tasks = []
+    for rec in records:
+        lines = rec.context.splitlines(keepends=True)
+        start, pos = 0, 0
+        while start < len(lines) and pos < at * len(rec.context):  # the first line boundary past `at`
+            pos += len(lines[start])
+            start += 1
+        for i in range(max(start, 1), len(lines)):
+            j = next((k for k in range(i, len(lines)) if lines[k].strip()), None)
+            if j is None:
+                break
+            answer = lines[j].rstrip()
+            if len(answer.strip()) >= 4 and not any(m in answer for m in _COMMENT_MARKS):
+                context = "".join(lines[:i])
+                tasks.append(Record(subset=subset, doc_id=f"{rec.doc_id}:{i}", context=context, input="",
+                                    answers=(answer,), length=len(context.split()), language="en",
+                                    all_classes=None, where=rec.where))
+                break
+    return tasks
