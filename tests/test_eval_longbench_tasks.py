@@ -79,8 +79,8 @@ class _CharTok:
     def __init__(self, chat_template=None):
         self.chat_template = chat_template
 
-    def __call__(self, text, truncation=False):
-        return {"input_ids": [0] + [ord(c) for c in text]}
+    def __call__(self, text, truncation=False, add_special_tokens=True):
+        return {"input_ids": [0] * add_special_tokens + [ord(c) for c in text]}
 
     def decode(self, ids, skip_special_tokens=False):
         return "".join(chr(i) for i in ids if not (skip_special_tokens and i == 0))
@@ -101,7 +101,8 @@ def test_prompt_is_cut_in_the_middle_and_chat_formatted():
     # first 50 tokens (BOS + 49 characters of the template) and the last 50 characters
     assert text == ("Please complete the code given below. \n" + "A" * 10) + ("B" * 31 + "Next line of code:\n")
     # hotpotqa gets the chat format, trec (few-shot) does not
-    assert tok.decode(T.prompt_ids(_CharTok("t"), "hotpotqa", "c", "q", 1000, "m"), True).startswith("<user>Answer")
+    chat = T.prompt_ids(_CharTok("t"), "hotpotqa", "c", "q", 1000, "m")
+    assert tok.decode(chat).startswith("<user>Answer")  # no BOS added in front of a chat template
     assert tok.decode(T.prompt_ids(_CharTok("t"), "trec", "c", "q", 1000, "m"), True).startswith("Please determine")
     assert T.chat_format(_CharTok(), "hi", "THUDM/chatglm2-6b-32k") == "[Round 1]\n\n问：hi\n\n答："
     assert T.chat_format(_CharTok(), "hi", "base-model") == "hi"

@@ -224,7 +224,8 @@ def prompt_ids(tokenizer, task: str, context: str, question: str, max_length: in
     """Token ids of one record's prompt, as pred.py builds them: the task's template filled in; when
     it has more than max_length tokens (special tokens included), the first and the last
     max_length // 2 tokens, each decoded with special tokens skipped, joined as text; the chat format
-    unless the task is in NO_CHAT; tokenized again with special tokens."""
+    unless the task is in NO_CHAT; tokenized again with special tokens (without them after a chat
+    template, which writes its own)."""
     name = protocol(task)
     prompt = PROMPTS[name].format(context=context, input=question)
     ids = tokenizer(prompt, truncation=False)["input_ids"]
@@ -232,9 +233,17 @@ def prompt_ids(tokenizer, task: str, context: str, question: str, max_length: in
         half = int(max_length / 2)
         prompt = tokenizer.decode(ids[:half], skip_special_tokens=True) + \
             tokenizer.decode(ids[-half:], skip_special_tokens=True)
+    special = True
     if name not in NO_CHAT:
-        prompt = chat_format(tokenizer, prompt, model_name)
-    return list(tokenizer(prompt, truncation=False)["input_ids"])
+        chat = chat_format(tokenizer, prompt, model_name)
+        # a chat template writes the special tokens (BOS...) itself: adding them again would double them
+        special = not (chat != prompt and _templated(tokenizer))
+        prompt = chat
+    return list(tokenizer(prompt, truncation=False, add_special_tokens=special)["input_ids"])
+
+
+def _templated(tokenizer) -> bool:
+    return not callable(getattr(tokenizer, "build_prompt", None)) and bool(getattr(tokenizer, "chat_template", None))
 
 
 def stop_ids(tokenizer, task: str) -> tuple[list[int] | None, int]:
