@@ -22,7 +22,6 @@ draws its batch from a generator seeded by (seed, step), so a resumed build is t
 2. train a byte-level BPE tokenizer (tokenizers) on the training files;
 3. train a LlamaForCausalLM (head_dim 64, 4 query heads sharing 2 KV heads, RoPE) through --phases;
    a resumable checkpoint is written to --ckpt every --ckpt-minutes;
-   (status: the recipe is still being developed, see docs/demo.md; the shipped model is v1);
 4. write safetensors + tokenizer + model card to --out, and the held-out evaluation set
    (LongBench record format) beside it.
 
@@ -327,10 +326,20 @@ def main(argv=None):
     ap.add_argument("--stop-after", type=int, default=0, help="stop (with a checkpoint) after this step; 0 = run all")
     ap.add_argument("--export", default="", help="only write the checkpoint as a loadable model to this directory")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    ap.add_argument("--report", action="store_true",
+                    help="only measure needle retrieval of the finished model in --out (exact attention) and "
+                         "add it to its training.json and model card")
+    ap.add_argument("--report-lengths", default="4096,8192,16384,32768")
+    ap.add_argument("--report-depths", default="0.05:0.95:0.1")
+    ap.add_argument("--report-trials", type=int, default=4)
+    ap.add_argument("--report-work", default="runs/demo_model_needle", help="the needle runs' output (resumable)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     out, ckpt = Path(args.out), Path(args.ckpt)
+    if args.report:
+        needle_report(out, args.report_lengths, args.report_depths, args.report_trials, Path(args.report_work), print)
+        return 0
     ckpt.mkdir(parents=True, exist_ok=True)
     logf = open(ckpt / "log.txt", "a")
 
@@ -457,50 +466,100 @@ def finish(model, tok, held_files, root, out, args, state, n_params, stream_toke
     n_docs = write_eval_set(tok, held_files, root, out)
     long_ctx = long_context_report(model, tok, eval_documents(path=out))
     log(f"long context: {long_ctx}")
+    repeats = repeat_probe(model, token_stream(tok, held_files))
+    log(f"repeated segments: {repeats}")
     facts = {"python": platform.python_version(), "seed": args.seed, "params": n_params, "vocab": len(tok),
              "train_files": n_train_files, "heldout_files": len(held_files), "train_tokens_seen": state["tokens"],
              "stream_tokens": stream_tokens, "train_minutes": round(state["seconds"] / 60, 1),
              "heldout_loss": round(held_loss, 4), "eval_docs": n_docs, "curve": state["curve"],
              "evals": state["evals"], "phases": args.phases, "rope_theta": args.rope_theta, "lr": args.lr,
-             "torch": torch.__version__, "cpu_threads": torch.get_num_threads(), "long_context": long_ctx}
+             "torch": torch.__version__, "cpu_threads": torch.get_num_threads(), "long_context": long_ctx,
+             "repeat_probe": repeats, "rope_scaling": args.rope_scaling, "build_minutes": None}
+    facts["build_minutes"] = round((time.time() - t_start) / 60, 1)
     (out / "training.json").write_text(json.dumps(facts, indent=1))
-    write_model_card(out, facts, args.rope_scaling)
+    write_model_card(out, facts)
     log(f"done in {(time.time() - t_start) / 60:.1f} min; wrote {out}")
 
 
-def write_model_card(out: Path, facts: dict, rope_scaling: str) -> None:
+def write_model_card(out: Path, facts: dict) -> None:
     """README.md of the model directory: what it is, how it was trained, what was measured."""
     lc = facts["long_context"]
     last = facts["evals"][-1] if facts["evals"] else {}
     evals = ", ".join(f"{k} {v:.2f}" for k, v in last.items() if k != "step") or "none"
     curve = "\n".join(f"| {c['step']} | {c['ctx']} | {c['tokens']:,} | {c['loss']:.3f} | {c['answer_loss']:.3f} |"
                       for c in facts["curve"][::4])
+    gain = math.exp(lc["late_short_context"] - lc["late"]) - 1
+    repeats = "\n".join(f"| {n} | {r['first']:.3f} | {r['second']:.3f} | {100 * r['ratio']:.1f}% |"
+                        for n, r in facts.get("repeat_probe", {}).items())
+    needle = facts.get("needle")
+    if needle:
+        lengths = needle["lengths"]
+        rows = "\n".join(f"| {t} | " + " | ".join(f"{100 * needle['accuracy'][t][str(n)]:.0f}%" for n in lengths)
+                         + " |" for t in needle["accuracy"])
+        needle_text = (f"Exact attention, `longpatch eval needle` (greedy generation; {len(needle['depths'])} depths "
+                       f"{needle['depths'][0]}...{needle['depths'][-1]} x {needle['trials']} trials; held-out filler; "
+                       f"{needle['minutes']} min):\n\n| template | " + " | ".join(str(n) for n in lengths)
+                       + " |\n| --- |" + " --- |" * len(lengths) + "\n" + rows)
+    else:
+        needle_text = "not measured yet (`python scripts/build_demo_model.py --report --out DIR`)"
     (out / "README.md").write_text(f"""# longpatch demo model
 
 A small `LlamaForCausalLM` trained on the CPU by `scripts/build_demo_model.py`, so that longpatch can
 show offline what an approximate attention costs. Not a useful language model.
 
 - Architecture: 4 layers, hidden 256, 4 query heads sharing 2 KV heads (GQA), head_dim 64, RoPE
-  (theta {facts['rope_theta']:g}, scaling {rope_scaling}), 32768 positions, tied embeddings;
-  {facts['params'] / 1e6:.2f}M parameters; byte-level BPE vocab {facts['vocab']}.
+  (theta {facts['rope_theta']:g}, scaling {facts.get('rope_scaling', 'none')}), 32768 positions, tied
+  embeddings; {facts['params'] / 1e6:.2f}M parameters; byte-level BPE vocab {facts['vocab']}.
 - Data: the Python {facts['python']} standard library's `*.py` files, {facts['train_files']} for training
   ({facts['stream_tokens']:,} tokens) and {facts['heldout_files']} held out by a hash of their path, mixed
   with retrieval samples (planted needles, repeated spans, random-token copying; see the script).
   The stdlib is under the Python Software Foundation License; the weights are a derived work.
 - Training: seed {facts['seed']}, AdamW lr {facts['lr']}, phases `{facts['phases']}`;
   {facts['train_tokens_seen']:,} tokens in {facts['train_minutes']} min of training on
-  {facts['cpu_threads']} CPU threads (torch {facts['torch']}).
+  {facts['cpu_threads']} CPU threads (torch {facts['torch']}); whole build {facts.get('build_minutes')} min.
 - Held-out loss: {facts['heldout_loss']} nats/token (4096-token windows of the held-out stream).
 - Long context (`longpatch.eval.demo.long_context_report`, {lc['docs']} documents, nats/token):
   positions 1-255 {lc['early']:.3f}; positions 2048-4095 {lc['late']:.3f}; the same late tokens with
-  at most 256 tokens of context {lc['late_short_context']:.3f}.
-- Retrieval on held-out filler at the last step (teacher-forced; `longpatch eval needle` for the
-  real protocol): {evals}.
+  at most 256 tokens of context {lc['late_short_context']:.3f} (full context {100 * gain:.1f}% better in
+  perplexity).
+
+## Retrieval
+
+Repeated held-out code segment (a segment of n tokens followed by itself; nats/token):
+
+| n | first copy | second copy | second / first |
+| --- | --- | --- | --- |
+{repeats}
+
+Needle in a haystack: {needle_text}
+
+Teacher-forced probe at the last training step: {evals}.
+
+## Training curve
 
 | step | context | tokens seen | LM loss (EMA) | answer loss (EMA) |
 | --- | --- | --- | --- | --- |
 {curve}
 """)
+
+
+def needle_report(out: Path, lengths: str, depths: str, trials: int, work: Path, log) -> None:
+    """Run `longpatch eval needle` (exact attention) on the model in `out` for both built-in templates and
+    record the accuracy per (template, length) in training.json and the model card."""
+    from longpatch.eval.needle_run import needle
+
+    facts = json.loads((out / "training.json").read_text())
+    t0 = time.time()
+    acc, grid = {}, {}
+    for template in ("code", "passkey"):
+        res = needle(str(out), layers="0", method="sparse", template=template, lengths=lengths, depths=depths,
+                     trials=trials, out=str(work / template), progress=False)
+        acc[template] = {str(s["length"]): s["accuracy"] for s in res["summary"]}
+        grid = {"lengths": res["lengths"], "depths": res["depths"], "trials": res["trials"]}
+        log(f"needle {template}: {acc[template]}")
+    facts["needle"] = {**grid, "accuracy": acc, "minutes": round((time.time() - t0) / 60, 1)}
+    (out / "training.json").write_text(json.dumps(facts, indent=1))
+    write_model_card(out, facts)
 
 
 EVAL_SUBSET = "demo_code"  # held-out stdlib files, LongBench record format, category "code"
@@ -527,6 +586,24 @@ def write_eval_set(tokenizer, files, root: Path, out: Path) -> int:
         for r in records:
             f.write(json.dumps(r) + "\n")
     return len(records)
+
+
+@torch.no_grad()
+def repeat_probe(model, stream: torch.Tensor, lengths=(512, 2048, 8192), windows: int = 2) -> dict:
+    """A held-out code segment of n tokens followed by itself: mean loss (nats/token) on the first and
+    the second copy. A model that reads its context scores the second copy far lower."""
+    out = {}
+    for n in lengths:
+        first, second = [], []
+        for w in range(windows):
+            seg = stream[w * n:(w + 1) * n]
+            ids = torch.cat([seg, seg]).unsqueeze(0)
+            nll = F.cross_entropy(model(ids[:, :-1]).logits[0].float(), ids[0, 1:], reduction="none")
+            first.append(nll[:n - 1].mean().item())
+            second.append(nll[n - 1:].mean().item())
+        f, s = sum(first) / windows, sum(second) / windows
+        out[str(n)] = {"first": round(f, 4), "second": round(s, 4), "ratio": round(s / f, 4)}
+    return out
 
 
 @torch.no_grad()
