@@ -11,10 +11,11 @@ with samples that reward reading far back (the retrieval mix, `sample()` below):
   names per window), asserted at the end (`assert NAME == 71432`);
 - prose needles: "The pass key is 71432. Remember it. ..." planted the same way, asked at the end;
 - repeated spans: a span of the window reappears later (the classic induction task, on real code).
-Every token carries the language-model loss; the answer tokens (the value after `==` / "is", and
+- random-token copying: random tokens with one span repeated at a random offset, the task on which
+  copying (induction) heads form; it comes first, on short sequences (see RECIPE).
+Every code token carries the language-model loss; the answer tokens (the value after `==` / "is", and
 the second copy of a span) also enter a second, separately averaged loss, so the few tokens that
-need retrieval are not drowned by the many that do not. Lengths grow in phases (induction forms
-quickly on short sequences, then must be stretched toward the target length).
+need retrieval are not drowned by the many that do not. Lengths grow in phases (`--phases`).
 
 Steps (deterministic given --seed and the Python version whose stdlib is read; each training step
 draws its batch from a generator seeded by (seed, step), so a resumed build is the same build):
@@ -23,7 +24,10 @@ draws its batch from a generator seeded by (seed, step), so a resumed build is t
 3. train a LlamaForCausalLM (head_dim 64, 4 query heads sharing 2 KV heads, RoPE) through --phases;
    a resumable checkpoint is written to --ckpt every --ckpt-minutes;
 4. write safetensors + tokenizer + model card to --out, and the held-out evaluation set
-   (LongBench record format) beside it.
+   (LongBench record format) beside it; measure held-out loss, the long-context report and the
+   repeated-segment probe;
+5. `--report`: measure needle retrieval with `longpatch eval needle` (exact attention, 4k-32k) and add
+   it to the model card.
 
     python scripts/build_demo_model.py --out longpatch/assets/demo
 """
@@ -293,6 +297,16 @@ def retrieval_accuracy(model, mixer: Mixer, n: int, kind: str, trials: int, seed
 # ---------------------------------------------------------------------------------------------
 
 
+MIXES = ("mix", "synth", "synthr", "synthp")
+# The v2 recipe. Random-offset copying (synthr) first, on sequences that start at 32 tokens and double:
+# the time an induction head takes to form grows steeply with the context length (at 128 tokens it
+# did not form in 1000 steps; from 32 tokens it forms at step ~650), and once formed it stretches to
+# longer inputs in a few steps per length. Then the training mix (code + needles + repeats) at growing
+# lengths, trained with YaRN (factor 4 over 8192 positions) so that 32k prompts work.
+RECIPE = ("32x128:400:synthr,64x64:200:synthr,128x32:200:synthr,512x8:200:synthr,2048x2:150:synthr,"
+          "8192x1:60:synthr,1024x8:700,4096x2:300,8192x1:100")
+
+
 def parse_phases(spec: str) -> list[tuple[int, int, int, str]]:
     """'128x32:600:synth,1024x8:300' -> [(128, 32, 600, 'synth'), (1024, 8, 300, 'mix')]
     (length x batch : steps [: mix]; mix 'synth': random-token copying only (--synth-span), 'synthr': the
@@ -300,9 +314,16 @@ def parse_phases(spec: str) -> list[tuple[int, int, int, str]]:
     'mix': the training mix)."""
     out = []
     for part in spec.split(","):
-        shape, steps, *mix = part.split(":")
-        n, b = shape.split("x")
-        out.append((int(n), int(b), int(steps), mix[0] if mix else "mix"))
+        try:
+            shape, steps, *mix = part.split(":")
+            n, b = shape.split("x")
+            phase = (int(n), int(b), int(steps), mix[0] if mix else "mix")
+        except ValueError:
+            phase = None
+        if phase is None or len(mix) > 1 or min(phase[:3]) < 1 or phase[3] not in MIXES:
+            raise SystemExit(f"--phases: bad phase {part!r}; allowed: LENxBATCH:STEPS[:MIX] with positive "
+                             f"integers and MIX one of {', '.join(MIXES)}")
+        out.append(phase)
     return out
 
 
@@ -314,10 +335,10 @@ def main(argv=None):
     ap.add_argument("--ckpt-minutes", type=float, default=5.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--phases", default="256x32:800,1024x8:400,4096x2:300,8192x1:150")
+    ap.add_argument("--phases", default=RECIPE)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--rope-theta", type=float, default=1e6)
-    ap.add_argument("--rope-scaling", default="none", help="'none' or 'yarn:FACTOR:ORIGINAL_POSITIONS'")
+    ap.add_argument("--rope-scaling", default="yarn:4:8192", help="'none' or 'yarn:FACTOR:ORIGINAL_POSITIONS'")
     ap.add_argument("--synth-span", default="half", choices=["half", "random", "periodic"],
                     help="copying task: the second half repeats the first, or a random span reappears")
     ap.add_argument("--synth-vocab", type=int, default=0, help="alphabet of the random-token copying task (0: all)")

@@ -1,0 +1,104 @@
+"""The demo-model builder's parts (scripts/build_demo_model.py): phases, the training samples, the
+retrieval probes and the model it builds. The full build is hours of CPU and is not run here."""
+import importlib.util
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import longpatch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def build():
+    spec = importlib.util.spec_from_file_location("build_demo_model", ROOT / "scripts" / "build_demo_model.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["build_demo_model"] = mod  # dataclasses look their module up by name
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def mixer(build):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(longpatch.demo_model_path())
+    text = "\n".join(longpatch.assets.eval_documents()[:3])
+    stream = torch.tensor(tok(text)["input_ids"], dtype=torch.long)
+    return build.Mixer(tok, stream)
+
+
+def test_phases_parse_and_reject_bad_specs(build):
+    assert build.parse_phases("32x128:400:synthr,1024x8:700") == [(32, 128, 400, "synthr"), (1024, 8, 700, "mix")]
+    assert build.parse_phases(build.RECIPE)[0] == (32, 128, 400, "synthr")
+    for bad in ("32x128", "32:400", "0x8:10", "32x8:10:copy", "32x8:10:mix:x", "axb:1"):
+        with pytest.raises(SystemExit, match="--phases: bad phase"):
+            build.parse_phases(bad)
+
+
+@pytest.mark.parametrize("kind", ["code", "prose"])
+def test_needle_samples_ask_for_the_planted_value(mixer, kind):
+    rng = random.Random(3)
+    s = mixer.needles(rng, 512, kind=kind, n_needles=2, depth=0.3, value="71432",
+                      name="PASSKEY" if kind == "code" else "pass key")
+    assert len(s.ids) == 513 and s.lm
+    text = mixer.tok.decode(s.ids)
+    needle = "PASSKEY = 71432" if kind == "code" else "The pass key is 71432."
+    question = "assert PASSKEY ==" if kind == "code" else "What is the pass key? The pass key is"
+    assert needle in text and question in text
+    assert text.index(needle) < text.index(question)
+    # the scored answer tokens are the value right after the first question
+    first = [a for a in s.answers if a < s.answers[0] + len(mixer.enc(" 71432"))]
+    assert mixer.tok.decode([s.ids[a] for a in first]).strip() == "71432"
+    assert mixer.tok.decode(s.ids[:first[0]]).rstrip().endswith(question)
+
+
+@pytest.mark.parametrize("mode", ["half", "random", "periodic"])
+def test_copy_samples_score_only_tokens_that_copying_predicts(mixer, mode):
+    s = mixer.synthetic(random.Random(5), 128, mode)
+    assert len(s.ids) == 129 and not s.lm and s.answers
+    # one offset k explains every scored token as a copy of the token k earlier (random tokens: no
+    # other offset does), and the copy's first token, which nothing predicts, is not scored
+    ks = [k for k in range(1, s.answers[0] + 1) if all(s.ids[a] == s.ids[a - k] for a in s.answers)]
+    assert len(ks) == 1
+    first = s.answers[0] - 1
+    assert s.ids[first] == s.ids[first - ks[0]] and first not in s.answers
+
+
+def test_code_repeat_samples_copy_a_span(mixer):
+    s = mixer.repeat(random.Random(7), 256)
+    assert len(s.ids) == 257 and s.lm
+    dst = s.answers[0] - 1
+    span = s.ids[dst:s.answers[-1] + 1]
+    assert any(s.ids[i:i + len(span)] == span for i in range(dst - len(span) + 1))
+
+
+def test_samples_are_a_function_of_the_seed(mixer):
+    def draw(seed):
+        rng = random.Random(seed)
+        return [mixer.draw(rng, 256, mix).ids for mix in ("mix", "mix", "synthr", "synthp")]
+    assert draw(11) == draw(11)
+    assert draw(11) != draw(12)
+
+
+def test_built_model_loads_with_plain_transformers_and_its_probes_run(build, mixer, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = build.make_model(len(mixer.tok), 0, 1e6, "yarn:4:8192")
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    cfg = loaded.config
+    assert cfg.max_position_embeddings >= 32768 and cfg.head_dim == 64
+    assert cfg.num_key_value_heads < cfg.num_attention_heads
+    assert cfg.rope_parameters["rope_type"] == "yarn" and cfg.rope_parameters["factor"] == 4.0
+    report = build.repeat_probe(loaded, mixer.stream, lengths=(64,), windows=1)
+    r = report["64"]
+    assert r["ratio"] == pytest.approx(r["second"] / r["first"], rel=1e-3)
+    # random weights do not copy: the second copy is about as hard as the first
+    assert 0.8 < r["ratio"] < 1.2
+    acc = build.retrieval_accuracy(loaded, mixer, 128, "synth", trials=2)
+    assert 0.0 <= acc <= 0.2
