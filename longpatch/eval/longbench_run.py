@@ -33,10 +33,10 @@ from .launch import Dist, run_sharded
 from .longbench import CATEGORIES, LongBench, Record, code_completion_tasks, load_longbench
 from .longbench_metrics import LENGTH_BUCKETS, longbench_score, longbench_score_e
 from .plan import PLAN_FILE, read_plan, report_problems
-from .records import RecordLog, announce_resume, read_records, records_file, write_csv, write_json
+from .records import read_records, write_csv, write_json
 from .report import seconds_by_path
 from .scoring import input_device
-from .sweep import Point, RunSpec, check_int, make_points, num_layers, parse_layer_sweep, prepare_model, run_points
+from .sweep import Point, RunSpec, check_int, make_points, num_layers, parse_layer_sweep, prepare_model, run_generations
 
 RESULTS_FILE = "results.json"
 CSV_FILE = "results.csv"
@@ -211,32 +211,15 @@ def _evaluate(model, spec: LongBenchSpec, dist: Dist, run_id: str) -> dict:
             "items": [{"task": w.task, "doc_id": w.record.doc_id, "digest": w.digest, "prompt_tokens": len(w.ids),
                        "length": w.record.length} for w in items],
             "missing_tasks": lb.missing, "data_problems": [p.to_dict() for p in lb.problems]})
-    _run(model, tokenizer, points, items[dist.rank::dist.world], out, dist, spec.progress and dist.main, run_id)
+    device = input_device(model)
+    stops = {t: T.stop_ids(tokenizer, t) for t in {w.task for w in items}}
+    run_generations(model, points, items[dist.rank::dist.world], out, dist, spec.progress and dist.main,
+                    "eval longbench", lambda label, p, w: _generate(model, tokenizer, label, p, w, device,
+                                                                    stops[w.task], dist.rank, run_id))
     dist.barrier()
     if dist.mode == "spawned" or not dist.main:
         return {}
     return summarize(out, plots=spec.plots)
-
-
-def _run(model, tokenizer, points, work: list[Item], out: Path, dist: Dist, progress: bool, run_id: str) -> None:
-    from tqdm.auto import tqdm
-
-    done = {(r.get("config_id"), r.get("digest")) for r in read_records(out)}
-    todo = [(label, p, [w for w in work if (p.config_id, w.digest) not in done]) for label, p in points]
-    total = sum(len(ws) for _, _, ws in todo)
-    already = len(points) * len(work) - total
-    if already and progress:
-        announce_resume(already, total, "generations", out)
-    if not total:
-        return
-    device = input_device(model)
-    labels = {p.config_id: label for label, p in points}
-    stops = {t: T.stop_ids(tokenizer, t) for t in {w.task for w in work}}
-    bar = tqdm(total=total, desc="eval longbench", unit="gen", disable=not progress, dynamic_ncols=True)
-    run_points(model, [(p, ws) for _, p, ws in todo], RecordLog(records_file(out, dist.rank, dist.world)), bar, out,
-               lambda p, w: _generate(model, tokenizer, labels[p.config_id], p, w, device, stops[w.task],
-                                      dist.rank, run_id),
-               label=lambda p: f"{labels[p.config_id]} {p.label}")
 
 
 def _generate(model, tokenizer, label: str, point: Point, w: Item, device, stop, rank: int, run_id: str) -> dict:

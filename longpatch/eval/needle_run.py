@@ -22,10 +22,10 @@ from ..patching import total_seconds
 from . import needle as N
 from .launch import Dist, run_sharded
 from .plan import PLAN_FILE, read_plan
-from .records import RecordLog, announce_resume, read_records, records_file, write_csv, write_json
+from .records import read_records, write_csv, write_json
 from .report import seconds_by_path
 from .scoring import input_device
-from .sweep import Point, RunSpec, check_int, make_points, num_layers, parse_layer_sweep, prepare_model, run_points
+from .sweep import Point, RunSpec, check_int, make_points, num_layers, parse_layer_sweep, prepare_model, run_generations
 
 RESULTS_FILE = "results.json"
 CSV_FILE = "results.csv"
@@ -159,31 +159,13 @@ def _evaluate(model, spec: NeedleSpec, tmpl: N.Template, lengths: list[int], dep
         write_json(out / PLAN_FILE, {"model": name, "template": tmpl.name, "filler": filler, "lengths": lengths,
                                      "depths": depths, "trials": spec.trials, "seed": spec.seed,
                                      "points": [dict(p.describe(), config=label) for label, p in points]})
-    _run(model, tokenizer, points, work[dist.rank::dist.world], out, dist, spec.progress and dist.main, run_id)
+    device, eos = input_device(model), tokenizer.eos_token_id
+    run_generations(model, points, work[dist.rank::dist.world], out, dist, spec.progress and dist.main, "eval needle",
+                    lambda label, p, w: _generate(model, tokenizer, label, p, w, device, eos, dist.rank, run_id))
     dist.barrier()
     if dist.mode == "spawned" or not dist.main:
         return {}
     return summarize(out, plots=spec.plots)
-
-
-def _run(model, tokenizer, points, work: list[Trial], out: Path, dist: Dist, progress: bool, run_id: str) -> None:
-    from tqdm.auto import tqdm
-
-    done = {(r.get("config_id"), r.get("digest")) for r in read_records(out)}
-    todo = [(label, p, [w for w in work if (p.config_id, w.digest) not in done]) for label, p in points]
-    total = sum(len(ws) for _, _, ws in todo)
-    already = len(points) * len(work) - total
-    if already and progress:
-        announce_resume(already, total, "generations", out)
-    if not total:
-        return
-    device = input_device(model)
-    eos = tokenizer.eos_token_id
-    labels = {p.config_id: label for label, p in points}
-    bar = tqdm(total=total, desc="eval needle", unit="gen", disable=not progress, dynamic_ncols=True)
-    run_points(model, [(p, ws) for _, p, ws in todo], RecordLog(records_file(out, dist.rank, dist.world)), bar, out,
-               lambda p, w: _generate(model, tokenizer, labels[p.config_id], p, w, device, eos, dist.rank, run_id),
-               label=lambda p: f"{labels[p.config_id]} {p.label}")
 
 
 def _generate(model, tokenizer, label: str, point: Point, w: Trial, device, eos, rank: int, run_id: str) -> dict:

@@ -11,7 +11,7 @@ from typing import Callable
 from ..config import PatchConfig, load_config, parse_layer_items, select_layers
 from ..errors import ConfigError
 from ..patching import patch_model, unpatch_model
-from .records import INTERRUPTED, RecordLog
+from .records import INTERRUPTED, RecordLog, announce_resume, read_records, records_file
 
 log = logging.getLogger("longpatch")
 
@@ -221,3 +221,26 @@ def run_points(model, todo: list[tuple[Point, list]], writer: RecordLog, bar, ou
     finally:
         bar.close()
         writer.close()
+
+
+def run_generations(model, points: list[tuple[str, Point]], work: list, out, dist, progress: bool, desc: str,
+                    one: Callable[[str, Point, object], dict]) -> None:
+    """The generation evaluations' loop (eval needle, eval longbench): every (labelled point, work item)
+    not yet in out's records, one record each; `work` items carry a `digest`; one(label, point, item)."""
+    from pathlib import Path
+
+    from tqdm.auto import tqdm
+
+    out = Path(out)
+    done = {(r.get("config_id"), r.get("digest")) for r in read_records(out)}
+    todo = [(label, p, [w for w in work if (p.config_id, w.digest) not in done]) for label, p in points]
+    total = sum(len(ws) for _, _, ws in todo)
+    already = len(points) * len(work) - total
+    if already and progress:
+        announce_resume(already, total, "generations", out)
+    if not total:
+        return
+    labels = {p.config_id: label for label, p in points}
+    bar = tqdm(total=total, desc=desc, unit="gen", disable=not progress, dynamic_ncols=True)
+    run_points(model, [(p, ws) for _, p, ws in todo], RecordLog(records_file(out, dist.rank, dist.world)), bar, out,
+               lambda p, w: one(labels[p.config_id], p, w), label=lambda p: f"{labels[p.config_id]} {p.label}")
