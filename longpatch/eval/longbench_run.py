@@ -36,7 +36,16 @@ from .plan import PLAN_FILE, read_plan, report_problems
 from .records import read_records, write_csv, write_json
 from .report import seconds_by_path
 from .scoring import input_device
-from .sweep import Point, RunSpec, check_int, make_points, num_layers, parse_layer_sweep, prepare_model, run_generations
+from .sweep import (
+    Point,
+    RunSpec,
+    check_int,
+    labelled_points,
+    num_layers,
+    parse_layer_sweep,
+    prepare_configs,
+    run_generations,
+)
 
 RESULTS_FILE = "results.json"
 CSV_FILE = "results.csv"
@@ -171,19 +180,7 @@ def _evaluate(model, spec: LongBenchSpec, dist: Dist, run_id: str) -> dict:
     lb = load_tasks(spec)
     if dist.main:
         report_problems(lb)
-    prepared = []
-    tokenizer = spec.tokenizer
-    name = None
-    for config in spec.configs():
-        # the model is loaded by the first config and re-patched for the others
-        cfg, model, tok, loaded_name = prepare_model(model, config, spec.method, spec.sets, spec.trust_remote_code,
-                                                     None, dist)
-        name = name or loaded_name
-        prepared.append((config, cfg))
-        tokenizer = tokenizer or tok
-    if tokenizer is None or isinstance(tokenizer, str):
-        from transformers import AutoTokenizer
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer or name, trust_remote_code=spec.trust_remote_code)
+    model, tokenizer, name, prepared = prepare_configs(model, spec, dist)
     max_length = spec.max_length or (DEMO_MAX_LENGTH if spec.data == "demo" else
                                      T.default_max_length(name, getattr(model, "config", None)))
     items = plan_items(lb, tokenizer, max_length, name, spec.progress and dist.main, spec.max_new_tokens)
@@ -194,14 +191,7 @@ def _evaluate(model, spec: LongBenchSpec, dist: Dist, run_id: str) -> dict:
     n_layers = num_layers(model, prepared[0][1])
     identity = {"model": name, "task": "longbench", "e": spec.e, "max_length": max_length,
                 "tokenizer": str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)}
-    points: list[tuple[str, Point]] = []
-    for config, cfg in prepared:
-        label = config or (f"{cfg.method}" if spec.method else "default")
-        for p in make_points(cfg, sweep, n_layers, dict(identity, dtype=cfg.dtype,
-                                                         attn_implementation=cfg.attn_implementation)):
-            # 0 replaced layers is the model's own attention whatever the config: one shared baseline
-            if all(p.config_id != q.config_id for _, q in points):
-                points.append(("exact" if p.layers == 0 else label, p))
+    points = labelled_points(prepared, spec, sweep, n_layers, identity)
     if dist.main:
         out.mkdir(parents=True, exist_ok=True)
         write_json(out / PLAN_FILE, {

@@ -25,7 +25,16 @@ from .plan import PLAN_FILE, read_plan
 from .records import read_records, write_csv, write_json
 from .report import seconds_by_path
 from .scoring import input_device
-from .sweep import Point, RunSpec, check_int, make_points, num_layers, parse_layer_sweep, prepare_model, run_generations
+from .sweep import (
+    Point,
+    RunSpec,
+    check_int,
+    labelled_points,
+    num_layers,
+    parse_layer_sweep,
+    prepare_configs,
+    run_generations,
+)
 
 RESULTS_FILE = "results.json"
 CSV_FILE = "results.csv"
@@ -129,31 +138,12 @@ def _evaluate(model, spec: NeedleSpec, tmpl: N.Template, lengths: list[int], dep
               run_id: str) -> dict:
     out = Path(spec.out)
     sweep = parse_layer_sweep(spec.layers)
-    prepared = []
-    tokenizer = spec.tokenizer
-    name = None
-    for config in spec.configs():
-        # the model is loaded by the first config and re-patched for the others
-        cfg, model, tok, loaded_name = prepare_model(model, config, spec.method, spec.sets, spec.trust_remote_code,
-                                                     None, dist)
-        name = name or loaded_name
-        prepared.append((config, cfg))
-        tokenizer = tokenizer or tok
-    if tokenizer is None or isinstance(tokenizer, str):
-        from transformers import AutoTokenizer
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer or name, trust_remote_code=spec.trust_remote_code)
+    model, tokenizer, name, prepared = prepare_configs(model, spec, dist)
     filler = tmpl.filler or spec.filler
     work = plan_trials(N.Filler(N.filler_texts(filler), tokenizer), tmpl, lengths, depths, spec.trials, spec.seed)
     n_layers = num_layers(model, prepared[0][1])
     identity = {"model": name, "template": tmpl.name, "filler": filler, "seed": spec.seed, "task": "needle"}
-    points: list[tuple[str, Point]] = []
-    for config, cfg in prepared:
-        label = config or (f"{cfg.method}" if spec.method else "default")
-        for p in make_points(cfg, sweep, n_layers, dict(identity, dtype=cfg.dtype,
-                                                         attn_implementation=cfg.attn_implementation)):
-            # 0 replaced layers is plain exact attention whatever the config: one shared baseline
-            if all(p.config_id != q.config_id for _, q in points):
-                points.append(("exact" if p.layers == 0 else label, p))
+    points = labelled_points(prepared, spec, sweep, n_layers, identity)
     if dist.main:
         out.mkdir(parents=True, exist_ok=True)
         write_json(out / PLAN_FILE, {"model": name, "template": tmpl.name, "filler": filler, "lengths": lengths,

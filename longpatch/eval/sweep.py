@@ -244,3 +244,34 @@ def run_generations(model, points: list[tuple[str, Point]], work: list, out, dis
     bar = tqdm(total=total, desc=desc, unit="gen", disable=not progress, dynamic_ncols=True)
     run_points(model, [(p, ws) for _, p, ws in todo], RecordLog(records_file(out, dist.rank, dist.world)), bar, out,
                lambda p, w: one(labels[p.config_id], p, w), label=lambda p: f"{labels[p.config_id]} {p.label}")
+
+
+def prepare_configs(model, spec: RunSpec, dist):
+    """Load the model (the first config) and resolve every config of spec.configs() on it; with the
+    tokenizer (spec's, else the loaded one's, else the model's name) and the model's name.
+    Returns (model, tokenizer, name, [(config, PatchConfig)])."""
+    prepared, tokenizer, name = [], spec.tokenizer, None
+    for config in spec.configs():
+        # the model is loaded by the first config and re-patched for the others
+        cfg, model, tok, loaded_name = prepare_model(model, config, spec.method, spec.sets, spec.trust_remote_code,
+                                                     None, dist)
+        name = name or loaded_name
+        prepared.append((config, cfg))
+        tokenizer = tokenizer or tok
+    if tokenizer is None or isinstance(tokenizer, str):
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer or name, trust_remote_code=spec.trust_remote_code)
+    return model, tokenizer, name, prepared
+
+
+def labelled_points(prepared: list, spec: RunSpec, sweep, n_layers: int, identity: dict) -> list[tuple[str, Point]]:
+    """(label, point) per config and layer count; 0 replaced layers is the model's own attention whatever
+    the config, so all configs share one baseline, labelled 'exact'."""
+    points: list[tuple[str, Point]] = []
+    for config, cfg in prepared:
+        label = config or (f"{cfg.method}" if spec.method else "default")
+        for p in make_points(cfg, sweep, n_layers, dict(identity, dtype=cfg.dtype,
+                                                         attn_implementation=cfg.attn_implementation)):
+            if all(p.config_id != q.config_id for _, q in points):
+                points.append(("exact" if p.layers == 0 else label, p))
+    return points
