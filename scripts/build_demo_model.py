@@ -117,6 +117,30 @@ def make_model(vocab_size: int, seed: int, rope_theta: float, rope_scaling: str 
     return LlamaForCausalLM(cfg)
 
 
+def serve_config(config, factor: float) -> tuple[dict, int]:
+    """The RoPE settings to ship for a model trained with YaRN factor f over N positions: the same N with
+    `factor` (> f), and the attention factor (cos/sin scale) kept at the trained 0.1*ln(f) + 1.
+
+    Why: trained with factor f at up to N tokens, the slowest RoPE dimensions only ever rotated up to
+    N/f positions' worth. Served as trained, a 4N-token prompt turns them 4x further than ever seen and
+    retrieval beyond N collapses (measured on v2: prose needles 100% at 8k, 20% at 16k, 0% at 32k).
+    Served with factor 4f they turn at 4N exactly as far as at N in training, while the fast
+    dimensions (wavelength < N/32, never interpolated by YaRN) stay as trained; keeping the trained
+    attention factor keeps the logit scale the model learned (YaRN's default for 4f sharpens it, which
+    measured worse: 60% vs 80% at 32k). Shorter prompts see only slow rotations it has also seen."""
+    rope = dict(config.rope_parameters)
+    if rope.get("rope_type") != "yarn":
+        raise SystemExit(f"--serve-rope-factor {factor:g}: needs a model trained with --rope-scaling yarn:F:N, "
+                         f"this one has rope_type {rope.get('rope_type')!r}")
+    trained = float(rope["factor"])
+    if factor < trained:
+        raise SystemExit(f"--serve-rope-factor {factor:g}: must be >= the trained YaRN factor {trained:g} (or 0)")
+    rope.update(factor=float(factor), attention_factor=rope.get("attention_factor") or 0.1 * math.log(trained) + 1)
+    # factor * N positions, as transformers expects of YaRN (it warns on every load otherwise); the
+    # slowest dimensions turn at (factor / f) * N tokens as far as at N in training: 32k for 16 / 4.
+    return rope, int(factor * rope["original_max_position_embeddings"])
+
+
 # ---------------------------------------------------------------------------------------------
 # The training mix
 
@@ -339,6 +363,8 @@ def main(argv=None):
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--rope-theta", type=float, default=1e6)
     ap.add_argument("--rope-scaling", default="yarn:4:8192", help="'none' or 'yarn:FACTOR:ORIGINAL_POSITIONS'")
+    ap.add_argument("--serve-rope-factor", type=float, default=16.0,
+                    help="YaRN factor written to the shipped config.json (0: as trained); see serve_config()")
     ap.add_argument("--synth-span", default="half", choices=["half", "random", "periodic"],
                     help="copying task: the second half repeats the first, or a random span reappears")
     ap.add_argument("--synth-vocab", type=int, default=0, help="alphabet of the random-token copying task (0: all)")
@@ -350,6 +376,7 @@ def main(argv=None):
     ap.add_argument("--report", action="store_true",
                     help="only measure needle retrieval of the finished model in --out (exact attention) and "
                          "add it to its training.json and model card")
+    ap.add_argument("--report-templates", default="code,passkey")
     ap.add_argument("--report-lengths", default="4096,8192,16384,32768")
     ap.add_argument("--report-depths", default="0.05:0.95:0.1")
     ap.add_argument("--report-trials", type=int, default=4)
@@ -359,7 +386,8 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     out, ckpt = Path(args.out), Path(args.ckpt)
     if args.report:
-        needle_report(out, args.report_lengths, args.report_depths, args.report_trials, Path(args.report_work), print)
+        needle_report(out, args.report_templates, args.report_lengths, args.report_depths, args.report_trials,
+                      Path(args.report_work), print)
         return 0
     ckpt.mkdir(parents=True, exist_ok=True)
     logf = open(ckpt / "log.txt", "a")
@@ -389,6 +417,8 @@ def main(argv=None):
     if saved is not None:  # the architecture is the checkpoint's, whatever this command line says
         args.rope_theta, args.rope_scaling = saved["args"]["rope_theta"], saved["args"].get("rope_scaling", "none")
     model = make_model(len(tok), args.seed, args.rope_theta, args.rope_scaling)
+    if args.serve_rope_factor:  # fail now, not after hours of training
+        serve_config(model.config, args.serve_rope_factor)
     n_params = sum(p.numel() for p in model.parameters())
     phases = parse_phases(args.phases)
     total = sum(p[2] for p in phases)
@@ -479,9 +509,16 @@ def main(argv=None):
 def finish(model, tok, held_files, root, out, args, state, n_params, stream_tokens, n_train_files, t_start, log):
     out.mkdir(parents=True, exist_ok=True)
     held_loss = heldout_loss(model, tok, held_files)
-    log(f"held-out loss {held_loss:.4f} (4096-token windows of held-out files)")
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
+    if args.serve_rope_factor:  # every figure below is measured on the model as shipped
+        from transformers import AutoModelForCausalLM
+        rope, max_pos = serve_config(model.config, args.serve_rope_factor)
+        model = AutoModelForCausalLM.from_pretrained(out, rope_parameters=rope, max_position_embeddings=max_pos).eval()
+        model.save_pretrained(out, safe_serialization=True)
+        log(f"served RoPE: {rope}, {max_pos} positions")
+    held_loss = heldout_loss(model, tok, held_files)
+    log(f"held-out loss {held_loss:.4f} (4096-token windows of held-out files)")
     from longpatch.assets import eval_documents
     from longpatch.eval.demo import long_context_report
     n_docs = write_eval_set(tok, held_files, root, out)
@@ -495,7 +532,8 @@ def finish(model, tok, held_files, root, out, args, state, n_params, stream_toke
              "heldout_loss": round(held_loss, 4), "eval_docs": n_docs, "curve": state["curve"],
              "evals": state["evals"], "phases": args.phases, "rope_theta": args.rope_theta, "lr": args.lr,
              "torch": torch.__version__, "cpu_threads": torch.get_num_threads(), "long_context": long_ctx,
-             "repeat_probe": repeats, "rope_scaling": args.rope_scaling, "build_minutes": None}
+             "repeat_probe": repeats, "rope_scaling": args.rope_scaling,
+             "served_rope": dict(model.config.rope_parameters), "build_minutes": None}
     facts["build_minutes"] = round((time.time() - t_start) / 60, 1)
     (out / "training.json").write_text(json.dumps(facts, indent=1))
     write_model_card(out, facts)
@@ -513,24 +551,29 @@ def write_model_card(out: Path, facts: dict) -> None:
     repeats = "\n".join(f"| {n} | {r['first']:.3f} | {r['second']:.3f} | {100 * r['ratio']:.1f}% |"
                         for n, r in facts.get("repeat_probe", {}).items())
     needle = facts.get("needle")
-    if needle:
-        lengths = needle["lengths"]
-        rows = "\n".join(f"| {t} | " + " | ".join(f"{100 * needle['accuracy'][t][str(n)]:.0f}%" for n in lengths)
-                         + " |" for t in needle["accuracy"])
-        needle_text = (f"Exact attention, `longpatch eval needle` (greedy generation; {len(needle['depths'])} depths "
-                       f"{needle['depths'][0]}...{needle['depths'][-1]} x {needle['trials']} trials; held-out filler; "
-                       f"{needle['minutes']} min):\n\n| template | " + " | ".join(str(n) for n in lengths)
-                       + " |\n| --- |" + " --- |" * len(lengths) + "\n" + rows)
+    if needle:  # {template: {lengths, depths, trials, accuracy: {length: fraction}, minutes}}
+        lengths = sorted({int(n) for r in needle.values() for n in r["accuracy"]})
+        rows = "\n".join(
+            f"| {t} | {len(r['depths'])} ({r['depths'][0]}...{r['depths'][-1]}) x {r['trials']} | "
+            + " | ".join(f"{100 * r['accuracy'][str(n)]:.0f}%" if str(n) in r["accuracy"] else "-" for n in lengths)
+            + " |" for t, r in needle.items())
+        needle_text = ("exact attention, `longpatch eval needle` (greedy generation, held-out filler):\n\n"
+                       "| template | depths x trials | " + " | ".join(str(n) for n in lengths)
+                       + " |\n| --- | --- |" + " --- |" * len(lengths) + "\n" + rows)
     else:
         needle_text = "not measured yet (`python scripts/build_demo_model.py --report --out DIR`)"
+    sr = facts.get("served_rope")
+    served = (f"YaRN factor {sr['factor']:g} and attention factor {sr['attention_factor']:.4f} "
+              "(`serve_config` in the script)") if sr and sr.get("factor") else "the same settings"
     (out / "README.md").write_text(f"""# longpatch demo model
 
 A small `LlamaForCausalLM` trained on the CPU by `scripts/build_demo_model.py`, so that longpatch can
 show offline what an approximate attention costs. Not a useful language model.
 
 - Architecture: 4 layers, hidden 256, 4 query heads sharing 2 KV heads (GQA), head_dim 64, RoPE
-  (theta {facts['rope_theta']:g}, scaling {facts.get('rope_scaling', 'none')}), 32768 positions, tied
-  embeddings; {facts['params'] / 1e6:.2f}M parameters; byte-level BPE vocab {facts['vocab']}.
+  (theta {facts['rope_theta']:g}; trained with scaling {facts.get('rope_scaling', 'none')}, shipped with
+  {served}), measured to 32768 tokens, tied embeddings; {facts['params'] / 1e6:.2f}M parameters;
+  byte-level BPE vocab {facts['vocab']}.
 - Data: the Python {facts['python']} standard library's `*.py` files, {facts['train_files']} for training
   ({facts['stream_tokens']:,} tokens) and {facts['heldout_files']} held out by a hash of their path, mixed
   with retrieval samples (planted needles, repeated spans, random-token copying; see the script).
@@ -564,23 +607,25 @@ Teacher-forced probe at the last training step: {evals}.
 """)
 
 
-def needle_report(out: Path, lengths: str, depths: str, trials: int, work: Path, log) -> None:
-    """Run `longpatch eval needle` (exact attention) on the model in `out` for both built-in templates and
-    record the accuracy per (template, length) in training.json and the model card."""
+def needle_report(out: Path, templates: str, lengths: str, depths: str, trials: int, work: Path, log) -> None:
+    """Run `longpatch eval needle` (exact attention) on the model in `out` for each template and record
+    its accuracy per length in training.json and the model card (one template per call is fine: the
+    others' figures are kept; each run resumes in work/<template>)."""
     from longpatch.eval.needle_run import needle
 
     facts = json.loads((out / "training.json").read_text())
-    t0 = time.time()
-    acc, grid = {}, {}
-    for template in ("code", "passkey"):
+    report = facts.get("needle") or {}
+    for template in templates.split(","):
+        t0 = time.time()
         res = needle(str(out), layers="0", method="sparse", template=template, lengths=lengths, depths=depths,
                      trials=trials, out=str(work / template), progress=False)
-        acc[template] = {str(s["length"]): s["accuracy"] for s in res["summary"]}
-        grid = {"lengths": res["lengths"], "depths": res["depths"], "trials": res["trials"]}
-        log(f"needle {template}: {acc[template]}")
-    facts["needle"] = {**grid, "accuracy": acc, "minutes": round((time.time() - t0) / 60, 1)}
-    (out / "training.json").write_text(json.dumps(facts, indent=1))
-    write_model_card(out, facts)
+        report[template] = {"lengths": res["lengths"], "depths": res["depths"], "trials": res["trials"],
+                            "accuracy": {str(s["length"]): s["accuracy"] for s in res["summary"]},
+                            "minutes": round((time.time() - t0) / 60, 1)}
+        log(f"needle {template}: {report[template]['accuracy']}")
+        facts["needle"] = report
+        (out / "training.json").write_text(json.dumps(facts, indent=1))
+        write_model_card(out, facts)
 
 
 EVAL_SUBSET = "demo_code"  # held-out stdlib files, LongBench record format, category "code"

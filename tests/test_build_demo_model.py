@@ -102,3 +102,29 @@ def test_built_model_loads_with_plain_transformers_and_its_probes_run(build, mix
     assert 0.8 < r["ratio"] < 1.2
     acc = build.retrieval_accuracy(loaded, mixer, 128, "synth", trials=2)
     assert 0.0 <= acc <= 0.2
+
+
+def test_served_rope_stretches_the_slow_dimensions_only(build, mixer, tmp_path):
+    """serve_config: YaRN factor 16 over the trained 4 keeps the fast RoPE dimensions and the trained
+    attention factor, and turns the slowest dimensions at 32k tokens as far as training did at 8k."""
+    import math
+
+    from transformers import AutoModelForCausalLM
+
+    model = build.make_model(len(mixer.tok), 0, 1e6, "yarn:4:8192")
+    rope, max_pos = build.serve_config(model.config, 16)
+    assert rope["factor"] == 16.0 and max_pos == 16 * 8192
+    assert rope["attention_factor"] == pytest.approx(0.1 * math.log(4) + 1)
+    model.save_pretrained(tmp_path)
+    trained = AutoModelForCausalLM.from_pretrained(tmp_path).model.rotary_emb
+    served = AutoModelForCausalLM.from_pretrained(tmp_path, rope_parameters=rope,
+                                                  max_position_embeddings=max_pos).model.rotary_emb
+    assert served.attention_scaling == pytest.approx(trained.attention_scaling)
+    f_t, f_s = trained.inv_freq, served.inv_freq
+    assert torch.equal(f_s[:8], f_t[:8])  # wavelength < 8192/32: never interpolated
+    assert torch.allclose(f_s[-8:] * 32768, f_t[-8:] * 8192)  # slowest: 32k served == 8k trained
+    assert torch.all(f_s <= f_t)
+    with pytest.raises(SystemExit, match="trained YaRN factor 4"):
+        build.serve_config(model.config, 2)
+    with pytest.raises(SystemExit, match="rope_type 'default'"):
+        build.serve_config(build.make_model(len(mixer.tok), 0, 1e6, "none").config, 16)
