@@ -508,7 +508,6 @@ def main(argv=None):
 
 def finish(model, tok, held_files, root, out, args, state, n_params, stream_tokens, n_train_files, t_start, log):
     out.mkdir(parents=True, exist_ok=True)
-    held_loss = heldout_loss(model, tok, held_files)
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     if args.serve_rope_factor:  # every figure below is measured on the model as shipped
