@@ -44,6 +44,7 @@ from .sweep import (
     num_layers,
     parse_layer_sweep,
     prepare_configs,
+    resolve_spec,
     run_generations,
 )
 
@@ -130,11 +131,7 @@ def longbench(model, layers=None, *, spec: LongBenchSpec | None = None, **option
     Returns the results dict also written to out/results.json (rank 0; {} elsewhere). Bad options fail
     before anything is loaded or written; a failed run that finished no generation leaves no `out`.
     """
-    if spec is None:
-        spec = LongBenchSpec.from_options(layers=layers, **options)
-    elif options or layers is not None:
-        raise ConfigError("longbench: pass either spec= or options, not both")
-    parse_layer_sweep(spec.layers)
+    spec = resolve_spec(LongBenchSpec, "longbench", spec, layers, options)
     spec.task_names()
     return run_sharded(spec, model, "longpatch.eval.longbench_run:longbench",
                        lambda dist, run_id: _evaluate(model, spec, dist, run_id),

@@ -33,6 +33,7 @@ from .sweep import (
     num_layers,
     parse_layer_sweep,
     prepare_configs,
+    resolve_spec,
     run_generations,
 )
 
@@ -121,11 +122,7 @@ def needle(model, layers=None, *, spec: NeedleSpec | None = None, **options) -> 
     Returns the results dict also written to out/results.json (rank 0; {} elsewhere). Bad options fail
     before anything is loaded or written; a failed run that finished no generation leaves no `out`.
     """
-    if spec is None:
-        spec = NeedleSpec.from_options(layers=layers, **options)
-    elif options or layers is not None:
-        raise ConfigError("needle: pass either spec= or options, not both")
-    parse_layer_sweep(spec.layers)
+    spec = resolve_spec(NeedleSpec, "needle", spec, layers, options)
     template = N.load_template(spec.template)
     lengths = parse_lengths(spec.lengths)
     depths = N.parse_depths(spec.depths)

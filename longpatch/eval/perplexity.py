@@ -57,6 +57,7 @@ from .sweep import (
     num_layers,
     parse_layer_sweep,
     prepare_model,
+    resolve_spec,
     run_points,
 )
 
@@ -113,11 +114,7 @@ def perplexity(model, layers=None, *, spec: PerplexitySpec | None = None, **opti
     Raises LongpatchError when no document can be evaluated; a failed call that finished no document
     removes the `out` directory it created.
     """
-    if spec is None:
-        spec = PerplexitySpec.from_options(layers=layers, **options)
-    elif options or layers is not None:
-        raise ConfigError("perplexity: pass either spec= or options, not both")
-    parse_layer_sweep(spec.layers)  # a bad sweep fails before any process starts
+    spec = resolve_spec(PerplexitySpec, "perplexity", spec, layers, options)
     return run_sharded(spec, model, "longpatch.eval.perplexity:perplexity",
                        lambda dist, run_id: _evaluate(model, spec, dist, run_id),
                        lambda: summarize(spec.out, plots=spec.plots))

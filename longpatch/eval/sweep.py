@@ -62,6 +62,17 @@ class RunSpec:
         return cls(**options)
 
 
+def resolve_spec(spec_cls, name: str, spec, layers, options: dict):
+    """The spec of an evaluation entry point: `spec=` or `spec_cls`'s options, not both. Its layer sweep is
+    parsed here, so a bad one fails before any process starts or anything is loaded."""
+    if spec is None:
+        spec = spec_cls.from_options(layers=layers, **options)
+    elif options or layers is not None:
+        raise ConfigError(f"{name}: pass either spec= or options, not both")
+    parse_layer_sweep(spec.layers)
+    return spec
+
+
 def parse_layer_sweep(spec) -> list:
     """The --layers of `eval ppl` -> the layer specs to evaluate, one PatchConfig.layers value each.
 
