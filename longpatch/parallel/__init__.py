@@ -1,0 +1,10 @@
+"""Sequence parallelism on torch.distributed (seed 002 section 10.4; docs/distributed.md).
+
+``ulysses_attention``: the op on this rank's slice of q/k/v; ``sequence_parallel``: a whole model,
+each rank holding a contiguous slice of the sequence. Prefill / scoring only.
+"""
+from .model import SequenceParallel, sequence_parallel
+from .ulysses import couples_group, head_plan, kv_heads_for, layout, ulysses, ulysses_attention
+
+__all__ = ["SequenceParallel", "couples_group", "head_plan", "kv_heads_for", "layout", "sequence_parallel", "ulysses",
+           "ulysses_attention"]
