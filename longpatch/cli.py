@@ -243,6 +243,9 @@ def eval_ppl(
     tokenizer: Optional[str] = typer.Option(None, help="name/path, or 'bytes' for tiny:* models"),
     device_map: Optional[str] = typer.Option(None, help="auto: spread one model over this machine's GPUs"),
     num_processes: int = typer.Option(1, help="local worker processes sharing the documents"),
+    sequence_parallel: int = typer.Option(1, "--sequence-parallel",
+                                          help="split every document over N processes (torch.distributed.run; "
+                                               "docs/distributed.md); not with --num-processes"),
     strict: bool = typer.Option(False, help="a malformed record is fatal instead of reported and skipped"),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code"),
     warmup: int = typer.Option(1, help="untimed warm-up forward passes per configuration"),
@@ -253,9 +256,9 @@ def eval_ppl(
     from .eval.perplexity import run_eval_ppl
 
     run_eval_ppl(model, layers, config=config, method=method, subsets=subsets, seq_len=seq_len, max_docs=max_docs,
-                 data=data, out=out, sets=set_, device_map=device_map, num_processes=num_processes, strict=strict,
-                 trust_remote_code=trust_remote_code, tokenizer=tokenizer, warmup=warmup, loss_chunk=loss_chunk,
-                 progress=progress)
+                 data=data, out=out, sets=set_, device_map=device_map, num_processes=num_processes,
+                 sequence_parallel=sequence_parallel, strict=strict, trust_remote_code=trust_remote_code,
+                 tokenizer=tokenizer, warmup=warmup, loss_chunk=loss_chunk, progress=progress)
 
 
 @command(eval_app, "needle")

@@ -5,6 +5,7 @@ and the tests read its results: the op for every method / causality / GQA layout
 the model level. Each worker compares its own slice with the single-process result it computes itself.
 """
 import json
+import sys
 
 import pytest
 import torch
@@ -167,3 +168,132 @@ def test_needs_process_group():
     from longpatch.parallel import ulysses_attention
     with pytest.raises(ConfigError, match="init_process_group"):
         ulysses_attention(*_tensors(4, 2, n=8))
+
+
+# --------------------------------------------------------------------------- the model level
+
+MODEL_N = 257  # slices of 129 and 128
+MODEL_CASES = [  # (model, patch config or None); small blocks so the methods approximate at this length
+    ("demo", None),
+    ("demo", dict(method="hyper", layers="all", min_seq_len=0, params=dict(min_seq_len=32, block_size=16,
+                                                                          sample_size=16))),
+    ("demo", dict(method="moba", layers=2, params=dict(chunk_size=32, topk=2))),
+    ("tiny:chatglm2", None),
+    ("tiny:chatglm2", dict(method="nsa", layers="all", params=PARAMS["nsa"])),
+    ("tiny:qwen2", dict(method="nsa", layers="all", params=PARAMS["nsa"])),  # 1 KV head: the group spans ranks
+]
+
+
+def _logits(out):
+    return (out.logits if hasattr(out, "logits") else out[0]).float()
+
+
+def _model_worker(rank, out_file):
+    from longpatch import load_model, patch_model
+    from longpatch.parallel import sequence_parallel
+
+    res = {}
+    for i, (name, cfg) in enumerate(MODEL_CASES):
+        model, _ = load_model(name)
+        if cfg is not None:
+            patch_model(model, cfg)
+        vocab = model.config.vocab_size if hasattr(model.config, "vocab_size") else model.config.padded_vocab_size
+        ids = torch.randint(0, vocab, (2, MODEL_N), generator=torch.Generator().manual_seed(i))
+        with torch.no_grad():
+            ref = _logits(model(input_ids=ids))
+            ref_loss = float(torch.nn.functional.cross_entropy(ref[:, :-1].reshape(-1, ref.shape[-1]),
+                                                               ids[:, 1:].reshape(-1)))
+            with sequence_parallel(model) as sp:
+                out = model(input_ids=sp.shard(ids), labels=sp.shard(ids))
+                if isinstance(out, tuple):  # chatglm2's tuple: (loss, logits, cache) with labels
+                    loss, got = float(out[0]), out[1].float()
+                else:
+                    loss, got = float(out.loss), _logits(out)
+                errors = []
+                local = sp.shard(ids)
+                for call, kwargs in ((model, dict(input_ids=local, use_cache=True)),
+                                     (model.generate, dict(input_ids=local, max_new_tokens=1))):
+                    try:
+                        call(**kwargs)
+                        errors.append("no error")
+                    except ConfigError as exc:
+                        errors.append(str(exc))
+            s, e = sp.bounds(MODEL_N)
+            after = _logits(model(input_ids=ids))  # the context restored the model
+        key = f"{name}-{cfg['method'] if cfg else 'unpatched'}"
+        res[key] = {"logits": _max_over_ranks(float((got - ref[:, s:e]).abs().max())),
+                    "scale": float(ref.abs().max()), "loss": _max_over_ranks(abs(loss - ref_loss)),
+                    "restored": _max_over_ranks(float((after - ref).abs().max())), "errors": errors}
+        if cfg is not None:
+            res[key]["calls"] = sum(n for r in model.longpatch.routes for (_, path), n in r.calls.items()
+                                    if path in ("method", "method_exact"))
+    if rank == 0:
+        with open(out_file, "w") as f:
+            json.dump(res, f)
+
+
+@pytest.fixture(scope="module")
+def model_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sp") / "model.json"
+    _spawn(_model_worker, str(out))
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("name,cfg", MODEL_CASES, ids=[f"{n}-{c['method'] if c else 'unpatched'}"
+                                                      for n, c in MODEL_CASES])
+def test_model_same_logits_and_loss(model_results, name, cfg):
+    r = model_results[f"{name}-{cfg['method'] if cfg else 'unpatched'}"]
+    assert r["logits"] < 1e-4 * max(1.0, r["scale"]), r
+    assert r["loss"] < 1e-5, r
+    assert r["restored"] == 0.0
+    if cfg is not None:
+        assert r["calls"] > 0  # the method itself ran (through its route) under sequence parallelism
+    for msg in r["errors"]:  # decoding is refused with one line
+        assert "prefill / scoring only" in msg and "\n" not in msg
+
+
+# --------------------------------------------------------------------------- eval ppl --sequence-parallel
+
+def _cli(argv, monkeypatch, capsys):
+    from longpatch import cli
+    monkeypatch.setattr(sys, "argv", ["longpatch", *argv])
+    with pytest.raises(SystemExit) as e:
+        cli.main()
+    out = capsys.readouterr()
+    return e.value.code, out.out, out.err
+
+
+def test_eval_ppl_sequence_parallel_matches_one_process(tmp_path, monkeypatch, capsys):
+    """The CLI starts 2 processes with torch.distributed.run; results.json and the per-document NLLs agree."""
+    from test_eval_longbench import write_longbench
+
+    from longpatch.eval.records import read_records
+
+    data = str(write_longbench(tmp_path / "lb"))
+    common = ["eval", "ppl", "--model", "tiny:llama", "--layers", "0,2", "--method", "moba", "--set",
+              "params.chunk_size=16", "--set", "params.topk=2", "--set", "min_seq_len=0", "--data", data,
+              "--tokenizer", "bytes", "--seq-len", "64", "--warmup", "0", "--no-progress"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert _cli([*common, "--out", str(one)], monkeypatch, capsys)[0] == 0
+    assert _cli([*common, "--out", str(two), "--sequence-parallel", "2"], monkeypatch, capsys)[0] == 0
+    a, b = (json.loads((d / "results.json").read_text()) for d in (one, two))
+    assert len(a["configs"]) == len(b["configs"]) == 2
+    for ca, cb in zip(a["configs"], b["configs"]):
+        assert ca["config_id"] == cb["config_id"]
+        for key in ("ppl", "ppl_doc_mean", "nll_mean", "scored_tokens", "docs"):
+            if key in ca["all"]:
+                assert cb["all"][key] == pytest.approx(ca["all"][key], rel=1e-6), key
+    per_doc = [{(x["config_id"], x["doc_id"]): (x["nll_sum"], x["scored_tokens"]) for x in read_records(d)}
+               for d in (one, two)]
+    assert per_doc[0].keys() == per_doc[1].keys()
+    for k, (nll, n) in per_doc[0].items():
+        assert per_doc[1][k][1] == n and per_doc[1][k][0] == pytest.approx(nll, rel=1e-6)
+    assert [p.name for p in two.glob("records*.jsonl")] == ["records.jsonl"]  # rank 0 writes, once per document
+
+
+def test_eval_ppl_sequence_parallel_errors(tmp_path, monkeypatch, capsys):
+    code, _, err = _cli(["eval", "ppl", "--model", "tiny:llama", "--sequence-parallel", "2", "--num-processes", "2",
+                         "--out", str(tmp_path / "x")], monkeypatch, capsys)
+    assert code == 2 and "cannot be combined with num_processes" in err and len(err.strip().splitlines()) == 1
+    code, _, err = _cli(["eval", "ppl", "--model", "tiny:llama", "--sequence-parallel", "0"], monkeypatch, capsys)
+    assert code == 2 and "sequence_parallel: got 0" in err

@@ -5,6 +5,12 @@ running the same evaluation function with num_processes=1 and the rank in its en
 processes of `accelerate launch` / torchrun (`launcher`). Every process takes the work items
 `items[rank::world]` and appends its own records file (records.records_file); rank 0 writes the plan and
 the report. An evaluation plugs in with one call to `run_sharded`.
+
+A fourth, `sequence` (run_sequence_parallel, eval ppl --sequence-parallel N): N processes share each
+item, every process holding a slice of the sequence (longpatch.parallel); all of them run every item
+and rank 0 alone writes the records. Started from one process it runs itself under torch's own
+launcher (`python -m torch.distributed.run --standalone`); under torchrun / accelerate launch with N
+processes it runs as one of them.
 """
 from __future__ import annotations
 
@@ -33,7 +39,9 @@ _LAUNCHER_TIMEOUT = timedelta(days=7)  # ranks wait for the slowest one at the e
 class Dist:
     rank: int = 0
     world: int = 1
-    mode: str = "single"  # single | spawned (by --num-processes) | launcher (accelerate launch / torchrun)
+    # single | spawned (by --num-processes) | launcher (accelerate launch / torchrun) | sequence (the launcher's
+    # processes share each item: sequence parallelism)
+    mode: str = "single"
     state: Any = None
 
     @property
@@ -100,6 +108,53 @@ def run_sharded(spec, model, entry: str, body: Callable[[Dist, str], dict], repo
         return report()
 
 
+def run_sequence_parallel(spec, model, entry: str, body: Callable[[Dist, str], dict],
+                          report: Callable[[], dict]) -> dict:
+    """Run an evaluation with each item split over spec.sequence_parallel processes (Dist mode 'sequence').
+
+    From a single process: start those processes with torch's launcher, each calling entry(**kwargs)
+    as in spawn(), and return report(). Under a launcher with exactly that many processes: run body as
+    one of them. Not combinable with num_processes (which shards items, not sequences).
+    """
+    n = spec.sequence_parallel
+    out = Path(spec.out)
+    with removed_on_failure(out, keep_if_existed=out.exists()):
+        if spec.num_processes > 1:
+            raise ConfigError(f"sequence_parallel={n} cannot be combined with num_processes={spec.num_processes}: "
+                              "both use the processes; use one of them")
+        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        if world == 1:
+            if not isinstance(model, str) or not spec.named_inputs():
+                raise ConfigError("sequence_parallel > 1 needs the model, tokenizer and config given by name or "
+                                  "path (each process loads its own copy)")
+            run_id = spec.run_id or uuid.uuid4().hex[:12]
+            torchrun(entry, dict(spec.to_kwargs(), model=model, run_id=run_id), n, out)
+            return report()
+        if world != n:
+            raise ConfigError(f"sequence_parallel: got {n}, but the launcher started {world} processes; "
+                              f"allowed: {world} (or start {n} processes)")
+        dist = distributed()
+        if dist.mode != "launcher":
+            raise ConfigError("sequence_parallel cannot run inside --num-processes workers")
+        run_id = shared_run_id(dist, spec.run_id)
+        return body(Dist(dist.rank, dist.world, "sequence", dist.state), run_id)
+
+
+def torchrun(entry: str, kwargs: dict, nproc: int, out: Path) -> None:
+    """Run entry(**kwargs) in nproc local processes started by torch's own launcher (torch.distributed.run,
+    --standalone: a free rendezvous port of its own) and wait for them."""
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in env:  # share the cores, as spawn() does
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "longpatch.eval.launch", entry, json.dumps(kwargs)]
+    code = subprocess.run(cmd, env=env).returncode
+    if code != 0:
+        raise LongpatchError(f"the {nproc} sequence-parallel processes exited with code {code} (their errors are "
+                             f"above); finished work is kept in {out}; run the same command again to resume")
+
+
 def spawn(entry: str, kwargs: dict, num_processes: int, out: Path) -> None:
     """Run entry(**kwargs) in num_processes local workers (ranks 0..n-1) and wait for all of them; one
     failure stops the others (their finished records are kept)."""
@@ -143,3 +198,7 @@ def worker_main() -> None:
     except LongpatchError as e:
         print(f"longpatch: error (worker {os.environ.get('RANK')}): {e}", file=sys.stderr)
         sys.exit(2)
+
+
+if __name__ == "__main__":  # the processes torchrun() starts: python -m longpatch.eval.launch ENTRY JSON
+    worker_main()

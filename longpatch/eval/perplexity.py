@@ -36,18 +36,28 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 from ..errors import ConfigError, LongpatchError
 from ..patching import total_seconds
-from .launch import Dist, run_sharded
+from .launch import Dist, run_sequence_parallel, run_sharded
 from .longbench import load_longbench, resolve_subsets
 from .plan import PLAN_FILE, Doc, nothing_to_evaluate, plan_documents, report_problems
 from .records import RecordLog, announce_resume, read_records, records_file, write_json
 from .report import print_results, record_index, summarize
-from .scoring import check_loss_path, evaluate_document, input_device, make_encoder, vocab_size
+from .scoring import (
+    _sync,
+    check_loss_path,
+    evaluate_document,
+    final_hidden_states,
+    input_device,
+    make_encoder,
+    token_nll,
+    vocab_size,
+)
 from .sweep import (
     Point,
     RunSpec,
@@ -76,7 +86,8 @@ class PerplexitySpec(RunSpec):
     tokenizer: as RunSpec, or 'bytes' (scoring.ByteTokenizer). device_map: 'auto' spreads the model over
     this machine's GPUs with accelerate (one process). strict: a malformed LongBench record is fatal
     instead of reported and skipped. warmup: untimed forward passes before the first timed document of
-    each configuration. loss_chunk: positions per LM-head call.
+    each configuration. loss_chunk: positions per LM-head call. sequence_parallel: N > 1 splits every
+    document over N processes (longpatch.parallel, docs/distributed.md); not with num_processes.
     """
 
     subsets: object = "all"
@@ -87,10 +98,17 @@ class PerplexitySpec(RunSpec):
     strict: bool = False
     warmup: int = 1
     loss_chunk: int = 1024
+    sequence_parallel: int = 1
 
     def __post_init__(self):
         super().__post_init__()
         check_int("seq_len", self.seq_len, 2)
+        check_int("sequence_parallel", self.sequence_parallel, 1)
+        if self.sequence_parallel > 1 and self.num_processes > 1:
+            raise ConfigError(f"sequence_parallel={self.sequence_parallel} cannot be combined with num_processes="
+                              f"{self.num_processes}: both use the processes; use one of them")
+        if self.sequence_parallel > 1 and self.device_map:
+            raise ConfigError("device_map: one process over all GPUs; with sequence_parallel each process takes one")
         check_int("loss_chunk", self.loss_chunk, 1)
         check_int("warmup", self.warmup, 0)
         if self.max_docs is not None:
@@ -108,16 +126,17 @@ def perplexity(model, layers=None, *, spec: PerplexitySpec | None = None, **opti
     layers: see parse_layer_sweep ('20', '0,4,8', '0:28:4' with the end included, 'all'); None uses
         the config's layers. The model is loaded once and re-patched for each point.
     options: the fields of PerplexitySpec (config, method, sets, subsets, seq_len, max_docs, data, out,
-        tokenizer, device_map, num_processes, strict, trust_remote_code, warmup, loss_chunk, progress,
-        plots, run_id), or spec= one PerplexitySpec.
+        tokenizer, device_map, num_processes, sequence_parallel, strict, trust_remote_code, warmup, loss_chunk,
+        progress, plots, run_id), or spec= one PerplexitySpec.
     Returns the results dict also written to out/results.json ({} on ranks other than 0).
     Raises LongpatchError when no document can be evaluated; a failed call that finished no document
     removes the `out` directory it created.
     """
     spec = resolve_spec(PerplexitySpec, "perplexity", spec, layers, options)
-    return run_sharded(spec, model, "longpatch.eval.perplexity:perplexity",
-                       lambda dist, run_id: _evaluate(model, spec, dist, run_id),
-                       lambda: summarize(spec.out, plots=spec.plots))
+    run = run_sequence_parallel if spec.sequence_parallel > 1 else run_sharded
+    return run(spec, model, "longpatch.eval.perplexity:perplexity",
+               lambda dist, run_id: _evaluate(model, spec, dist, run_id),
+               lambda: summarize(spec.out, plots=spec.plots))
 
 
 def _evaluate(model, spec: PerplexitySpec, dist: Dist, run_id: str) -> dict:
@@ -158,8 +177,8 @@ def _evaluate(model, spec: PerplexitySpec, dist: Dist, run_id: str) -> dict:
             "data_problems": [p.to_dict() for p in lb.problems]})
         if len(points) > 1 and not any(p.layers == 0 for p in points):
             log.warning("longpatch: the sweep has no 0-layer point; attention speedups need one (add 0 to --layers)")
-    _run(model, points, docs[dist.rank::dist.world], out, dist, spec.warmup, spec.loss_chunk,
-         spec.progress and dist.main, run_id)
+    mine = docs if dist.mode == "sequence" else docs[dist.rank::dist.world]  # sequence: every rank, every doc
+    _run(model, points, mine, out, dist, spec.warmup, spec.loss_chunk, spec.progress and dist.main, run_id)
     dist.barrier()
     if dist.mode == "spawned" or not dist.main:
         return {}
@@ -170,8 +189,15 @@ def _run(model, points: list[Point], docs: list[Doc], out: Path, dist: Dist, war
          progress: bool, run_id: str) -> None:
     from tqdm.auto import tqdm
 
-    writer = RecordLog(records_file(out, dist.rank, dist.world))
-    done = record_index(read_records(out))
+    sequence = dist.mode == "sequence"
+    if not sequence:
+        writer = RecordLog(records_file(out, dist.rank, dist.world))
+        done = record_index(read_records(out))
+    else:  # one record per document, from rank 0; every rank follows rank 0's view of what is done
+        from accelerate.utils import broadcast_object_list
+        writer = RecordLog(records_file(out, 0, 1)) if dist.main else _Discard()
+        done = broadcast_object_list([record_index(read_records(out)) if dist.main else None], from_process=0)[0]
+    evaluate = _evaluate_document_sp if sequence else evaluate_document
     todo = [(p, [d for d in docs if (p.config_id, d.subset, d.doc_id, d.digest) not in done]) for p in points]
     total = sum(len(ds) for _, ds in todo)
     already = len(points) * len(docs) - total
@@ -182,16 +208,59 @@ def _run(model, points: list[Point], docs: list[Doc], out: Path, dist: Dist, war
 
     def warm(point, pending):
         for _ in range(warmup):
-            evaluate_document(model, pending[0].ids[None].to(device), chunk)
+            evaluate(model, pending[0].ids[None].to(device), chunk)
 
     def one(point, doc):
         model.longpatch.reset_stats()
-        result = evaluate_document(model, doc.ids[None].to(device), chunk)
+        result = evaluate(model, doc.ids[None].to(device), chunk)
         nll = result["nll_mean"]
         bar.set_postfix(ppl=f"{math.exp(nll):.3f}" if math.isfinite(nll) else "nan")
         return _record(point, doc, result, model.longpatch.breakdown(), dist.rank, run_id)
 
     run_points(model, todo, writer, bar, out, one, start=warm)
+
+
+class _Discard:
+    """The records writer of sequence-parallel ranks other than 0 (rank 0 writes each document once)."""
+
+    def append(self, record: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _evaluate_document_sp(model, input_ids, chunk: int = 1024) -> dict:
+    """evaluate_document with the document split over the sequence-parallel processes: each scores its
+    slice's positions; NLL sums and counts are summed over the ranks, wall times are the slowest rank's.
+    Attention stats (model.longpatch) stay this rank's: its share of the heads, all-to-alls not included."""
+    import torch
+    import torch.distributed as tdist
+
+    from ..parallel import sequence_parallel
+
+    n = input_ids.shape[1]
+    with sequence_parallel(model) as sp, torch.inference_mode():
+        s, e = sp.bounds(n)
+        _sync()
+        t0 = time.perf_counter()
+        hidden = final_hidden_states(model, input_ids[:, s:e])
+        _sync()
+        t1 = time.perf_counter()
+        # token_nll scores every position of `hidden` but its last; here a slice's last position predicts
+        # the next slice's first token, so all but the last rank append a placeholder row (never scored)
+        if e < n:
+            hidden = torch.cat([hidden, hidden[:, -1:]], 1)
+        nll = token_nll(model, hidden, input_ids[:, s:min(e + 1, n)], chunk)
+        _sync()
+        t2 = time.perf_counter()
+        sums = torch.tensor([float(nll.double().sum()), nll.numel()], dtype=torch.float64, device=sp.device)
+        secs = torch.tensor([t1 - t0, t2 - t1], dtype=torch.float64, device=sp.device)
+        tdist.all_reduce(sums, group=sp.group)
+        tdist.all_reduce(secs, op=tdist.ReduceOp.MAX, group=sp.group)
+    total, count = float(sums[0]), int(sums[1])
+    return {"scored_tokens": count, "nll_sum": total, "nll_mean": total / count,
+            "forward_seconds": float(secs[0]), "loss_seconds": float(secs[1])}
 
 
 def _record(point: Point, doc: Doc, result: dict, breakdown: dict, rank: int, run_id: str) -> dict:

@@ -130,14 +130,17 @@ class ChatGLMModel(nn.Module):
 
 
 class ChatGLMForConditionalGeneration(nn.Module):
-    """forward(input_ids [b, s], attention_mask [b, past+s] of 1/0, past_key_values) -> (logits, cache)."""
+    """forward(input_ids [b, s], attention_mask [b, past+s] of 1/0, past_key_values) -> (logits, cache).
+
+    position_ids [b, s] (optional, as in the remote code; here one row serves the whole batch): the
+    rotary positions, past..past+s-1 by default; sequence parallelism passes each rank's slice."""
 
     def __init__(self, config: ChatGLMConfig):
         super().__init__()
         self.config = config
         self.transformer = ChatGLMModel(config)
 
-    def forward(self, input_ids, attention_mask=None, past_key_values=None, use_cache=False):
+    def forward(self, input_ids, attention_mask=None, past_key_values=None, use_cache=False, position_ids=None):
         b, s = input_ids.shape
         past = 0 if past_key_values is None else past_key_values[0][0].shape[0]
         full_mask = None
@@ -146,7 +149,11 @@ class ChatGLMForConditionalGeneration(nn.Module):
             if attention_mask is not None:
                 visible = visible & attention_mask.bool()[:, None, None, :]
             full_mask = ~visible.expand(b, 1, s, past + s)
-        rope = rotary_table(self.config, past + s, input_ids.device)[past:]
+        if position_ids is None:
+            rope = rotary_table(self.config, past + s, input_ids.device)[past:]
+        else:
+            pos = position_ids[0].to(input_ids.device)
+            rope = rotary_table(self.config, int(pos.max()) + 1, input_ids.device)[pos]
         x = self.transformer.embedding(input_ids).transpose(0, 1)
         caches = []
         for i, layer in enumerate(self.transformer.encoder.layers):
