@@ -148,7 +148,7 @@ def torchrun(entry: str, kwargs: dict, nproc: int, out: Path) -> None:
     if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in env:  # share the cores, as spawn() does
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "longpatch.eval.launch", entry, json.dumps(kwargs)]
+           "-m", "longpatch.parallel.worker", entry, json.dumps(kwargs)]
     code = subprocess.run(cmd, env=env).returncode
     if code != 0:
         raise LongpatchError(f"the {nproc} sequence-parallel processes exited with code {code} (their errors are "
@@ -198,7 +198,3 @@ def worker_main() -> None:
     except LongpatchError as e:
         print(f"longpatch: error (worker {os.environ.get('RANK')}): {e}", file=sys.stderr)
         sys.exit(2)
-
-
-if __name__ == "__main__":  # the processes torchrun() starts: python -m longpatch.eval.launch ENTRY JSON
-    worker_main()
