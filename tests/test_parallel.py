@@ -297,3 +297,30 @@ def test_eval_ppl_sequence_parallel_errors(tmp_path, monkeypatch, capsys):
     assert code == 2 and "cannot be combined with num_processes" in err and len(err.strip().splitlines()) == 1
     code, _, err = _cli(["eval", "ppl", "--model", "tiny:llama", "--sequence-parallel", "0"], monkeypatch, capsys)
     assert code == 2 and "sequence_parallel: got 0" in err
+
+
+def test_eval_ppl_sequence_parallel_worker_error_is_one_line(tmp_path, monkeypatch, capfd):
+    """A bad input found in the workers (heads vs ranks): their one-line errors, no launcher traceback,
+    a non-zero exit and no output directory."""
+    from longpatch import cli
+
+    out = tmp_path / "x"
+    monkeypatch.setattr(sys, "argv", ["longpatch", "eval", "ppl", "--model", "tiny:llama", "--tokenizer", "bytes",
+                                      "--data", "demo", "--seq-len", "64", "--max-docs", "1", "--layers", "0",
+                                      "--no-progress", "--sequence-parallel", "3", "--out", str(out)])
+    with pytest.raises(SystemExit) as e:
+        cli.main()
+    err = capfd.readouterr().err
+    assert e.value.code == 2 and "4 query heads do not divide over 3 ranks" in err
+    assert "Traceback" not in err and not out.exists()
+
+
+def test_token_nll_of_a_one_token_slice_is_empty():
+    """The last rank's slice of a short document can hold one token, which predicts nothing."""
+    from longpatch.eval.scoring import token_nll
+    from longpatch.testing.tiny import tiny_model
+
+    model = tiny_model("llama")
+    ids = torch.tensor([[5]])
+    hidden = torch.zeros(1, 1, model.config.hidden_size)
+    assert token_nll(model, hidden, ids).shape == (0,)

@@ -142,17 +142,18 @@ def run_sequence_parallel(spec, model, entry: str, body: Callable[[Dist, str], d
 
 def torchrun(entry: str, kwargs: dict, nproc: int, out: Path) -> None:
     """Run entry(**kwargs) in nproc local processes started by torch's own launcher (torch.distributed.run,
-    --standalone: a free rendezvous port of its own) and wait for them."""
+    --standalone: a free rendezvous port of its own; through longpatch.parallel.torchrun, which keeps its
+    failure report to one line) and wait for them."""
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in env:  # share the cores, as spawn() does
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+    cmd = [sys.executable, "-m", "longpatch.parallel.torchrun", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "longpatch.parallel.worker", entry, json.dumps(kwargs)]
     code = subprocess.run(cmd, env=env).returncode
     if code != 0:
         raise LongpatchError(f"the {nproc} sequence-parallel processes exited with code {code} (their errors are "
-                             f"above); finished work is kept in {out}; run the same command again to resume")
+                             f"above); finished work, if any, is kept in {out}; run the same command again to resume")
 
 
 def spawn(entry: str, kwargs: dict, num_processes: int, out: Path) -> None:

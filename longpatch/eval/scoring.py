@@ -134,6 +134,8 @@ def token_nll(model, hidden: torch.Tensor, input_ids: torch.Tensor, chunk: int =
     `chunk` positions at a time so at most [chunk, vocab] logits exist."""
     head = lm_head(model)
     positions = hidden.shape[1] - 1
+    if positions <= 0:  # nothing to score (e.g. a one-token slice of a sequence-parallel document)
+        return hidden.new_zeros(0, dtype=torch.float32)
     parts = []
     for i in range(0, positions, chunk):
         j = min(i + chunk, positions)
