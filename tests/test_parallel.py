@@ -71,6 +71,20 @@ def _max_over_ranks(x: float) -> float:
 
 # --------------------------------------------------------------------------- the op
 
+def _dump(res: dict, rank: int, out_file: str) -> None:
+    """Rank 0 writes what its worker measured (the values are already maxima over the ranks)."""
+    if rank == 0:
+        with open(out_file, "w") as f:
+            json.dump(res, f)
+
+
+def _results(tmp_path_factory, worker) -> dict:
+    """Run `worker` on 2 gloo processes once per module and read what rank 0 wrote."""
+    out = tmp_path_factory.mktemp("sp") / "results.json"
+    _spawn(worker, str(out))
+    return json.loads(out.read_text())
+
+
 def _op_worker(rank, out_file):
     from longpatch.methods import get_method
     from longpatch.parallel import ulysses_attention
@@ -120,16 +134,12 @@ def _op_worker(rank, out_file):
         res["heads-error"] = "no error"
     except ConfigError as exc:
         res["heads-error"] = str(exc)
-    if rank == 0:
-        with open(out_file, "w") as f:
-            json.dump(res, f)
+    _dump(res, rank, out_file)
 
 
 @pytest.fixture(scope="module")
 def op_results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("sp") / "op.json"
-    _spawn(_op_worker, str(out))
-    return json.loads(out.read_text())
+    return _results(tmp_path_factory, _op_worker)
 
 
 @pytest.mark.parametrize("method,causal,hq,hk", OP_CASES)
@@ -227,16 +237,12 @@ def _model_worker(rank, out_file):
         if cfg is not None:
             res[key]["calls"] = sum(n for r in model.longpatch.routes for (_, path), n in r.calls.items()
                                     if path in ("method", "method_exact"))
-    if rank == 0:
-        with open(out_file, "w") as f:
-            json.dump(res, f)
+    _dump(res, rank, out_file)
 
 
 @pytest.fixture(scope="module")
 def model_results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("sp") / "model.json"
-    _spawn(_model_worker, str(out))
-    return json.loads(out.read_text())
+    return _results(tmp_path_factory, _model_worker)
 
 
 @pytest.mark.parametrize("name,cfg", MODEL_CASES, ids=[f"{n}-{c['method'] if c else 'unpatched'}"
@@ -255,12 +261,8 @@ def test_model_same_logits_and_loss(model_results, name, cfg):
 # --------------------------------------------------------------------------- eval ppl --sequence-parallel
 
 def _cli(argv, monkeypatch, capsys):
-    from longpatch import cli
-    monkeypatch.setattr(sys, "argv", ["longpatch", *argv])
-    with pytest.raises(SystemExit) as e:
-        cli.main()
-    out = capsys.readouterr()
-    return e.value.code, out.out, out.err
+    from test_cli import run
+    return run(argv, monkeypatch, capsys)
 
 
 def test_eval_ppl_sequence_parallel_matches_one_process(tmp_path, monkeypatch, capsys):
