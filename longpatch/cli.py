@@ -11,6 +11,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from .errors import ConfigError, LongpatchError
+from .eval.demo import NEEDLE_LENGTH, NEEDLE_TRIALS
 
 # rich_markup_mode=None: click's plain help, which shows flags as flags (typer's rich help prints "<bool>")
 _TYPER = dict(no_args_is_help=True, rich_markup_mode=None)
@@ -164,9 +165,9 @@ def demo(
     layers: str = typer.Option("0:4:1", help="sweep of replaced final layers (end included)"),
     max_docs: int = typer.Option(6, help="held-out documents of 4096 tokens to score"),
     out: str = typer.Option("runs/demo", help="output directory (eval results per config, demo.json, figure3.png)"),
-    needle_length: int = typer.Option(4096, help="needle prompt length in tokens (0: no retrieval column)"),
+    needle_length: int = typer.Option(NEEDLE_LENGTH, help="needle prompt length in tokens (0: no retrieval column)"),
     needle_template: str = typer.Option("passkey", help="code, passkey or a YAML template file"),
-    needle_trials: int = typer.Option(2, help="needle prompts per depth (5 depths, 10% to 90%)"),
+    needle_trials: int = typer.Option(NEEDLE_TRIALS, help="needle prompts per depth (5 depths, 10% to 90%)"),
     progress: bool = typer.Option(True, "--progress/--no-progress"),
 ):
     """Offline main job: each method on the shipped demo model: perplexity, attention speed and needle
