@@ -118,10 +118,7 @@ def run_sequence_parallel(spec, model, entry: str, body: Callable[[Dist, str], d
     """
     n = spec.sequence_parallel
     out = Path(spec.out)
-    with removed_on_failure(out, keep_if_existed=out.exists()):
-        if spec.num_processes > 1:
-            raise ConfigError(f"sequence_parallel={n} cannot be combined with num_processes={spec.num_processes}: "
-                              "both use the processes; use one of them")
+    with removed_on_failure(out, keep_if_existed=out.exists()):  # num_processes > 1: refused by the spec
         world = int(os.environ.get("WORLD_SIZE", "1") or 1)
         if world == 1:
             if not isinstance(model, str) or not spec.named_inputs():
@@ -146,8 +143,9 @@ def torchrun(entry: str, kwargs: dict, nproc: int, out: Path) -> None:
     failure report to one line) and wait for them."""
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
-    if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in env:  # share the cores, as spawn() does
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    threads = _cpu_threads(nproc)
+    if threads and "OMP_NUM_THREADS" not in env:
+        env["OMP_NUM_THREADS"] = threads
     cmd = [sys.executable, "-m", "longpatch.parallel.torchrun", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "longpatch.parallel.worker", entry, json.dumps(kwargs)]
     code = subprocess.run(cmd, env=env).returncode
@@ -156,12 +154,17 @@ def torchrun(entry: str, kwargs: dict, nproc: int, out: Path) -> None:
                              f"above); finished work, if any, is kept in {out}; run the same command again to resume")
 
 
+def _cpu_threads(nproc: int) -> str | None:
+    """OMP_NUM_THREADS for each of nproc local processes on a CPU (None on GPU): the cores are shared
+    out, or every process would start one thread per core."""
+    return None if torch.cuda.is_available() else str(max(1, (os.cpu_count() or 1) // nproc))
+
+
 def spawn(entry: str, kwargs: dict, num_processes: int, out: Path) -> None:
     """Run entry(**kwargs) in num_processes local workers (ranks 0..n-1) and wait for all of them; one
     failure stops the others (their finished records are kept)."""
     out.mkdir(parents=True, exist_ok=True)
-    # the CPU's cores are shared out, or every worker would start one thread per core
-    threads = None if torch.cuda.is_available() else str(max(1, (os.cpu_count() or 1) // num_processes))
+    threads = _cpu_threads(num_processes)
     procs = []
     for rank in range(num_processes):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(num_processes), LOCAL_RANK=str(rank),

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -48,16 +47,7 @@ from .longbench import load_longbench, resolve_subsets
 from .plan import PLAN_FILE, Doc, nothing_to_evaluate, plan_documents, report_problems
 from .records import RecordLog, announce_resume, read_records, records_file, write_json
 from .report import print_results, record_index, summarize
-from .scoring import (
-    _sync,
-    check_loss_path,
-    evaluate_document,
-    final_hidden_states,
-    input_device,
-    make_encoder,
-    token_nll,
-    vocab_size,
-)
+from .scoring import check_loss_path, evaluate_document, input_device, make_encoder, vocab_size
 from .sweep import (
     Point,
     RunSpec,
@@ -240,22 +230,11 @@ def _evaluate_document_sp(model, input_ids, chunk: int = 1024) -> dict:
     from ..parallel import sequence_parallel
 
     n = input_ids.shape[1]
-    with sequence_parallel(model) as sp, torch.inference_mode():
+    with sequence_parallel(model) as sp:
         s, e = sp.bounds(n)
-        _sync()
-        t0 = time.perf_counter()
-        hidden = final_hidden_states(model, input_ids[:, s:e])
-        _sync()
-        t1 = time.perf_counter()
-        # token_nll scores every position of `hidden` but its last; here a slice's last position predicts
-        # the next slice's first token, so all but the last rank append a placeholder row (never scored)
-        if e < n:
-            hidden = torch.cat([hidden, hidden[:, -1:]], 1)
-        nll = token_nll(model, hidden, input_ids[:, s:min(e + 1, n)], chunk)
-        _sync()
-        t2 = time.perf_counter()
-        sums = torch.tensor([float(nll.double().sum()), nll.numel()], dtype=torch.float64, device=sp.device)
-        secs = torch.tensor([t1 - t0, t2 - t1], dtype=torch.float64, device=sp.device)
+        r = evaluate_document(model, input_ids[:, s:e], chunk, input_ids[:, e:e + 1] if e < n else None)
+        sums = torch.tensor([r["nll_sum"], r["scored_tokens"]], dtype=torch.float64, device=sp.device)
+        secs = torch.tensor([r["forward_seconds"], r["loss_seconds"]], dtype=torch.float64, device=sp.device)
         tdist.all_reduce(sums, group=sp.group)
         tdist.all_reduce(secs, op=tdist.ReduceOp.MAX, group=sp.group)
     total, count = float(sums[0]), int(sums[1])

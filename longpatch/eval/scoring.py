@@ -2,6 +2,7 @@
 chunked float32 NLL, and one document's losses and wall times."""
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -180,18 +181,24 @@ def _sync() -> None:
 
 
 
-def evaluate_document(model, input_ids: torch.Tensor, chunk: int = 1024) -> dict:
-    """One document [1, s] on the model as it is: NLL sum/mean over s-1 tokens and wall times."""
+def evaluate_document(model, input_ids: torch.Tensor, chunk: int = 1024, next_ids: torch.Tensor | None = None) -> dict:
+    """One document [1, s] on the model as it is: NLL sum/mean over s-1 tokens and wall times.
+
+    next_ids [1, 1]: the token that follows input_ids (a sequence-parallel slice, whose last position
+    predicts the next slice's first token), scored too: s tokens then. nll_mean is nan with none scored."""
     with torch.inference_mode():
         _sync()
         t0 = time.perf_counter()
         hidden = final_hidden_states(model, input_ids)
         _sync()
         t1 = time.perf_counter()
+        if next_ids is not None:  # token_nll scores every position but the last: add a placeholder row
+            hidden = torch.cat([hidden, hidden[:, -1:]], 1)
+            input_ids = torch.cat([input_ids, next_ids.to(input_ids.device)], 1)
         nll = token_nll(model, hidden, input_ids, chunk)
         total = float(nll.double().sum())
         _sync()
         t2 = time.perf_counter()
     n = int(nll.numel())
-    return {"scored_tokens": n, "nll_sum": total, "nll_mean": total / n,
+    return {"scored_tokens": n, "nll_sum": total, "nll_mean": total / n if n else math.nan,
             "forward_seconds": t1 - t0, "loss_seconds": t2 - t1}
