@@ -514,7 +514,7 @@ def finish(model, tok, held_files, root, out, args, state, n_params, stream_toke
         from transformers import AutoModelForCausalLM
         rope, max_pos = serve_config(model.config, args.serve_rope_factor)
         model = AutoModelForCausalLM.from_pretrained(out, rope_parameters=rope, max_position_embeddings=max_pos).eval()
-        model.save_pretrained(out, safe_serialization=True)
+        model.config.save_pretrained(out)  # the weights just saved are the same; only config.json changes
         log(f"served RoPE: {rope}, {max_pos} positions")
     held_loss = heldout_loss(model, tok, held_files)
     log(f"held-out loss {held_loss:.4f} (4096-token windows of held-out files)")

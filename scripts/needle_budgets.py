@@ -87,7 +87,7 @@ def table(results: dict, paths: dict[str, Path], n: int) -> list[dict]:
         s = summary.get(str(path))
         if s is None:
             continue
-        cfg = load_config(paths[name])
+        cfg = load_config(path)
         mine = [r for r in records if r["config"] == s["config"] and r["layers"] == s["layers"]]
         right = [r["correct"] for r in mine if exact.get((r["depth"], r["trial"]))]
         rows.append({"variant": name, "method": cfg.method, "params": cfg.params, "layers": s["layers"],
