@@ -12,10 +12,14 @@ with samples that reward reading far back (the retrieval mix, `sample()` below):
 - prose needles: "The pass key is 71432. Remember it. ..." planted the same way, asked at the end;
 - repeated spans: a span of the window reappears later (the classic induction task, on real code).
 - random-token copying: random tokens with one span repeated at a random offset, the task on which
-  copying (induction) heads form; it comes first, on short sequences (see RECIPE).
+  copying (induction) heads form; it comes first, on short sequences (see RECIPE);
+- n-gram copying: the same over small alphabets, where only a match on several preceding tokens
+  finds the copy's source, as in code, whose tokens recur (`Mixer.ngram`).
 Every code token carries the language-model loss; the answer tokens (the value after `==` / "is", and
 the second copy of a span) also enter a second, separately averaged loss, so the few tokens that
-need retrieval are not drowned by the many that do not. Lengths grow in phases (`--phases`).
+need retrieval are not drowned by the many that do not. Lengths grow in phases (`--phases`), grouped
+in stages ('A|B') that each warm the learning rate up and decay it, so a stage appended to a recipe
+continues its checkpoint exactly as a build from scratch would.
 
 Steps (deterministic given --seed and the Python version whose stdlib is read; each training step
 draws its batch from a generator seeded by (seed, step), so a resumed build is the same build):
@@ -53,6 +57,8 @@ EOS = "<|endoftext|>"
 NAME_PARTS = ["PASS", "KEY", "SECRET", "MAX", "MIN", "PORT", "CODE", "TOKEN", "LIMIT", "USER", "BASE",
               "SIZE", "COUNT", "RETRY", "TIMEOUT", "MAGIC", "SEED", "LEVEL", "OFFSET", "INDEX", "VALUE",
               "DEFAULT", "BUFFER", "HOST", "PID", "UID", "ROOT", "FLAG", "MODE", "RATE", "STEP", "ID"]
+# Alphabets of the n-gram copying task: 64 ids make most 2-grams unique in 1k tokens, 3-grams in 32k.
+NGRAM_ALPHABETS = (64, 256, 1024, 0)
 PROSE_SUBJECTS = ["pass key", "secret number", "magic number", "access code", "special value", "lucky number"]
 
 
@@ -221,10 +227,13 @@ class Mixer:
         ids[dst:dst + span] = ids[src:src + span]
         return Sample(ids, list(range(dst + 1, dst + span)))
 
-    def synthetic(self, rng: random.Random, n: int, span_mode: str | None = None) -> Sample:
+    def synthetic(self, rng: random.Random, n: int, span_mode: str | None = None, alphabet: int = 0) -> Sample:
         """Random tokens with one span repeated later: the task on which induction heads form fastest
-        (nothing but copying can predict the second copy). Only the copy is scored."""
-        ids = [rng.randrange(256, self.synth_hi) for _ in range(n + 1)]
+        (nothing but copying can predict the second copy). Only the copy is scored. `alphabet` > 0
+        draws from that many token ids: each one then recurs all over the sequence, so only a match on
+        several preceding tokens finds where to copy from (see `ngram`)."""
+        hi = 256 + alphabet if alphabet else self.synth_hi
+        ids = [rng.randrange(256, hi) for _ in range(n + 1)]
         mode = span_mode or self.synth_span
         if mode == "periodic":
             # one random block repeated to the end; its length differs per sample, so only
@@ -241,7 +250,16 @@ class Mixer:
         ids[dst:dst + span] = ids[src:src + span]
         return Sample(ids, list(range(dst + 1, dst + span)), lm=False)
 
+    def ngram(self, rng: random.Random, n: int) -> Sample:
+        """Random-span copying over a small alphabet (64..1024 ids, or the whole vocabulary). Model v2's
+        copying matched one preceding token: it copies random tokens (each one rare) 90% right at 2048
+        tokens, but over 256 ids only 6%, and held-out code (whose tokens recur) about half right. A
+        span reappearing in code is found by its preceding n-gram; this task rewards exactly that."""
+        return self.synthetic(rng, n, "random", alphabet=rng.choice(NGRAM_ALPHABETS))
+
     def draw(self, rng: random.Random, n: int, mix: str = "mix") -> Sample:
+        if mix == "ngram":
+            return self.ngram(rng, n)
         if mix == "synth":
             return self.synthetic(rng, n)
         if mix == "synthr":  # a random span at a random offset: no fixed distance to learn instead of copying
@@ -249,15 +267,28 @@ class Mixer:
         if mix == "synthp":
             return self.synthetic(rng, n, "periodic")
         r = rng.random()
-        if r < 0.35:
+        kind = next((k for k, upto in MIX_SHARES[mix] if r < upto), "code")
+        if kind == "code":
             return self.needles(rng, n, kind="code", n_needles=rng.randint(1, 4))
-        if r < 0.55:
+        if kind == "prose":
             return self.needles(rng, n, kind="prose", n_needles=rng.randint(1, 3))
-        if r < 0.75:
+        if kind == "repeat":
             return self.repeat(rng, n)
-        if r < 0.8:
+        if kind == "synthr":
             return self.synthetic(rng, n, "random")
+        if kind == "ngram":
+            return self.ngram(rng, n)
         return Sample(self.window(rng, n + 1), [])
+
+
+# The training mixes: (kind, cumulative share) in draw order; 'window' is plain code.
+MIX_SHARES = {
+    "mix": [("code", 0.35), ("prose", 0.55), ("repeat", 0.75), ("synthr", 0.8), ("window", 1.0)],
+    # n-gram copying in place of random-token copying (stage 2 of the recipe)
+    "mixn": [("code", 0.3), ("prose", 0.45), ("repeat", 0.7), ("ngram", 0.9), ("window", 1.0)],
+    # weighted to code needles, whose first value token is the one copy no n-gram match finds (stage 3)
+    "mixc": [("code", 0.5), ("prose", 0.7), ("repeat", 0.85), ("ngram", 0.95), ("window", 1.0)],
+}
 
 
 def _random_name(rng: random.Random, used: set) -> str:
@@ -298,14 +329,18 @@ def losses(model, ids: torch.Tensor, answer_mask: torch.Tensor, lm_rows: torch.T
     return lm, ans
 
 
+COPY_KINDS = ("repeat", "synth", "ngram")  # scored per copied token; 'ngram': random tokens over 256 ids
+
+
 @torch.no_grad()
 def retrieval_accuracy(model, mixer: Mixer, n: int, kind: str, trials: int, seed: int = 1234) -> float:
     """Fraction of samples (one needle, one question) whose answer tokens are all argmax-correct."""
     rng = random.Random(seed)
     ok = 0
     for t in range(trials):
-        if kind in ("repeat", "synth"):
-            s = mixer.repeat(rng, n) if kind == "repeat" else mixer.synthetic(rng, n, "random")
+        if kind in COPY_KINDS:
+            s = (mixer.repeat(rng, n) if kind == "repeat" else
+                 mixer.synthetic(rng, n, "random", alphabet=256 if kind == "ngram" else 0))
         else:
             s = mixer.needles(rng, n, kind=kind, depth=(t + 0.5) / trials,
                               value=str(rng.randrange(10000, 100000)), name="PASSKEY" if kind == "code" else "pass key")
@@ -314,14 +349,14 @@ def retrieval_accuracy(model, mixer: Mixer, n: int, kind: str, trials: int, seed
         m = mask[:, 1:]
         hits = pred[m] == ids[:, 1:][m]
         # needles: all answer tokens right; copies: the fraction of copied tokens right
-        ok += bool(hits.all()) if kind not in ("repeat", "synth") else hits.float().mean().item()
+        ok += bool(hits.all()) if kind not in COPY_KINDS else hits.float().mean().item()
     return ok / trials
 
 
 # ---------------------------------------------------------------------------------------------
 
 
-MIXES = ("mix", "synth", "synthr", "synthp")
+MIXES = ("synth", "synthr", "synthp", "ngram", *MIX_SHARES)
 # The v2 recipe. Random-offset copying (synthr) first, on sequences that start at 32 tokens and double:
 # the time an induction head takes to form grows steeply with the context length (at 128 tokens it
 # did not form in 1000 steps; from 32 tokens it forms at step ~650), and once formed it stretches to
@@ -349,6 +384,26 @@ def parse_phases(spec: str) -> list[tuple[int, int, int, str]]:
                              f"integers and MIX one of {', '.join(MIXES)}")
         out.append(phase)
     return out
+
+
+def parse_recipe(spec: str) -> list[list[tuple[int, int, int, str]]]:
+    """'A|B': stages of phases, each with its own learning-rate warm-up and decay (see lr_factor)."""
+    return [parse_phases(part) for part in spec.split("|")]
+
+
+def lr_factor(step: int, stages: list, warm: int = 50) -> float:
+    """The learning rate's multiplier at `step`: within each stage, linear warm-up over `warm` steps,
+    constant (induction forms at a steady rate), then cosine down to 0.1x over the stage's last 15%.
+    A stage appended to a recipe leaves the earlier stages' schedule, hence their model, unchanged."""
+    start = 0
+    for i, stage in enumerate(stages):
+        length = sum(p[2] for p in stage)
+        if step < start + length or i == len(stages) - 1:
+            s, decay_from = step - start, int(0.85 * length)
+            tail = min(1.0, max(0.0, (s - decay_from) / max(1, length - decay_from)))
+            return min(1.0, (s + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * tail)))
+        start += length
+    raise ValueError("no stages")
 
 
 def main(argv=None):
@@ -420,22 +475,14 @@ def main(argv=None):
     if args.serve_rope_factor:  # fail now, not after hours of training
         serve_config(model.config, args.serve_rope_factor)
     n_params = sum(p.numel() for p in model.parameters())
-    phases = parse_phases(args.phases)
+    stages = parse_recipe(args.phases)
+    phases = [p for stage in stages for p in stage]
     total = sum(p[2] for p in phases)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    warm = 50
-    # constant after warm-up (induction forms at a steady rate), cosine down over the last 15%
-    decay_from = int(0.85 * total)
-    def lr_factor(s: int) -> float:
-        tail = max(0.0, (s - decay_from) / max(1, total - decay_from))
-        return min(1.0, (s + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * tail)))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
     state = {"step": 0, "curve": [], "evals": [], "seconds": 0.0, "tokens": 0}
     if saved is not None:
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["opt"])
-        sched.load_state_dict(saved["sched"])
         state = saved["state"]
         log(f"resumed at step {state['step']} ({state['seconds'] / 60:.1f} min of training so far)")
     log(f"model: {n_params / 1e6:.2f}M parameters, rope_theta {args.rope_theta:g}, rope scaling "
@@ -448,15 +495,14 @@ def main(argv=None):
 
     def save_ckpt():
         tmp = ckpt / "state.pt.tmp"
-        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-                    "state": state, "args": vars(args)}, tmp)
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "state": state, "args": vars(args)}, tmp)
         tmp.replace(ckpt / "state.pt")
 
     def evaluate():
         model.eval()
         row = {"step": state["step"]}
         for n in [int(x) for x in args.eval_lengths.split(",")]:
-            for kind in ("code", "prose", "repeat", "synth"):
+            for kind in ("code", "prose") + COPY_KINDS:
                 row[f"{kind}@{n}"] = round(retrieval_accuracy(model, held_mixer, n, kind, trials=8), 3)
         model.train()
         state["evals"].append(row)
@@ -480,8 +526,9 @@ def main(argv=None):
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        for group in opt.param_groups:  # set from the step alone, so a resumed build is the same build
+            group["lr"] = args.lr * lr_factor(step, stages)
         opt.step()
-        sched.step()
         state["seconds"] += time.time() - t0
         state["tokens"] += ids[:, :-1].numel()
         state["step"] = step = step + 1

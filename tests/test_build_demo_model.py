@@ -40,6 +40,32 @@ def test_phases_parse_and_reject_bad_specs(build):
             build.parse_phases(bad)
 
 
+def test_stages_restart_the_schedule_without_changing_earlier_steps(build):
+    one = build.parse_recipe("32x8:100:synthr,64x4:100")
+    two = build.parse_recipe("32x8:100:synthr,64x4:100|128x2:200:ngram")
+    assert two[0] == one[0] and two[1] == [(128, 2, 200, "ngram")]
+    # the first stage's schedule (warm-up, constant, cosine to 0.1x over its last 15%) is untouched
+    assert [build.lr_factor(s, two) for s in range(200)] == [build.lr_factor(s, one) for s in range(200)]
+    assert build.lr_factor(0, one) == pytest.approx(1 / 50) and build.lr_factor(100, one) == 1.0
+    assert build.lr_factor(199, one) == pytest.approx(0.1, abs=0.01)
+    # the appended stage warms up again from its own first step and decays to 0.1x at its end
+    assert build.lr_factor(200, two) == pytest.approx(1 / 50) and build.lr_factor(300, two) == 1.0
+    assert build.lr_factor(399, two) == pytest.approx(0.1, abs=0.01)
+    with pytest.raises(SystemExit, match="--phases: bad phase"):
+        build.parse_recipe("32x8:100|")
+
+
+def test_ngram_copy_samples_need_more_than_one_token_to_match(mixer, build):
+    """Over a small alphabet each token recurs, so the token before a copied one also occurs at many
+    places that are not the copy's source: one-token matching cannot tell where to copy from."""
+    s = mixer.synthetic(random.Random(2), 512, "random", alphabet=64)
+    assert not s.lm and s.answers and all(256 <= t < 320 for t in s.ids)
+    a = s.answers[len(s.answers) // 2]
+    assert sum(t == s.ids[a - 1] for t in s.ids[:a - 1]) > 2
+    alphabets = {len(set(mixer.ngram(random.Random(i), 512).ids)) for i in range(12)}
+    assert min(alphabets) <= 64 and max(alphabets) > 256  # several alphabets, the whole vocabulary too
+
+
 @pytest.mark.parametrize("kind", ["code", "prose"])
 def test_needle_samples_ask_for_the_planted_value(mixer, kind):
     rng = random.Random(3)
@@ -80,7 +106,7 @@ def test_code_repeat_samples_copy_a_span(mixer):
 def test_samples_are_a_function_of_the_seed(mixer):
     def draw(seed):
         rng = random.Random(seed)
-        return [mixer.draw(rng, 256, mix).ids for mix in ("mix", "mix", "synthr", "synthp")]
+        return [mixer.draw(rng, 256, mix).ids for mix in ("mix", "mix", "synthr", "synthp", "ngram", "mixn")]
     assert draw(11) == draw(11)
     assert draw(11) != draw(12)
 
