@@ -5,7 +5,7 @@ that also retrieves from far back in its context.
 Why: no hub is reachable offline, and a model that ignores distant tokens cannot show what an
 approximate attention loses. Source code has long-range structure, but a 5M-parameter model trained
 on a few million tokens of it never forms copying (induction) heads. So the code stream is mixed
-with samples that reward reading far back (the retrieval mix, `sample()` below):
+with samples that reward reading far back (the retrieval mix, `Mixer.draw` and `MIX_SHARES` below):
 
 - code needles: `NAME = 71432` lines planted at random line boundaries of a code window (several
   names per window), asserted at the end (`assert NAME == 71432`);
