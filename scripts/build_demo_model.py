@@ -14,7 +14,8 @@ with samples that reward reading far back (the retrieval mix, `Mixer.draw` and `
 - random-token copying: random tokens with one span repeated at a random offset, the task on which
   copying (induction) heads form; it comes first, on short sequences (see RECIPE);
 - n-gram copying: the same over small alphabets, where only a match on several preceding tokens
-  finds the copy's source, as in code, whose tokens recur (`Mixer.ngram`).
+  finds the copy's source, as in code, whose tokens recur (`Mixer.ngram`);
+- multi-query recall: dozens of code facts per window, all asserted at the end (`Mixer.recall`).
 Every code token carries the language-model loss; the answer tokens (the value after `==` / "is", and
 the second copy of a span) also enter a second, separately averaged loss, so the few tokens that
 need retrieval are not drowned by the many that do not. Lengths grow in phases (`--phases`), grouped
@@ -182,9 +183,10 @@ class Mixer:
         lines = text.split("\n")
         return lines[1:-1] if len(lines) > 2 else lines
 
-    def needles(self, rng: random.Random, n: int, *, kind: str, n_needles: int = 1,
+    def needles(self, rng: random.Random, n: int, *, kind: str, n_needles: int = 1, ask_all: bool = False,
                 depth: float | None = None, name: str | None = None, value: str | None = None) -> Sample:
-        """Filler code with planted needles, and questions about some of them at the end."""
+        """Filler code with planted needles, and questions about some of them at the end (about all of
+        them, in random order, with `ask_all`)."""
         facts = []
         used = set()
         for i in range(n_needles):
@@ -202,7 +204,10 @@ class Mixer:
         else:
             needle = [f"The {nm} is {val}. Remember it. {val} is the {nm}." for nm, val in facts]
             questions = [(f"What is the {nm}? The {nm} is", f" {val}", ".\n") for nm, val in facts]
-        asked = [questions[0]] + ([q for q in questions[1:] if rng.random() < 0.5])
+        if ask_all:
+            asked = rng.sample(questions, len(questions))
+        else:
+            asked = [questions[0]] + ([q for q in questions[1:] if rng.random() < 0.5])
         q_ids = [(self.enc(a), self.enc(b), self.enc(c)) for a, b, c in asked]
         budget = n + 1 - sum(len(a) + len(b) + len(c) for a, b, c in q_ids) - sum(len(self.enc(x)) + 1 for x in needle)
         lines = self.filler_lines(rng, max(budget, 16))
@@ -257,6 +262,14 @@ class Mixer:
         span reappearing in code is found by its preceding n-gram; this task rewards exactly that."""
         return self.synthetic(rng, n, "random", alphabet=rng.choice(NGRAM_ALPHABETS))
 
+    def recall(self, rng: random.Random, n: int) -> Sample:
+        """Many code facts (one per 128 tokens, 4 to 32) planted in a window and all asserted at the end,
+        in random order. A code needle teaches the one token no n-gram match finds: the value's first
+        token, which follows `NAME =` in the needle but `NAME ==` in the question, so only a match on the
+        name two tokens back finds it. One needle gives one such target per sample; this gives dozens,
+        each of which must tell its own name from the others (multi-query associative recall)."""
+        return self.needles(rng, n, kind="code", n_needles=rng.randint(4, min(32, max(4, n // 128))), ask_all=True)
+
     def draw(self, rng: random.Random, n: int, mix: str = "mix") -> Sample:
         if mix == "ngram":
             return self.ngram(rng, n)
@@ -278,6 +291,8 @@ class Mixer:
             return self.synthetic(rng, n, "random")
         if kind == "ngram":
             return self.ngram(rng, n)
+        if kind == "recall":
+            return self.recall(rng, n)
         return Sample(self.window(rng, n + 1), [])
 
 
@@ -288,6 +303,8 @@ MIX_SHARES = {
     "mixn": [("code", 0.3), ("prose", 0.45), ("repeat", 0.7), ("ngram", 0.9), ("window", 1.0)],
     # weighted to code needles, whose first value token is the one copy no n-gram match finds (stage 3)
     "mixc": [("code", 0.5), ("prose", 0.7), ("repeat", 0.85), ("ngram", 0.95), ("window", 1.0)],
+    # many code facts asked per sample (stage 4): dozens of first-value-token targets per sample
+    "mixk": [("recall", 0.35), ("code", 0.5), ("prose", 0.65), ("repeat", 0.8), ("ngram", 0.9), ("window", 1.0)],
 }
 
 

@@ -83,6 +83,20 @@ def test_needle_samples_ask_for_the_planted_value(mixer, kind):
     assert mixer.tok.decode(s.ids[:first[0]]).rstrip().endswith(question)
 
 
+def test_recall_samples_assert_every_planted_fact(mixer):
+    """Multi-query recall: every planted `NAME = V` is asserted after the code, each with its own value."""
+    s = mixer.recall(random.Random(4), 1024)
+    assert len(s.ids) == 1025 and s.lm
+    lines = mixer.tok.decode(s.ids).split("\n")
+    facts = dict(ln.split(" = ") for ln in lines if " = " in ln and ln.split(" = ")[1].isdigit()
+                 and ln.split(" = ")[0].replace("_", "").isalpha() and ln.split(" = ")[0].isupper())
+    asked = [ln[len("assert "):].split(" == ") for ln in lines if ln.startswith("assert ") and " == " in ln]
+    assert len(asked) >= 4 and len({name for name, _ in asked}) == len(asked)
+    assert all(facts[name] == value for name, value in asked)
+    # the scored tokens are exactly the asserted values
+    assert mixer.tok.decode([s.ids[a] for a in s.answers]).split() == [v for _, v in asked]
+
+
 @pytest.mark.parametrize("mode", ["half", "random", "periodic"])
 def test_copy_samples_score_only_tokens_that_copying_predicts(mixer, mode):
     s = mixer.synthetic(random.Random(5), 128, mode)
@@ -106,7 +120,7 @@ def test_code_repeat_samples_copy_a_span(mixer):
 def test_samples_are_a_function_of_the_seed(mixer):
     def draw(seed):
         rng = random.Random(seed)
-        return [mixer.draw(rng, 256, mix).ids for mix in ("mix", "mix", "synthr", "synthp", "ngram", "mixn")]
+        return [mixer.draw(rng, 256, mix).ids for mix in ("mix", "mix", "synthr", "synthp", "ngram", "mixn", "mixk")]
     assert draw(11) == draw(11)
     assert draw(11) != draw(12)
 
