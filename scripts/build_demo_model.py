@@ -270,30 +270,32 @@ class Mixer:
         each of which must tell its own name from the others (multi-query associative recall)."""
         return self.needles(rng, n, kind="code", n_needles=rng.randint(4, min(32, max(4, n // 128))), ask_all=True)
 
-    def draw(self, rng: random.Random, n: int, mix: str = "mix") -> Sample:
-        if mix == "ngram":
-            return self.ngram(rng, n)
-        if mix == "synth":
-            return self.synthetic(rng, n)
-        if mix == "synthr":  # a random span at a random offset: no fixed distance to learn instead of copying
-            return self.synthetic(rng, n, "random")
-        if mix == "synthp":
-            return self.synthetic(rng, n, "periodic")
-        r = rng.random()
-        kind = next((k for k, upto in MIX_SHARES[mix] if r < upto), "code")
+    def task(self, rng: random.Random, n: int, kind: str) -> Sample:
+        """One sample of a task: a kind of MIX_SHARES, or a single-task mix of MIXES."""
         if kind == "code":
             return self.needles(rng, n, kind="code", n_needles=rng.randint(1, 4))
         if kind == "prose":
             return self.needles(rng, n, kind="prose", n_needles=rng.randint(1, 3))
         if kind == "repeat":
             return self.repeat(rng, n)
-        if kind == "synthr":
-            return self.synthetic(rng, n, "random")
-        if kind == "ngram":
-            return self.ngram(rng, n)
         if kind == "recall":
             return self.recall(rng, n)
+        if kind == "ngram":
+            return self.ngram(rng, n)
+        if kind == "synth":
+            return self.synthetic(rng, n)
+        if kind == "synthr":  # a random span at a random offset: no fixed distance to learn instead of copying
+            return self.synthetic(rng, n, "random")
+        if kind == "synthp":
+            return self.synthetic(rng, n, "periodic")
         return Sample(self.window(rng, n + 1), [])
+
+    def draw(self, rng: random.Random, n: int, mix: str = "mix") -> Sample:
+        """A sample of `mix`: one task, or (a mix of MIX_SHARES) a task drawn by its share."""
+        if mix in MIX_SHARES:
+            r = rng.random()
+            mix = next(k for k, upto in MIX_SHARES[mix] if r < upto)
+        return self.task(rng, n, mix)
 
 
 # The training mixes: (kind, cumulative share) in draw order; 'window' is plain code.
