@@ -376,13 +376,28 @@ def retrieval_accuracy(model, mixer: Mixer, n: int, kind: str, trials: int, seed
 
 
 MIXES = ("synth", "synthr", "synthp", "ngram", *MIX_SHARES)
-# The v2 recipe. Random-offset copying (synthr) first, on sequences that start at 32 tokens and double:
-# the time an induction head takes to form grows steeply with the context length (at 128 tokens it
-# did not form in 1000 steps; from 32 tokens it forms at step ~650), and once formed it stretches to
-# longer inputs in a few steps per length. Then the training mix (code + needles + repeats) at growing
-# lengths, trained with YaRN (factor 4 over 8192 positions) so that 32k prompts work.
-RECIPE = ("32x128:400:synthr,64x64:200:synthr,128x32:200:synthr,512x8:200:synthr,2048x2:150:synthr,"
-          "8192x1:60:synthr,1024x8:700,4096x2:300,8192x1:100")
+# The recipe of the shipped model (v3): five stages, each a continuation of the one before (a stage
+# appended to a recipe leaves the earlier stages' model unchanged, see lr_factor), so each was tried
+# from the previous stage's checkpoint and kept because it measured better (docs/demo.md).
+STAGES = [
+    # 1 (model v2). Random-offset copying (synthr) first, on sequences that start at 32 tokens and
+    # double: the time an induction head takes to form grows steeply with the context length (at 128
+    # tokens it did not form in 1000 steps; from 32 tokens it forms at step ~650), and once formed it
+    # stretches to longer inputs in a few steps per length. Then the training mix (code + needles +
+    # repeats) at growing lengths, trained with YaRN (factor 4 over 8192 positions).
+    "32x128:400:synthr,64x64:200:synthr,128x32:200:synthr,512x8:200:synthr,2048x2:150:synthr,"
+    "8192x1:60:synthr,1024x8:700,4096x2:300,8192x1:100",
+    # 2. Copying by a match on several preceding tokens (n-gram copying over small alphabets), as code
+    # needs: v2 copied random tokens at 90% but held-out code spans at ~50%.
+    "256x16:300:ngram,1024x4:300:mixn,4096x2:250:mixn,8192x1:100:mixn",
+    # 3. Weighted to code needles: their first value token is the one copy no n-gram match finds.
+    "2048x4:150:mixc,4096x2:150:mixc,8192x1:80:mixc",
+    # 4. Multi-query recall (dozens of first-value-token targets per sample), out to 16k tokens.
+    "1024x8:250:mixk,4096x2:200:mixk,8192x1:100:mixk,16384x1:60:mixk",
+    # 5. Longer prompts: 16k and 32k (inside what YaRN factor 4 over 8192 positions is set up for).
+    "4096x2:100:mixk,16384x1:100:mixk,32768x1:20:mixk",
+]
+RECIPE = "|".join(STAGES)
 
 
 def parse_phases(spec: str) -> list[tuple[int, int, int, str]]:
@@ -433,7 +448,7 @@ def main(argv=None):
     ap.add_argument("--ckpt-minutes", type=float, default=5.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--phases", default=RECIPE)
+    ap.add_argument("--phases", default=RECIPE, help="stages 'A|B' of comma-separated phases")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--rope-theta", type=float, default=1e6)
     ap.add_argument("--rope-scaling", default="yarn:4:8192", help="'none' or 'yarn:FACTOR:ORIGINAL_POSITIONS'")

@@ -34,7 +34,8 @@ def mixer(build):
 
 def test_phases_parse_and_reject_bad_specs(build):
     assert build.parse_phases("32x128:400:synthr,1024x8:700") == [(32, 128, 400, "synthr"), (1024, 8, 700, "mix")]
-    assert build.parse_phases(build.RECIPE)[0] == (32, 128, 400, "synthr")
+    stages = build.parse_recipe(build.RECIPE)
+    assert len(stages) == 5 and stages[0][0] == (32, 128, 400, "synthr") and stages[-1][-1] == (32768, 1, 20, "mixk")
     for bad in ("32x128", "32:400", "0x8:10", "32x8:10:copy", "32x8:10:mix:x", "axb:1"):
         with pytest.raises(SystemExit, match="--phases: bad phase"):
             build.parse_phases(bad)
