@@ -660,7 +660,8 @@ show offline what an approximate attention costs. Not a useful language model.
   The stdlib is under the Python Software Foundation License; the weights are a derived work.
 - Training: seed {facts['seed']}, AdamW lr {facts['lr']}, phases `{facts['phases']}`;
   {facts['train_tokens_seen']:,} tokens in {facts['train_minutes']} min of training on
-  {facts['cpu_threads']} CPU threads (torch {facts['torch']}), across resumed runs; the last run {facts.get('build_minutes')} min.
+  {facts['cpu_threads']} CPU threads (torch {facts['torch']}), across resumed runs; the last run
+  {facts.get('build_minutes')} min.
 - Held-out loss: {facts['heldout_loss']} nats/token (4096-token windows of the held-out stream).
 - Long context (`longpatch.eval.demo.long_context_report`, {lc['docs']} documents, nats/token):
   positions 1-255 {lc['early']:.3f}; positions 2048-4095 {lc['late']:.3f}; the same late tokens with
