@@ -460,7 +460,8 @@ def main(argv=None):
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--eval-lengths", default="1024,4096")
     ap.add_argument("--stop-after", type=int, default=0, help="stop (with a checkpoint) after this step; 0 = run all")
-    ap.add_argument("--export", default="", help="only write the checkpoint as a loadable model to this directory")
+    ap.add_argument("--export", default="",
+                    help="only write the checkpoint as a loadable model, with the served RoPE, to this directory")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     ap.add_argument("--report", action="store_true",
                     help="only measure needle retrieval of the finished model in --out (exact attention) and "
@@ -521,9 +522,8 @@ def main(argv=None):
         log(f"resumed at step {state['step']} ({state['seconds'] / 60:.1f} min of training so far)")
     log(f"model: {n_params / 1e6:.2f}M parameters, rope_theta {args.rope_theta:g}, rope scaling "
         f"{args.rope_scaling}; phases {phases}")
-    if args.export:  # a loadable snapshot of the checkpoint, to probe with `longpatch eval needle --model DIR`
-        model.save_pretrained(args.export, safe_serialization=True)
-        tok.save_pretrained(args.export)
+    if args.export:  # the checkpoint as it would ship, to probe with `longpatch eval needle --model DIR`
+        save_served(model, tok, Path(args.export), args.serve_rope_factor, log)
         log(f"exported the step-{state['step']} checkpoint to {args.export}")
         return 0
 
@@ -587,16 +587,25 @@ def main(argv=None):
     return 0
 
 
-def finish(model, tok, held_files, root, out, args, state, n_params, stream_tokens, n_train_files, t_start, log):
+def save_served(model, tok, out: Path, factor: float, log):
+    """Write model and tokenizer to `out` with the RoPE settings it ships with (serve_config; factor 0: as
+    trained) and return the model reloaded from there. One path for `finish` and `--export`, so that a
+    probed checkpoint is the model as it would ship."""
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
-    if args.serve_rope_factor:  # every figure below is measured on the model as shipped
-        from transformers import AutoModelForCausalLM
-        rope, max_pos = serve_config(model.config, args.serve_rope_factor)
-        model = AutoModelForCausalLM.from_pretrained(out, rope_parameters=rope, max_position_embeddings=max_pos).eval()
-        model.config.save_pretrained(out)  # the weights just saved are the same; only config.json changes
-        log(f"served RoPE: {rope}, {max_pos} positions")
+    if not factor:
+        return model
+    from transformers import AutoModelForCausalLM
+    rope, max_pos = serve_config(model.config, factor)
+    model = AutoModelForCausalLM.from_pretrained(out, rope_parameters=rope, max_position_embeddings=max_pos).eval()
+    model.config.save_pretrained(out)  # the weights just saved are the same; only config.json changes
+    log(f"served RoPE: {rope}, {max_pos} positions")
+    return model
+
+
+def finish(model, tok, held_files, root, out, args, state, n_params, stream_tokens, n_train_files, t_start, log):
+    model = save_served(model, tok, out, args.serve_rope_factor, log)  # every figure below is of the shipped model
     held_loss = heldout_loss(model, tok, held_files)
     log(f"held-out loss {held_loss:.4f} (4096-token windows of held-out files)")
     from longpatch.assets import eval_documents

@@ -169,3 +169,19 @@ def test_served_rope_stretches_the_slow_dimensions_only(build, mixer, tmp_path):
         build.serve_config(model.config, 2)
     with pytest.raises(SystemExit, match="rope_type 'default'"):
         build.serve_config(build.make_model(len(mixer.tok), 0, 1e6, "none").config, 16)
+
+
+def test_export_and_finish_write_the_served_rope(build, mixer, tmp_path):
+    """save_served (used by --export and by the finished build): config.json carries the served YaRN
+    factor, the reloaded model uses it, and factor 0 writes the model as trained."""
+    import json
+
+    model = build.make_model(len(mixer.tok), 0, 1e6, "yarn:4:8192")
+    served = build.save_served(model, mixer.tok, tmp_path / "served", 16, lambda msg: None)
+    written = json.loads((tmp_path / "served" / "config.json").read_text())
+    assert written["rope_parameters"]["factor"] == 16.0 and written["max_position_embeddings"] == 16 * 8192
+    assert served.config.rope_parameters["factor"] == 16.0
+    assert (tmp_path / "served" / "tokenizer.json").is_file()
+    as_trained = build.save_served(model, mixer.tok, tmp_path / "trained", 0, lambda msg: None)
+    assert as_trained is model
+    assert json.loads((tmp_path / "trained" / "config.json").read_text())["rope_parameters"]["factor"] == 4.0
