@@ -37,7 +37,7 @@ VARIANTS = {
     "hyper b64": ("demo", {}),
     "hyper b512": ("demo", {"block_size": 512, "sample_size": 512, "min_seq_len": 4096}),
     "hyper b1024": ("demo", {"block_size": 1024, "sample_size": 1024, "min_seq_len": 4096}),
-    "hyper b2048": ("demo", {"block_size": 2048, "sample_size": 2048, "min_seq_len": 4096}),
+    "hyper b2048": ("demo-hyper-32k", {}),  # the bundled config this sweep chose (blocks = samples = 2048)
     "hyper b4096": ("demo", {"block_size": 4096, "sample_size": 4096, "min_seq_len": 4096}),
     "moba 512x4": ("demo-moba", {}),
     "moba 256x16": ("demo-moba", {"chunk_size": 256, "topk": 16}),

@@ -64,12 +64,19 @@ def test_demo_configs_and_apply(monkeypatch, capsys):
 
     from longpatch import cli
     assert {"demo", "demo-moba"} <= set(demo_configs())
+    assert "demo-hyper-32k" not in demo_configs()  # a demo-model config outside the one-per-method demo
     monkeypatch.setattr(sys, "argv", ["longpatch", "apply", "--model", "demo", "--prefill", "512"])
     with pytest.raises(SystemExit) as e:
         cli.main()
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert "patched 2 of 4 layers with 'hyper'" in out
+    # the needle-at-32k config replaces every layer (its budget: docs/demo.md, scripts/needle_budgets.py)
+    monkeypatch.setattr(sys, "argv", ["longpatch", "apply", "--model", "demo-hyper-32k", "--prefill", "512"])
+    with pytest.raises(SystemExit) as e:
+        cli.main()
+    assert e.value.code == 0
+    assert "patched 4 of 4 layers with 'hyper'" in capsys.readouterr().out
 
 
 @pytest.mark.slow

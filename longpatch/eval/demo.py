@@ -43,13 +43,15 @@ def long_context_report(model, tokenizer, docs: list[str], seq_len: int = 4096, 
 
 
 def demo_configs() -> list[str]:
-    """Aliases of the bundled configs that target the demo model (one per method: demo, demo-moba, ...)."""
+    """Aliases of the bundled demo configs, one per method: `demo` (hyper) and `demo-<method>`. Other
+    configs of the demo model (e.g. `demo-hyper-32k`, tuned for needles at 32k) are not in the demo."""
     from ..config import bundled_configs, load_config
 
     out = []
     for alias in bundled_configs():
         try:
-            if load_config(alias).model == "demo":
+            cfg = load_config(alias)
+            if cfg.model == "demo" and alias in ("demo", f"demo-{cfg.method}"):
                 out.append(alias)
         except LongpatchError:
             continue  # a config naming a method that is not available in this build
