@@ -184,9 +184,11 @@ class Mixer:
         return lines[1:-1] if len(lines) > 2 else lines
 
     def needles(self, rng: random.Random, n: int, *, kind: str, n_needles: int = 1, ask_all: bool = False,
-                depth: float | None = None, name: str | None = None, value: str | None = None) -> Sample:
+                depth: float | None = None, name: str | None = None, value: str | None = None,
+                digits: tuple[int, int] = (1, 6), prefix: str = "") -> Sample:
         """Filler code with planted needles, and questions about some of them at the end (about all of
-        them, in random order, with `ask_all`)."""
+        them, in random order, with `ask_all`). Values have `digits` digits (a range), each starting
+        with `prefix`."""
         facts = []
         used = set()
         for i in range(n_needles):
@@ -195,8 +197,9 @@ class Mixer:
             else:
                 nm = (name if (i == 0 and name) else rng.choice([s for s in PROSE_SUBJECTS if s not in used]))
             used.add(nm)
-            digits = rng.randint(1, 6)
-            val = value if (i == 0 and value) else str(rng.randrange(10 ** (digits - 1), 10 ** digits))
+            d = rng.randint(*digits) - len(prefix)
+            rest = str(rng.randrange(0, 10 ** d)).zfill(d) if prefix else str(rng.randrange(10 ** (d - 1), 10 ** d))
+            val = value if (i == 0 and value) else prefix + rest
             facts.append((nm, val))
         if kind == "code":
             needle = [f"{nm} = {val}" for nm, val in facts]
@@ -270,6 +273,15 @@ class Mixer:
         each of which must tell its own name from the others (multi-query associative recall)."""
         return self.needles(rng, n, kind="code", n_needles=rng.randint(4, min(32, max(4, n // 128))), ask_all=True)
 
+    def recall_long(self, rng: random.Random, n: int) -> Sample:
+        """`recall` with the values of the needle evaluation (4-6 digits, 2-3 tokens), half the time all
+        starting with the same digit: after the value's first token, only the name (not that token)
+        tells which line to copy on from. The code-needle misses of model v3 are mostly of this kind: the
+        first value token right, the next ones copied from another line."""
+        prefix = str(rng.randint(1, 9)) if rng.random() < 0.5 else ""
+        return self.needles(rng, n, kind="code", n_needles=rng.randint(4, min(32, max(4, n // 128))), ask_all=True,
+                            digits=(4, 6), prefix=prefix)
+
     def task(self, rng: random.Random, n: int, kind: str) -> Sample:
         """One sample of a task: a kind of MIX_SHARES, or a single-task mix of MIXES."""
         if kind == "code":
@@ -280,6 +292,8 @@ class Mixer:
             return self.repeat(rng, n)
         if kind == "recall":
             return self.recall(rng, n)
+        if kind == "recallv":
+            return self.recall_long(rng, n)
         if kind == "ngram":
             return self.ngram(rng, n)
         if kind == "synth":
@@ -307,6 +321,8 @@ MIX_SHARES = {
     "mixc": [("code", 0.5), ("prose", 0.7), ("repeat", 0.85), ("ngram", 0.95), ("window", 1.0)],
     # many code facts asked per sample (stage 4): dozens of first-value-token targets per sample
     "mixk": [("recall", 0.35), ("code", 0.5), ("prose", 0.65), ("repeat", 0.8), ("ngram", 0.9), ("window", 1.0)],
+    # recall with long values sharing a first digit (stage 6): the value's later tokens by the name
+    "mixv": [("recallv", 0.4), ("code", 0.55), ("prose", 0.65), ("repeat", 0.8), ("ngram", 0.9), ("window", 1.0)],
 }
 
 

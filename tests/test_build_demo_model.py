@@ -98,6 +98,20 @@ def test_recall_samples_assert_every_planted_fact(mixer):
     assert mixer.tok.decode([s.ids[a] for a in s.answers]).split() == [v for _, v in asked]
 
 
+def test_long_value_recall_shares_a_first_digit_half_the_time(mixer):
+    """recall_long: every asked value has 4-6 digits; in samples with a shared prefix all values start with
+    the same digit (so after the first value token only the name tells the lines apart)."""
+    shared = 0
+    for seed in range(12):
+        s = mixer.recall_long(random.Random(seed), 1024)
+        lines = mixer.tok.decode(s.ids).split("\n")
+        values = [ln.split(" == ")[1] for ln in lines if ln.startswith("assert ") and " == " in ln]
+        assert len(values) >= 4 and all(v.isdigit() and 4 <= len(v) <= 6 for v in values)
+        assert mixer.tok.decode([s.ids[a] for a in s.answers]).split() == values
+        shared += len({v[0] for v in values}) == 1
+    assert 2 <= shared <= 10  # about half of the samples (a shared digit by chance is rare with >= 4 values)
+
+
 @pytest.mark.parametrize("mode", ["half", "random", "periodic"])
 def test_copy_samples_score_only_tokens_that_copying_predicts(mixer, mode):
     s = mixer.synthetic(random.Random(5), 128, mode)
