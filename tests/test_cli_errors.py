@@ -263,3 +263,16 @@ def test_apply_layers_share_one_parser_with_ranges_and_no_trailing_comma():
     assert r.exit_code == 0 and "patched 2 of 4 layers" in r.stdout
     assert_one_line_error(invoke("apply", "--model", "tiny:llama", "--layers", "1,"), "--layers", "'1,'", "empty item")
     assert_one_line_error(invoke(*EVAL, "--layers", "1,", "--data", "x"), "--layers", "empty item")
+
+
+@pytest.mark.parametrize("command", ["needle", "longbench"])
+def test_generation_evals_refuse_a_missing_or_mismatched_tokenizer_in_one_line(tmp_path, command):
+    # a tiny:* model has no tokenizer and generation must decode; the demo's 8192 ids overflow its 256 rows
+    out = tmp_path / "out"
+    base = ("eval", command, "--model", "tiny:llama", "--out", str(out), "--no-progress")
+    base += ("--data", "demo") if command == "longbench" else ()
+    assert_one_line_error(invoke(*base), "tokenizer", "tiny:llama", "--tokenizer")
+    assert_one_line_error(invoke(*base, "--tokenizer", str(tmp_path / "nope")), "tokenizer", "no such directory")
+    assert_one_line_error(invoke(*base, "--tokenizer", str(longpatch.demo_model_path())),
+                          "tokenizer", "8192 ids", "256 embedding rows")
+    assert not out.exists()

@@ -6,10 +6,12 @@ import hashlib
 import json
 import logging
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Callable
 
 from ..config import PatchConfig, load_config, parse_layer_items, select_layers
-from ..errors import ConfigError
+from ..errors import ConfigError, LongpatchError
+from ..loading import TINY_PREFIX
 from ..patching import patch_model, unpatch_model
 from .records import INTERRUPTED, RecordLog, announce_resume, read_records, records_file
 
@@ -238,8 +240,6 @@ def run_generations(model, points: list[tuple[str, Point]], work: list, out, dis
                     one: Callable[[str, Point, object], dict]) -> None:
     """The generation evaluations' loop (eval needle, eval longbench): every (labelled point, work item)
     not yet in out's records, one record each; `work` items carry a `digest`; one(label, point, item)."""
-    from pathlib import Path
-
     from tqdm.auto import tqdm
 
     out = Path(out)
@@ -270,9 +270,39 @@ def prepare_configs(model, spec: RunSpec, dist):
         prepared.append((config, cfg))
         tokenizer = tokenizer or tok
     if tokenizer is None or isinstance(tokenizer, str):
-        from transformers import AutoTokenizer
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer or name, trust_remote_code=spec.trust_remote_code)
+        tokenizer = _load_tokenizer(tokenizer, name, spec.trust_remote_code)
+    _check_vocab(model, tokenizer)
     return model, tokenizer, name, prepared
+
+
+def _check_vocab(model, tokenizer) -> None:
+    """A tokenizer whose ids the model's embedding cannot hold would fail deep inside generate()."""
+    try:
+        rows, ids = model.get_input_embeddings().num_embeddings, len(tokenizer)
+    except (AttributeError, NotImplementedError, TypeError):  # no accessor or no size: nothing to check against
+        return
+    if ids > rows:
+        raise ConfigError(f"tokenizer: {getattr(tokenizer, 'name_or_path', '') or type(tokenizer).__name__} has "
+                          f"{ids} ids, more than the model's {rows} embedding rows; pass the model's "
+                          "own tokenizer")
+
+
+def _load_tokenizer(given: str | None, model_name: str | None, trust_remote_code: bool):
+    """The tokenizer named by --tokenizer, else the model's; one line when neither loads (a tiny:* model has
+    none, and generation needs a real one to decode: 'bytes' ids are not enough here)."""
+    from transformers import AutoTokenizer
+
+    name = given or model_name
+    if not name or (given is None and str(name).startswith(TINY_PREFIX)):
+        raise ConfigError(f"tokenizer: {model_name or 'the loaded model'} comes without a tokenizer; pass one with "
+                          "--tokenizer NAME_OR_PATH (a hub id or a saved tokenizer directory, e.g. the demo model's)")
+    if name.startswith((".", "/", "~")) and not Path(name).expanduser().is_dir():  # a path, not a hub id
+        raise ConfigError(f"tokenizer: {name}: no such directory")
+    try:
+        return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise LongpatchError(f"tokenizer: cannot load {name!r}: {first}") from None
 
 
 def labelled_points(prepared: list, spec: RunSpec, sweep, n_layers: int, identity: dict) -> list[tuple[str, Point]]:
