@@ -5,7 +5,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from longpatch.assets import demo_model_path
-from longpatch.errors import ConfigError
+from longpatch.errors import ConfigError, LongpatchError
 from longpatch.eval import needle as N
 
 
@@ -227,3 +227,16 @@ def test_two_processes_give_the_records_of_one(tmp_path):
     untimed = [[{k: v for k, v in r.items() if "seconds" not in k and k != "attention"} for r in res["records"]]
                for res in (one, two)]
     assert untimed[0] == untimed[1]
+
+
+def test_longbench_filler_reads_the_contexts_of_the_named_subsets(tmp_path):
+    def rec(context, subset):
+        return json.dumps({"input": "q", "context": context, "answers": ["a"], "length": 1, "dataset": subset,
+                           "language": "en", "all_classes": None, "_id": context})
+    (tmp_path / "lcc.jsonl").write_text(rec("def f(): pass", "lcc") + "\n" + rec("x = 1", "lcc") + "\n")
+    (tmp_path / "trec.jsonl").write_text(rec("Question: why?", "trec") + "\n")
+    assert N.filler_texts(f"longbench:lcc@{tmp_path}") == ["def f(): pass", "x = 1"]
+    assert sorted(N.filler_texts(f"longbench:lcc,trec@{tmp_path}")) == ["Question: why?", "def f(): pass", "x = 1"]
+    assert len(N.filler_texts("longbench:code@demo")) == len(N.filler_texts("demo"))  # the embedded source
+    with pytest.raises(LongpatchError, match="does not exist"):
+        N.filler_texts(f"longbench:lcc@{tmp_path / 'missing'}")

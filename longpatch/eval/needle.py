@@ -163,9 +163,9 @@ def filler_texts(source: str) -> list[str]:
         from ..assets import eval_documents
         return eval_documents()
     if source.startswith("longbench:"):
-        from .longbench import load_longbench, resolve_subsets
+        from .longbench import load_longbench
         subsets, _, data = source[len("longbench:"):].partition("@")
-        lb = load_longbench(resolve_subsets(subsets or "all"), data=data or None)
+        lb = load_longbench(data or None, subsets or "all")
         return [r.context for records in lb.records.values() for r in records]
     path = Path(source)
     if not path.is_file():
