@@ -276,3 +276,17 @@ def test_generation_evals_refuse_a_missing_or_mismatched_tokenizer_in_one_line(t
     assert_one_line_error(invoke(*base, "--tokenizer", str(longpatch.demo_model_path())),
                           "tokenizer", "8192 ids", "256 embedding rows")
     assert not out.exists()
+
+
+@pytest.mark.parametrize("option, value, needle", [
+    ("--needle-length", "10", "got 10"),
+    ("--needle-length", "300000", "the filler has only"),
+    ("--needle-template", "nope", "neither a built-in template"),
+    ("--needle-trials", "0", "got 0"),
+])
+def test_demo_refuses_a_bad_needle_option_before_any_work(tmp_path, option, value, needle):
+    # checked before the perplexity part (minutes), and named by the demo's own flag
+    out = tmp_path / "demo"
+    r = invoke("demo", option, value, "--out", str(out), "--no-progress")
+    assert_one_line_error(r, option, needle)
+    assert not out.exists()

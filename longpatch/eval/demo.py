@@ -6,7 +6,8 @@ import json
 from pathlib import Path
 
 from ..assets import EVAL_MIN_TOKENS, demo_model_path
-from ..errors import LongpatchError
+from ..errors import ConfigError, LongpatchError
+from .sweep import check_int
 
 
 def long_context_report(model, tokenizer, docs: list[str], seq_len: int = 4096, short: int = 256,
@@ -84,8 +85,10 @@ def run_demo(layers: str = "0:4:1", max_docs: int = 6, out: str = "runs/demo", p
     from .perplexity import perplexity
 
     path = demo_model_path()
-    model = AutoModelForCausalLM.from_pretrained(path).eval()
     tok = AutoTokenizer.from_pretrained(path)
+    if needle_length:
+        _check_needle_options(tok, needle_length, needle_template, needle_depths, needle_trials)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
     rows = []
     configs = demo_configs()
     for alias in configs:
@@ -111,6 +114,26 @@ def run_demo(layers: str = "0:4:1", max_docs: int = 6, out: str = "runs/demo", p
     (Path(out) / "demo.json").write_text(json.dumps(summary, indent=1))
     _plot_demo(rows, Path(out) / "figure3.png", summary.get("needle"))
     return summary
+
+
+def _check_needle_options(tok, length: int, template: str, depths: str, trials: int) -> None:
+    """Plan the needle prompts now, so that a bad --needle-* option fails at once (naming the demo's own
+    flag) rather than after the minutes of perplexity that come first."""
+    from . import needle as N
+    from .needle_run import MIN_LENGTH, plan_trials
+
+    def check(flag: str, fn):
+        try:
+            return fn()
+        except ConfigError as e:  # the needle command's wording names its own flags
+            raise ConfigError(f"{flag}: {str(e).split(': ', 1)[-1]}") from None
+
+    if length < MIN_LENGTH:
+        raise ConfigError(f"--needle-length: got {length}; allowed: 0 (no retrieval) or a token count >= {MIN_LENGTH}")
+    tmpl = check("--needle-template", lambda: N.load_template(template))
+    check("--needle-trials", lambda: check_int("trials", trials, 1))
+    check("--needle-length", lambda: plan_trials(N.Filler(N.filler_texts(tmpl.filler or "demo"), tok), tmpl,
+                                                 [length], N.parse_depths(depths), trials, 0))
 
 
 def _plot_demo(rows: list[dict], path: Path, needle: dict | None = None) -> None:

@@ -90,14 +90,17 @@ class Trial:
     digest: str
 
 
+MIN_LENGTH = 64  # tokens: room for the needle, the question and some haystack
+
+
 def parse_lengths(spec: "str | Sequence[int]") -> list[int]:
     items = spec if isinstance(spec, (list, tuple)) else str(spec).split(",")
     try:
         values = [int(str(x).strip()) for x in items]
     except ValueError:
-        raise ConfigError(f"--lengths: got {spec!r}; allowed: comma-separated token counts >= 64") from None
-    if not values or min(values) < 64:
-        raise ConfigError(f"--lengths: got {spec!r}; allowed: comma-separated token counts >= 64")
+        raise ConfigError(f"--lengths: got {spec!r}; allowed: comma-separated token counts >= {MIN_LENGTH}") from None
+    if not values or min(values) < MIN_LENGTH:
+        raise ConfigError(f"--lengths: got {spec!r}; allowed: comma-separated token counts >= {MIN_LENGTH}")
     return sorted(set(values))
 
 
