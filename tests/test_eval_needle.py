@@ -187,6 +187,18 @@ def test_cli_resume_generates_nothing_new(grid_run):
     assert json.loads((grid_run / "results.json").read_text())["records"] == before
 
 
+def test_a_smaller_grid_in_the_same_out_reports_only_its_own_cells(tmp_path):
+    out = tmp_path / "run"
+    base = ["--model", "demo", "--lengths", "256", "--no-progress", "--out", str(out), "--layers", "0"]
+    assert _needle(*base, "--depths", "0.25,0.75", "--trials", "2").exit_code == 0
+    r = _needle(*base, "--depths", "0.25", "--trials", "1")  # every prompt of this grid is already done
+    assert r.exit_code == 0, (r.output, r.exception)
+    assert len((out / "records.jsonl").read_text().splitlines()) == 4
+    res = json.loads((out / "results.json").read_text())
+    assert [(x["depth"], x["trial"]) for x in res["records"]] == [(0.25, 0)]
+    assert res["trials"] == 1 and res["summary"][0]["trials"] == 1
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["--depths", "0:2:0.5"], "--depths"),
     (["--lengths", "256,abc"], "--lengths"),

@@ -184,8 +184,9 @@ def summarize(out: "str | Path", plots: bool = True) -> dict:
     meta = read_plan(out)
     configs = {p["config_id"] for p in meta["points"]}
     wanted = {(n, round(d, 6)) for n in meta["lengths"] for d in meta["depths"]}
+    # only this plan's cells: a run in the same out with other lengths, depths or more trials left its records
     records = sorted((r for r in read_records(out) if r.get("config_id") in configs
-                      and (r["length"], round(r["depth"], 6)) in wanted),
+                      and (r["length"], round(r["depth"], 6)) in wanted and r["trial"] < meta["trials"]),
                      key=lambda r: (r["config"], r["layers"], r["length"], r["depth"], r["trial"]))
     if not records:
         raise ConfigError(f"eval needle: no generation finished in {out}; nothing to report")
