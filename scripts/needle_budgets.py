@@ -29,7 +29,10 @@ from pathlib import Path
 import yaml
 
 from longpatch.config import load_config
-from longpatch.eval.needle_run import needle
+from longpatch.errors import ConfigError, LongpatchError
+from longpatch.eval.needle import load_template, parse_depths
+from longpatch.eval.needle_run import MIN_LENGTH, needle
+from longpatch.eval.sweep import check_int
 
 # name: (bundled demo config, parameter overrides). The first of each method is the bundled config as is
 # (tuned for perplexity at 4096 tokens), then budgets that grow toward the whole context.
@@ -131,9 +134,18 @@ def main() -> None:
     ap.add_argument("--out", default="runs/needle_budgets")
     args = ap.parse_args()
     out = Path(args.out)
-    paths = write_configs(out)
-    results = needle("demo", "0,all", config=",".join(str(p) for p in paths.values()), template=args.template,
-                     lengths=str(args.length), depths=args.depths, trials=args.trials, out=str(out), progress=False)
+    try:  # bad options fail in one line before the configs are written (eval needle's own checks)
+        if args.length < MIN_LENGTH:
+            raise ConfigError(f"--length: got {args.length}; allowed: a token count >= {MIN_LENGTH}")
+        parse_depths(args.depths)
+        check_int("trials", args.trials, 1)
+        load_template(args.template)
+        paths = write_configs(out)
+        results = needle("demo", "0,all", config=",".join(str(p) for p in paths.values()), template=args.template,
+                         lengths=str(args.length), depths=args.depths, trials=args.trials, out=str(out),
+                         progress=False)
+    except LongpatchError as e:
+        ap.exit(2, f"{ap.prog}: error: {e}\n")
     rows = table(results, paths, args.length)
     print(f"{'variant':<14}{'keys':>7}{'acc':>7}{'kept':>7}{'attn s':>9}{'speedup':>9}")
     for r in rows:

@@ -43,3 +43,18 @@ def test_tiny_run_writes_table_json_and_plot(tmp_path, monkeypatch, capsys):
     nb.main()  # same --out: resumes, nothing generated again
     assert (out / "records.jsonl").read_text() == records
     assert "moba 64x2" in capsys.readouterr().out
+
+
+def test_bad_options_are_one_line_and_write_nothing(tmp_path, monkeypatch, capsys):
+    import pytest
+
+    nb = _script()
+    out = tmp_path / "nb"
+    for bad, needle in ((["--length", "10"], "--length: got 10"), (["--depths", "5"], "--depths"),
+                        (["--trials", "0"], "trials"), (["--template", "nope"], "--template")):
+        monkeypatch.setattr(sys, "argv", ["needle_budgets.py", *bad, "--out", str(out)])
+        with pytest.raises(SystemExit) as e:
+            nb.main()
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1 and needle in err, err
+        assert not out.exists()
