@@ -104,6 +104,22 @@ def token_stream(tokenizer, files: list[Path]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
+def parse_rope_scaling(spec: str) -> dict:
+    """--rope-scaling: 'none' -> {}, 'yarn:F:N' -> the YaRN entries of config.json's rope_parameters."""
+    if spec == "none":
+        return {}
+    kind, _, rest = spec.partition(":")
+    factor, _, original = rest.partition(":")
+    try:
+        f, n = float(factor), int(original)
+    except ValueError:
+        f = n = 0
+    if kind != "yarn" or not f >= 1 or n < 1:
+        raise SystemExit(f"--rope-scaling: got {spec!r}; allowed: 'none' or 'yarn:FACTOR:ORIGINAL_POSITIONS' "
+                         "(FACTOR >= 1, positions a positive int)")
+    return {"rope_type": "yarn", "factor": f, "original_max_position_embeddings": n}
+
+
 def make_model(vocab_size: int, seed: int, rope_theta: float, rope_scaling: str = "none"):
     """rope_scaling 'yarn:F:N': YaRN with factor F over N original positions, recorded in config.json so
     plain transformers loads it. YaRN stretches only the RoPE dimensions whose wavelength exceeds the
@@ -111,11 +127,7 @@ def make_model(vocab_size: int, seed: int, rope_theta: float, rope_scaling: str 
     while the fast dimensions that resolve neighbouring tokens stay as trained."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    rope = {"rope_type": "default", "rope_theta": rope_theta}
-    if rope_scaling != "none":
-        kind, factor, original = rope_scaling.split(":")
-        rope = {"rope_type": kind, "rope_theta": rope_theta, "factor": float(factor),
-                "original_max_position_embeddings": int(original)}
+    rope = {"rope_type": "default", "rope_theta": rope_theta, **parse_rope_scaling(rope_scaling)}
     cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=32768,
                       rope_parameters=rope, tie_word_embeddings=True, attn_implementation="sdpa",
@@ -492,9 +504,18 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     out, ckpt = Path(args.out), Path(args.ckpt)
     if args.report:
-        needle_report(out, args.report_templates, args.report_lengths, args.report_depths, args.report_trials,
-                      Path(args.report_work), print)
+        from longpatch.errors import LongpatchError
+
+        if not (out / "training.json").is_file():
+            raise SystemExit(f"--report: {out} has no training.json; allowed: the directory a finished build wrote")
+        try:
+            needle_report(out, args.report_templates, args.report_lengths, args.report_depths, args.report_trials,
+                          Path(args.report_work), print)
+        except LongpatchError as e:  # a bad --report-* option, in eval needle's words
+            raise SystemExit(f"--report: {e}") from None
         return 0
+    parse_recipe(args.phases)  # bad options fail now, before the tokenizer and the data stream
+    parse_rope_scaling(args.rope_scaling)
     ckpt.mkdir(parents=True, exist_ok=True)
     logf = open(ckpt / "log.txt", "a")
 

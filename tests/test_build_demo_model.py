@@ -41,6 +41,26 @@ def test_phases_parse_and_reject_bad_specs(build):
             build.parse_phases(bad)
 
 
+def test_bad_options_fail_in_one_message_before_any_work(build, tmp_path):
+    assert build.parse_rope_scaling("none") == {}
+    assert build.parse_rope_scaling("yarn:4:8192") == {"rope_type": "yarn", "factor": 4.0,
+                                                       "original_max_position_embeddings": 8192}
+    for bad in ("foo", "yarn:x:8192", "yarn:4", "linear:4:8192", "yarn:0.5:8192", "yarn:4:8192:1"):
+        with pytest.raises(SystemExit, match="--rope-scaling: got"):
+            build.parse_rope_scaling(bad)
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    common = ["--ckpt", str(ckpt), "--out", str(out), "--report-work", str(tmp_path / "work")]
+    for argv, message in ((["--phases", "bad:1"], "--phases: bad phase"), (["--rope-scaling", "foo"], "--rope-scaling"),
+                          (["--report"], "has no training.json")):
+        with pytest.raises(SystemExit, match=message):
+            build.main(common + argv)
+    out.mkdir()
+    (out / "training.json").write_text("{}")
+    with pytest.raises(SystemExit, match="--report: --template: 'nope'"):
+        build.main(common + ["--report", "--report-templates", "nope"])
+    assert not ckpt.exists() and not (tmp_path / "work").exists()
+
+
 def test_stages_restart_the_schedule_without_changing_earlier_steps(build):
     one = build.parse_recipe("32x8:100:synthr,64x4:100")
     two = build.parse_recipe("32x8:100:synthr,64x4:100|128x2:200:ngram")
