@@ -290,3 +290,12 @@ def test_demo_refuses_a_bad_needle_option_before_any_work(tmp_path, option, valu
     r = invoke("demo", option, value, "--out", str(out), "--no-progress")
     assert_one_line_error(r, option, needle)
     assert not out.exists()
+
+
+def test_needle_on_a_loaded_model_without_a_tokenizer_fails_at_once(tmp_path):
+    # its class name is not a hub id to try (that took ~30 s of retries offline before the error)
+    from longpatch.eval.needle_run import needle
+
+    with pytest.raises(LongpatchError, match="the loaded model comes without a tokenizer"):
+        needle(tiny_model("llama"), "0", lengths="256", depths="0.5", trials=1, out=str(tmp_path / "o"), progress=False)
+    assert not (tmp_path / "o").exists()

@@ -270,7 +270,8 @@ def prepare_configs(model, spec: RunSpec, dist):
         prepared.append((config, cfg))
         tokenizer = tokenizer or tok
     if tokenizer is None or isinstance(tokenizer, str):
-        tokenizer = _load_tokenizer(tokenizer, name, spec.trust_remote_code)
+        # a loaded model's name is its name_or_path, else its class name, which is nothing to look up
+        tokenizer = _load_tokenizer(tokenizer, None if name == type(model).__name__ else name, spec.trust_remote_code)
     _check_vocab(model, tokenizer)
     return model, tokenizer, name, prepared
 
@@ -294,8 +295,9 @@ def _load_tokenizer(given: str | None, model_name: str | None, trust_remote_code
 
     name = given or model_name
     if not name or (given is None and str(name).startswith(TINY_PREFIX)):
-        raise ConfigError(f"tokenizer: {model_name or 'the loaded model'} comes without a tokenizer; pass one with "
-                          "--tokenizer NAME_OR_PATH (a hub id or a saved tokenizer directory, e.g. the demo model's)")
+        raise ConfigError(f"tokenizer: {model_name or 'the loaded model'} comes without a tokenizer; pass one "
+                          "(--tokenizer NAME_OR_PATH, or tokenizer= in Python: a hub id, a saved tokenizer directory "
+                          "or a loaded tokenizer)")
     if name.startswith((".", "/", "~")) and not Path(name).expanduser().is_dir():  # a path, not a hub id
         raise ConfigError(f"tokenizer: {name}: no such directory")
     try:
