@@ -41,6 +41,9 @@ def test_yaml_template(tmp_path):
     p.write_text("needle: '{who} has {key}'\nquestion: q\n")
     with pytest.raises(ConfigError, match="unknown field"):
         N.load_template(str(p))
+    p.write_text("needle: 'x {key'\nquestion: q\n")
+    with pytest.raises(ConfigError, match="not a valid format string"):
+        N.load_template(str(p))
     with pytest.raises(ConfigError, match="neither a built-in"):
         N.load_template(str(tmp_path / "missing.yaml"))
 

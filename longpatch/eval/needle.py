@@ -53,9 +53,12 @@ class Template:
                 raise ConfigError(f"needle template {self.name!r}: needle must be one line, got {text!r}")
             try:
                 text.format(key="0", **self.fields)
-            except (KeyError, IndexError, ValueError) as e:
+            except (KeyError, IndexError) as e:
                 raise ConfigError(f"needle template {self.name!r}: {key} {text!r} uses an unknown field {e}; "
                                   f"allowed: {{key}} and {sorted(self.fields)}") from None
+            except ValueError as e:  # unbalanced braces and the like
+                raise ConfigError(f"needle template {self.name!r}: {key} {text!r} is not a valid format string "
+                                  f"({e}); write a literal brace as {{{{ or }}}}") from None
         if "{key}" not in self.needle or "{key}" not in self.answer:
             raise ConfigError(f"needle template {self.name!r}: needle and answer must contain {{key}}")
         if not isinstance(self.digits, int) or isinstance(self.digits, bool) or not 1 <= self.digits <= 18:
