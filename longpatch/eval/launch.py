@@ -202,3 +202,8 @@ def worker_main() -> None:
     except LongpatchError as e:
         print(f"longpatch: error (worker {os.environ.get('RANK')}): {e}", file=sys.stderr)
         sys.exit(2)
+    finally:
+        # a process group left to interpreter shutdown can abort the process ("terminate called without an
+        # active exception": gloo's threads destroyed while joinable), failing a run whose work is done
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
