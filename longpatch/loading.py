@@ -161,6 +161,19 @@ def hub_unreachable() -> str | None:
     return None
 
 
+def load_tokenizer(name: str, trust_remote_code: bool = False):
+    """AutoTokenizer.from_pretrained(name), failing in one line: a path that is not a directory, or what
+    transformers says (its first line)."""
+    from transformers import AutoTokenizer
+
+    if name.startswith((".", "/", "~")) and not Path(name).expanduser().is_dir():  # a path, not a hub id
+        raise ConfigError(f"tokenizer: {name}: no such directory")
+    try:
+        return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise LongpatchError(f"tokenizer: cannot load {name!r}: {_first_line(e)}") from None
+
+
 def _first_line(e: Exception) -> str:
     text = str(e).strip().splitlines()
     return text[0] if text else type(e).__name__

@@ -8,7 +8,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ..errors import ConfigError, LongpatchError, UnsupportedModelError
+from ..errors import ConfigError, UnsupportedModelError
 
 
 class ByteTokenizer:
@@ -29,11 +29,8 @@ def make_encoder(tokenizer, loaded, vocab: int, model_name: str, trust_remote_co
             raise ConfigError(f"tokenizer: 'bytes' needs a vocabulary of at least 256 ids; {model_name} has {vocab}")
         return ByteTokenizer().encode, "bytes"
     if isinstance(tokenizer, str):
-        from transformers import AutoTokenizer
-        try:
-            tok = AutoTokenizer.from_pretrained(tokenizer, trust_remote_code=trust_remote_code)
-        except (OSError, ValueError) as e:
-            raise LongpatchError(f"tokenizer: cannot load {tokenizer!r}: {str(e).strip().splitlines()[0]}") from None
+        from ..loading import load_tokenizer
+        tok = load_tokenizer(tokenizer, trust_remote_code)
     elif tokenizer is not None:
         tok = tokenizer
     elif loaded is not None:

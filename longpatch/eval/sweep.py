@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Callable
 
 from ..config import PatchConfig, load_config, parse_layer_items, select_layers
-from ..errors import ConfigError, LongpatchError
-from ..loading import TINY_PREFIX
+from ..errors import ConfigError
+from ..loading import TINY_PREFIX, load_tokenizer
 from ..patching import patch_model, unpatch_model
 from .records import INTERRUPTED, RecordLog, announce_resume, read_records, records_file
 
@@ -291,20 +291,12 @@ def _check_vocab(model, tokenizer) -> None:
 def _load_tokenizer(given: str | None, model_name: str | None, trust_remote_code: bool):
     """The tokenizer named by --tokenizer, else the model's; one line when neither loads (a tiny:* model has
     none, and generation needs a real one to decode: 'bytes' ids are not enough here)."""
-    from transformers import AutoTokenizer
-
     name = given or model_name
     if not name or (given is None and str(name).startswith(TINY_PREFIX)):
         raise ConfigError(f"tokenizer: {model_name or 'the loaded model'} comes without a tokenizer; pass one "
                           "(--tokenizer NAME_OR_PATH, or tokenizer= in Python: a hub id, a saved tokenizer directory "
                           "or a loaded tokenizer)")
-    if name.startswith((".", "/", "~")) and not Path(name).expanduser().is_dir():  # a path, not a hub id
-        raise ConfigError(f"tokenizer: {name}: no such directory")
-    try:
-        return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise LongpatchError(f"tokenizer: cannot load {name!r}: {first}") from None
+    return load_tokenizer(name, trust_remote_code)
 
 
 def labelled_points(prepared: list, spec: RunSpec, sweep, n_layers: int, identity: dict) -> list[tuple[str, Point]]:
