@@ -30,9 +30,8 @@ import yaml
 
 from longpatch.config import load_config
 from longpatch.errors import ConfigError, LongpatchError
-from longpatch.eval.needle import load_template, parse_depths
 from longpatch.eval.needle_run import MIN_LENGTH, needle
-from longpatch.eval.sweep import check_int
+from longpatch.eval.records import removed_on_failure
 
 # name: (bundled demo config, parameter overrides). The first of each method is the bundled config as is
 # (tuned for perplexity at 4096 tokens), then budgets that grow toward the whole context.
@@ -134,16 +133,14 @@ def main() -> None:
     ap.add_argument("--out", default="runs/needle_budgets")
     args = ap.parse_args()
     out = Path(args.out)
-    try:  # bad options fail in one line before the configs are written (eval needle's own checks)
-        if args.length < MIN_LENGTH:
+    try:  # bad options fail in one line (eval needle's checks); a run that finished nothing leaves no --out
+        if args.length < MIN_LENGTH:  # checked here to name this script's flag (eval needle's is --lengths)
             raise ConfigError(f"--length: got {args.length}; allowed: a token count >= {MIN_LENGTH}")
-        parse_depths(args.depths)
-        check_int("trials", args.trials, 1)
-        load_template(args.template)
-        paths = write_configs(out)
-        results = needle("demo", "0,all", config=",".join(str(p) for p in paths.values()), template=args.template,
-                         lengths=str(args.length), depths=args.depths, trials=args.trials, out=str(out),
-                         progress=False)
+        with removed_on_failure(out, keep_if_existed=out.exists()):
+            paths = write_configs(out)
+            results = needle("demo", "0,all", config=",".join(str(p) for p in paths.values()),
+                             template=args.template, lengths=str(args.length), depths=args.depths, trials=args.trials,
+                             out=str(out), progress=False)
     except LongpatchError as e:
         ap.exit(2, f"{ap.prog}: error: {e}\n")
     rows = table(results, paths, args.length)
