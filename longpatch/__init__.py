@@ -3,11 +3,11 @@ from .assets import demo_model_path
 from .config import PatchConfig, load_config
 from .errors import ConfigError, LongpatchError, UnsupportedModelError
 from .loading import from_pretrained, load_model
-from .patching import PatchReport, patch_model, patched, patched_layers, redraw_buffers, unpatch_model
+from .patching import PatchReport, patch_model, patched, patched_layers, redraw_buffers, timing, unpatch_model
 
 __version__ = "0.1.0"
 __all__ = [
     "ConfigError", "LongpatchError", "PatchConfig", "PatchReport", "UnsupportedModelError",
     "demo_model_path", "from_pretrained", "load_config", "load_model", "patch_model", "patched", "patched_layers",
-    "redraw_buffers", "unpatch_model",
+    "redraw_buffers", "timing", "unpatch_model",
 ]

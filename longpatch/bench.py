@@ -33,6 +33,7 @@ from .bench_common import (
     DTYPES,
     SLOW_CALL_S,
     annotate_speedups,
+    check_options,
     figure,
     fmt,
     machine_meta,
@@ -46,11 +47,12 @@ from .bench_common import (
     wide_console,
     write_json,
 )
-from .errors import ConfigError
+from .outdir import claim_out
 
 __all__ = ["DEFAULT_SEQ_LENS", "run_attention_bench", "structured_inputs", "peak_memory_mb", "print_table", "plot"]
 
 DEFAULT_SEQ_LENS = (4096, 8192, 16384, 32768, 65536, 131072)
+COMMAND = "bench attention"  # marks its --out (outdir.claim_out)
 
 
 def _inputs(batch, heads, n, d, dtype, seed=0, kv_heads=None):
@@ -137,11 +139,11 @@ def run_attention_bench(methods=("exact", "hyper"), seq_lens=DEFAULT_SEQ_LENS, c
 
     method_params = dict(method_params or {})
     tdtype = torch_dtype(dtype)
-    kv_heads = heads if kv_heads is None else kv_heads
-    if kv_heads < 1 or heads % kv_heads:
-        raise ConfigError(f"kv_heads: got {kv_heads}; allowed: a divisor of heads ({heads})")
     others = [m for m in methods if m != "exact"]
+    kv_heads = check_options(COMMAND, out_dir, "--seq-lens", seq_lens, method_params, ["exact", *others],
+                             heads=heads, kv_heads=kv_heads, head_dim=head_dim, batch=batch, repeats=repeats)
     callers = {m: _caller(m, method_params.get(m) or {}, head_dim) for m in ["exact", *others]}
+    bound = {m: get_method(m).bind(method_params.get(m) or {}, head_dim) for m in ["exact", *others]}
     # the calls of each mask mode; causal-only methods get no non-causal rows
     names = {c: ["exact", *[m for m in others if c or not get_method(m).causal_only]] for c in causal_modes}
     rows: list[dict] = []
@@ -177,6 +179,7 @@ def run_attention_bench(methods=("exact", "hyper"), seq_lens=DEFAULT_SEQ_LENS, c
                             ref_s = _fwd(call, *structured, causal)
                         row.update(err_random=0.0, err_structured=0.0, speedup_fwd=1.0)
                         exact_row = row
+                        _ideal(row, bound[name], q, k, causal, exact_row)
                     else:
                         row["err_random"] = rel_err(out, ref) if ref is not None else None
                         if errors and ref_s is not None:
@@ -186,6 +189,7 @@ def run_attention_bench(methods=("exact", "hyper"), seq_lens=DEFAULT_SEQ_LENS, c
                         else:
                             row["err_structured"] = None
                         row["speedup_fwd"] = exact_row["fwd_ms"] / row["fwd_ms"] if exact_row else None
+                        _ideal(row, bound[name], q, k, causal, exact_row)
                     if backward:
                         row["speedup_fwd_bwd"] = (exact_row["fwd_bwd_ms"] / row["fwd_bwd_ms"]) if exact_row else None
                     del out
@@ -200,7 +204,7 @@ def run_attention_bench(methods=("exact", "hyper"), seq_lens=DEFAULT_SEQ_LENS, c
                               flush=True)
     meta = machine_meta(repeats=repeats, note="median of repeats after one warm-up; "
                         f"one timed call when a call takes > {SLOW_CALL_S:.0f} s")
-    out_path = Path(out_dir)
+    out_path = claim_out(out_dir, COMMAND)
     write_json(out_path / "attention_bench.json", meta, rows)
     print_table(rows, console)
     title = (f"speedup over exact attention (torch SDPA), {dtype}, batch {batch}, {heads} head(s)"
@@ -211,23 +215,39 @@ def run_attention_bench(methods=("exact", "hyper"), seq_lens=DEFAULT_SEQ_LENS, c
     return rows
 
 
+def _ideal(row: dict, bound, q, k, causal: bool, exact_row: dict | None) -> None:
+    """row["pairs"]: the query-key products the call computes (selection included), where the method
+    reports them; row["ideal_speedup"]: exact's pairs / the method's; row["ideal_ratio"]: the achieved
+    speedup / the ideal one (1.0: the executor runs as fast per product as exact attention)."""
+    with torch.no_grad():
+        row["pairs"] = bound.attended_pairs(q, k, causal)
+    exact_pairs = exact_row.get("pairs") if exact_row else None
+    ok = row["pairs"] and exact_pairs
+    row["ideal_speedup"] = exact_pairs / row["pairs"] if ok else None
+    speedup = row.get("speedup_fwd")
+    row["ideal_ratio"] = speedup / row["ideal_speedup"] if ok and speedup else None
+
+
 def print_table(rows: list[dict], console=None) -> None:
     backward = any("fwd_bwd_ms" in r for r in rows)
     cols = ["method", "mask", "n", "fwd ms", "speedup"] + (["fwd+bwd ms", "speedup fb"] if backward else []) \
-        + ["err random", "err structured", "mem MiB"]
+        + ["pairs", "ideal", "ratio", "err random", "err structured", "mem MiB"]
     cells = []
     for r in rows:
         c = [r["method"], "causal" if r["causal"] else "non-causal", str(r["n"]), fmt(r["fwd_ms"], ".1f"),
              fmt(r.get("speedup_fwd"), ".2f") + "×"]
         if backward:
             c += [fmt(r.get("fwd_bwd_ms"), ".1f"), fmt(r.get("speedup_fwd_bwd"), ".2f") + "×"]
-        c += [fmt(r.get("err_random"), ".3f"), fmt(r.get("err_structured"), ".3f"), fmt(r.get("mem_mb"), ".0f")]
+        c += [fmt(r.get("pairs"), ".3g"), fmt(r.get("ideal_speedup"), ".2f") + "×", fmt(r.get("ideal_ratio"), ".2f"),
+              fmt(r.get("err_random"), ".3f"), fmt(r.get("err_structured"), ".3f"), fmt(r.get("mem_mb"), ".0f")]
         cells.append(c)
     show_table("attention: time, speedup vs exact (SDPA), error vs exact, peak memory", cols, cells, console,
            left=("method", "mask"))
 
 
 def plot(rows: list[dict], path, backward: bool = False, title: str | None = None) -> None:
+    from .plotting import method_color
+
     kinds = [("speedup_fwd", "forward")] + ([("speedup_fwd_bwd", "forward + backward")] if backward else [])
     modes = [c for c in (False, True) if any(r["causal"] == c for r in rows)]  # a panel per mask mode run
     fig, axes = figure(len(kinds), len(modes), (5 * len(modes), 3.6 * len(kinds)))
@@ -242,7 +262,7 @@ def plot(rows: list[dict], path, backward: bool = False, title: str | None = Non
                              if r["method"] == m and r["causal"] == causal and r.get(key) is not None)
                 if pts:
                     drawn = True
-                    ax.plot(*zip(*pts), marker="o", label=m)
+                    ax.plot(*zip(*pts), marker="o", label=m, color=method_color(m))
                     if annotate:
                         annotate_speedups(ax, pts)
             # speedups span 0.3× .. 100×+: a log axis keeps every method readable

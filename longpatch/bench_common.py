@@ -25,6 +25,35 @@ def torch_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
+def check_options(command: str, out_dir, lens_flag: str, lens, method_params: dict, benchmarked, *,
+                  heads, kv_heads, head_dim, batch, repeats) -> int:
+    """The checks every bench makes before any work, each error naming the CLI flag: the lengths
+    (`lens_flag`), sizes and counts are ints >= 1, kv_heads divides heads, every --set names a
+    benchmarked method, and `out_dir` can be this command's output directory. Returns kv_heads
+    (default: heads)."""
+    from .outdir import check_out
+
+    if not lens or not all(_is_count(n) for n in lens):
+        raise ConfigError(f"{lens_flag}: got {','.join(map(str, lens))!r}; allowed: comma-separated ints >= 1")
+    for flag, value in (("--heads", heads), ("--head-dim", head_dim), ("--batch", batch), ("--repeats", repeats)):
+        if not _is_count(value):
+            raise ConfigError(f"{flag}: got {value!r}; allowed: an int >= 1")
+    kv_heads = heads if kv_heads is None else kv_heads
+    if not _is_count(kv_heads) or heads % kv_heads:
+        raise ConfigError(f"--kv-heads: got {kv_heads!r}; allowed: a divisor of --heads ({heads})")
+    stray = [m for m in method_params if m not in benchmarked]
+    if stray:
+        key = f"{stray[0]}.{next(iter(method_params[stray[0]]), 'PARAM')}"
+        raise ConfigError(f"--set {key}: {stray[0]!r} is not a benchmarked method (see --methods), so it would be "
+                          f"ignored; allowed: {', '.join(f'{m}.PARAM=VALUE' for m in benchmarked) or 'none'}")
+    check_out(out_dir, command)
+    return kv_heads
+
+
+def _is_count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 1
+
+
 def time_calls(fn: Callable[[], Any], repeats: int) -> tuple[float, float, Any]:
     """(median ms, min ms, result of the warm-up call) of ``repeats`` calls after one warm-up; the
     warm-up's result is returned so that a reference output costs no extra call."""
@@ -130,7 +159,9 @@ def save_figure(fig, path, title: str | None = None) -> None:
 
 def speedup_axis(ax, xlabel: str, ylabel: str = "speedup over exact", log_y: bool = False) -> None:
     """A log2 length axis with the 1× line: the common frame of every speedup panel."""
-    ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+    from .plotting import speedup_line
+
+    speedup_line(ax)
     ax.set_xscale("log", base=2)
     if log_y:
         ax.set_yscale("log")

@@ -18,12 +18,12 @@ from __future__ import annotations
 import os
 import time
 from functools import partial
-from pathlib import Path
 
 import torch
 
 from .bench_common import (
     annotate_speedups,
+    check_options,
     figure,
     fmt,
     machine_meta,
@@ -38,8 +38,10 @@ from .bench_common import (
     write_json,
 )
 from .errors import ConfigError
+from .outdir import claim_out
 
 DEFAULT_CACHE_LENS = (8192, 32768, 131072)
+COMMAND = "bench decode"  # marks its --out (outdir.claim_out)
 
 
 def _decoder(name: str, params: dict, head_dim: int):
@@ -73,9 +75,10 @@ def run_decode_bench(methods=("moba",), cache_lens=DEFAULT_CACHE_LENS, heads: in
     from .methods.exact import exact_attention
 
     tdtype = torch_dtype(dtype)
-    kv_heads = heads if kv_heads is None else kv_heads
     method_params = dict(method_params or {})
     names = [m for m in methods if m != "exact"]
+    kv_heads = check_options(COMMAND, out_dir, "--cache-lens", cache_lens, method_params, names, heads=heads,
+                             kv_heads=kv_heads, head_dim=head_dim, batch=batch, repeats=repeats)
     decoders = {m: _decoder(m, method_params.get(m) or {}, head_dim) for m in names}
     console = wide_console(120)
     rows: list[dict] = []
@@ -105,7 +108,7 @@ def run_decode_bench(methods=("moba",), cache_lens=DEFAULT_CACHE_LENS, heads: in
                                   f"({exact_ms / ms:.1f}×)")
     meta = machine_meta(repeats=repeats, note="median of repeats after one warm-up; state built once per cache "
                         "by init_state (not timed in decode_ms)")
-    out = Path(out_dir)
+    out = claim_out(out_dir, COMMAND)
     write_json(out / "decode_bench.json", meta, rows)
     print_table(rows, console)
     plot(rows, out / "decode_bench.png")
@@ -123,16 +126,18 @@ def print_table(rows: list[dict], console=None) -> None:
 
 
 def plot(rows: list[dict], path) -> None:
+    from .plotting import method_color
+
     fig, axes = figure(1, 2, (10, 3.8))
     ax_t, ax_s = axes[0]
     exact = sorted({(r["cache_len"], r["exact_ms"]) for r in rows})
     if exact:
-        ax_t.plot(*zip(*exact), marker="o", color="gray", label="exact")
+        ax_t.plot(*zip(*exact), marker="o", color=method_color("exact"), label="exact")
     for m in sorted({r["method"] for r in rows}):
         pts = sorted((r["cache_len"], r["decode_ms"], r["speedup"]) for r in rows if r["method"] == m)
         xs, ts, ss = zip(*pts)
-        ax_t.plot(xs, ts, marker="o", label=m)
-        ax_s.plot(xs, ss, marker="o", label=m)
+        ax_t.plot(xs, ts, marker="o", label=m, color=method_color(m))
+        ax_s.plot(xs, ss, marker="o", label=m, color=method_color(m))
         annotate_speedups(ax_s, zip(xs, ss))
     ax_t.set_yscale("log")
     ax_t.set_xscale("log", base=2)

@@ -1,4 +1,4 @@
-"""The `longpatch` command line: list, apply, demo, bench attention|decode, eval ppl|needle|longbench."""
+"""The `longpatch` command line: list, apply, demo, bench attention|decode|generate, eval ppl|needle|longbench."""
 from __future__ import annotations
 
 import functools
@@ -11,7 +11,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from .errors import ConfigError, LongpatchError
-from .eval.demo import NEEDLE_LENGTH, NEEDLE_TRIALS
+from .eval.demo import NEEDLE_LENGTH, NEEDLE_TEMPLATE, NEEDLE_TRIALS
 
 # rich_markup_mode=None: click's plain help, which shows flags as flags (typer's rich help prints "<bool>")
 _TYPER = dict(no_args_is_help=True, rich_markup_mode=None)
@@ -44,12 +44,12 @@ def command(group: typer.Typer, name: str | None = None):
 def parse_layers(spec: str):
     """apply's --layers: 'N' -> N (the last N layers), 'all', or layer indices '8,9,12' / '8:12' / '0,4:6'
     (ranges include their end). The syntax is config.parse_layer_items, shared with `eval ppl`."""
-    from .config import parse_layer_items
+    from .config import is_uint, parse_layer_items
 
     items = parse_layer_items(spec)
     if spec.strip() == "all":
         return "all"
-    if spec.strip().isdigit():
+    if is_uint(spec.strip()):
         return items[0]
     if "all" in items:
         raise ConfigError(f"--layers: got {spec!r}; 'all' cannot be combined with layer indices")
@@ -58,7 +58,7 @@ def parse_layers(spec: str):
 
 @command(app, "list")
 def list_cmd():
-    """Families, methods (with parameters and defaults) and bundled configs."""
+    """Families, methods (with parameters and defaults), bundled configs and the offline models (demo, tiny:*)."""
     from .config import bundled_configs, load_config
     from .families import available_families
     from .methods import available_methods
@@ -82,6 +82,17 @@ def list_cmd():
             t.add_row(escape(alias), escape(c.model or "-"), c.method, str(c.layers))
         except LongpatchError as e:
             t.add_row(escape(alias), "-", f"[red]{escape(str(e))}[/red]", "-")
+    console.print(t)
+    from .loading import DEMO, TINY_PREFIX
+    from .testing.tiny import BUILDERS
+
+    t = Table(title="offline models (use with --model; nothing to download)", title_justify="left")
+    t.add_column("name"), t.add_column("what it is")
+    t.add_row(DEMO, "the shipped demo model: a 5M-parameter Llama trained on Python's standard library "
+                    "(docs/demo.md)")
+    for family in BUILDERS:
+        t.add_row(escape(TINY_PREFIX + family), f"a tiny random-weight {family} model for tests and quick checks; "
+                                                "no tokenizer: evals take --tokenizer bytes")
     console.print(t)
 
 
@@ -140,13 +151,15 @@ def _run_prefill(model, n: int):
 
     import torch
 
+    from .patching import timing
+
     vocab = model.get_input_embeddings().num_embeddings if hasattr(model, "get_input_embeddings") \
         else model.config.padded_vocab_size
     ids = torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(0))
     ids = ids.to(next(model.parameters()).device)
     model.longpatch.reset_stats()
     t0 = time.perf_counter()
-    with torch.no_grad():
+    with torch.no_grad(), timing(model):
         model(ids)
     total = time.perf_counter() - t0
     t = Table(title=f"one forward pass, {n} tokens: {total * 1e3:.1f} ms", title_justify="left")
@@ -166,7 +179,7 @@ def demo(
     max_docs: int = typer.Option(6, help="held-out documents of 4096 tokens to score"),
     out: str = typer.Option("runs/demo", help="output directory (eval results per config, demo.json, figure3.png)"),
     needle_length: int = typer.Option(NEEDLE_LENGTH, help="needle prompt length in tokens (0: no retrieval column)"),
-    needle_template: str = typer.Option("passkey", help="code, passkey or a YAML template file"),
+    needle_template: str = typer.Option(NEEDLE_TEMPLATE, help="passkey, code or a YAML template file"),
     needle_trials: int = typer.Option(NEEDLE_TRIALS, help="needle prompts per depth (5 depths, 10% to 90%)"),
     progress: bool = typer.Option(True, "--progress/--no-progress"),
 ):
@@ -272,14 +285,15 @@ def eval_needle(
     set_: list[str] = typer.Option([], "--set"),
     layers: Optional[str] = typer.Option(None, help="counts of final layers, as in eval ppl: 20 | 0,4,8 | 0:28:4 | "
                                                     "all; default: the config's layers"),
-    template: str = typer.Option("code", help="code, passkey, or a YAML template file"),
+    template: str = typer.Option(NEEDLE_TEMPLATE, help="passkey (the demo's), code, or a YAML template file"),
     lengths: str = typer.Option("4096,8192,16384,32768", help="prompt lengths in tokens, comma-separated"),
     depths: str = typer.Option("0:1:0.1", help="needle depths: start:end:step (end included) or d1,d2,..."),
     trials: int = typer.Option(4, help="prompts per (length, depth), each with its own key and haystack"),
     filler: str = typer.Option("demo", help="demo, a .txt or .jsonl file, or longbench:<subsets>[@<data>]"),
     seed: int = typer.Option(0, help="seed of the keys and haystacks"),
     out: str = typer.Option("runs/needle"),
-    tokenizer: Optional[str] = typer.Option(None, help="name or path (default: the model's)"),
+    tokenizer: Optional[str] = typer.Option(None, help="name/path, or 'bytes' for tiny:* models (default: the "
+                                                       "model's)"),
     num_processes: int = typer.Option(1, help="local worker processes sharing the prompts"),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code"),
     progress: bool = typer.Option(True, "--progress/--no-progress"),
@@ -318,7 +332,8 @@ def eval_longbench(
                                                   "completion from the demo model's held-out code); "
                                                   "default: hub THUDM/LongBench"),
     out: str = typer.Option("runs/longbench"),
-    tokenizer: Optional[str] = typer.Option(None, help="name or path (default: the model's)"),
+    tokenizer: Optional[str] = typer.Option(None, help="name/path, or 'bytes' for tiny:* models (default: the "
+                                                       "model's)"),
     num_processes: int = typer.Option(1, help="local worker processes sharing the records"),
     strict: bool = typer.Option(False, help="a malformed record is fatal instead of reported and skipped"),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code"),
@@ -362,6 +377,41 @@ def bench_decode(
                      kv_heads=kv_heads, batch=batch, dtype=dtype, errors=errors)
 
 
+@command(bench_app, "generate")
+def bench_generate(
+    model: str = typer.Option(..., "--model",
+                              help="bundled alias, hub id, local path, saved patch dir, demo, or tiny:<family>"),
+    config: Optional[str] = typer.Option(None, help="config file or alias, or a comma-separated list of them "
+                                                    "(each gets the whole layer sweep)"),
+    method: Optional[str] = typer.Option(None),
+    set_: list[str] = typer.Option([], "--set", help="override a key of every config: layers=4, chunk_size=512"),
+    layers: Optional[str] = typer.Option(None, help="counts of final layers, as in eval ppl: 4 | 2,4 | all; "
+                                                    "default: each config's layers"),
+    contexts: str = typer.Option("8192,16384,32768", help="prompt lengths in tokens, comma-separated"),
+    new_tokens: int = typer.Option(64, help="greedy tokens per generation (the first comes from the prefill)"),
+    repeats: int = typer.Option(1, help="generations per row (medians over them)"),
+    warmup: int = typer.Option(1, help="untimed short generations per configuration"),
+    filler: str = typer.Option("demo", help="prompt text: demo, a .txt or .jsonl file, or longbench:<subsets>"),
+    tokenizer: Optional[str] = typer.Option(None, help="name/path, or 'bytes' for tiny:* models"),
+    threads: Optional[int] = typer.Option(None, help="torch.set_num_threads"),
+    out: str = typer.Option("runs/bench_generate", help="output dir: results.json, results.csv, generate.png"),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code"),
+    plots: bool = typer.Option(True, "--plots/--no-plots"),
+    progress: bool = typer.Option(True, "--progress/--no-progress"),
+):
+    """Greedy generation after a prompt of each length, unpatched and patched in one run: time to first
+    token, per-token decode latency, tokens/s and peak memory."""
+    from .bench_generate import RESULTS_FILE, print_table, run_generate_bench
+
+    _set_threads(threads)
+    results = run_generate_bench(model, config, layers, contexts, new_tokens, out, method=method, sets=set_,
+                                 tokenizer=tokenizer, filler=filler, repeats=repeats, warmup=warmup,
+                                 trust_remote_code=trust_remote_code, progress=progress, plots=plots)
+    print_table(results)
+    files = [RESULTS_FILE, results["files"]["csv"]] + [f for f in [results["files"]["plot"]] if f]
+    console.print(f"written to {out}: {', '.join(files)}", markup=False)
+
+
 def _set_threads(threads: Optional[int]) -> None:
     if threads is not None:
         if threads < 1:
@@ -382,7 +432,7 @@ def _ints(flag: str, text: str) -> list[int]:
 
 
 def _method_params(pairs: list[str]) -> dict[str, dict]:
-    import yaml
+    from .config import set_value
 
     out: dict[str, dict] = {}
     for pair in pairs:
@@ -390,7 +440,7 @@ def _method_params(pairs: list[str]) -> dict[str, dict]:
         meth, dot, name = key.partition(".")
         if not sep or not dot:
             raise LongpatchError(f"--set {pair!r}: expected method.param=value, e.g. hyper.block_size=128")
-        out.setdefault(meth, {})[name] = yaml.safe_load(raw)
+        out.setdefault(meth, {})[name] = set_value(pair, raw)
     return out
 
 

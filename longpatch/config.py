@@ -80,7 +80,7 @@ class PatchConfig:
             key, sep, raw = pair.partition("=")
             if not sep or not key:
                 raise ConfigError(f"--set {pair!r}: expected key=value")
-            value = yaml.safe_load(raw) if raw else None
+            value = set_value(pair, raw)
             if key.startswith("params."):
                 data["params"][key[len("params."):]] = value
             elif key in data:
@@ -91,6 +91,19 @@ class PatchConfig:
                 allowed = ", ".join(sorted(set(data) | method_keys))
                 raise ConfigError(f"--set {key}: unknown key; allowed: {allowed}")
         return PatchConfig.from_dict(data)
+
+
+def set_value(pair: str, raw: str):
+    """The value of one --set KEY=VALUE (also bench's METHOD.PARAM=VALUE): YAML, so 128, true, null and
+    [1, 2] have their types; empty is null. Malformed YAML is a one-line error naming the pair."""
+    if not raw:
+        return None
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        problem = " ".join(str(getattr(e, "problem", None) or "cannot be parsed").split())
+        raise ConfigError(f"--set {pair!r}: malformed YAML value {raw!r} ({problem}); allowed: a YAML value, e.g. "
+                          "128, true, null, 'text' or [1, 2]") from None
 
 
 def as_config(cfg: "PatchConfig | dict | str | Path") -> PatchConfig:
@@ -215,6 +228,11 @@ def _check_layers(layers):
 _ITEMS_ALLOWED = "comma-separated items, each N, 'all' or start:end[:step] (ints >= 0, end included)"
 
 
+def is_uint(text: str) -> bool:
+    """ASCII digits only: str.isdigit() also accepts '²' or '٣', which int() refuses or reads otherwise."""
+    return text.isascii() and text.isdigit()
+
+
 def parse_layer_items(text: str, flag: str = "--layers") -> list:
     """The one --layers syntax of `apply` and `eval`: comma-separated items, each an int N >= 0, 'all',
     or a range start:end[:step] with the END INCLUDED -> the flat list of ints and 'all' it names.
@@ -233,14 +251,14 @@ def parse_layer_items(text: str, flag: str = "--layers") -> list:
             items.append("all")
         elif ":" in part:
             bits = [b.strip() for b in part.split(":")]
-            if len(bits) not in (2, 3) or not all(b.isdigit() for b in bits):
+            if len(bits) not in (2, 3) or not all(map(is_uint, bits)):
                 raise ConfigError(f"{flag}: bad range {part!r}; allowed: start:end or start:end:step, ints >= 0 "
                                   "(end included)")
             start, end, step = int(bits[0]), int(bits[1]), int(bits[2]) if len(bits) == 3 else 1
             if step < 1 or end < start:
                 raise ConfigError(f"{flag}: bad range {part!r}; need start <= end and step >= 1 (end included)")
             items.extend(range(start, end + 1, step))
-        elif part.isdigit():
+        elif is_uint(part):
             items.append(int(part))
         else:
             raise ConfigError(f"{flag}: got {text!r}; allowed: {_ITEMS_ALLOWED}")

@@ -35,11 +35,15 @@ def resolve_model_config(name: str, trust_remote_code: bool = False) -> PatchCon
 
 def saved_config(path: str | Path) -> PatchConfig:
     """The config of a directory written by `apply --save`: its longpatch.yaml, loading the weights saved
-    beside it (the yaml's `model` records where they came from)."""
+    beside it (the yaml's `model` records where they came from, not what to load: weights that are gone
+    are an error, never silently the original or random weights)."""
     cfg = load_config(path)
-    if any((Path(path) / f).is_file() for f in WEIGHT_FILES):
-        cfg = cfg.replace(model=str(path))
-    return cfg
+    if not any((Path(path) / f).is_file() for f in WEIGHT_FILES):
+        raise LongpatchError(f"model: {Path(path) / WEIGHT_FILES[0]} is missing (and so are "
+                             f"{', '.join(WEIGHT_FILES[1:])}): {path} has a {CONFIG_FILE} but not the weights "
+                             f"`apply --save` wrote beside it; save it again, or load the original with "
+                             f"--model {cfg.model or '<model>'} --config {Path(path) / CONFIG_FILE}")
+    return cfg.replace(model=str(path))
 
 
 def build_config(model: str, config: str | None = None, method: str | None = None, layers=None,
@@ -125,23 +129,25 @@ def _load_hf(cfg: PatchConfig):
     return model.eval(), tokenizer
 
 
-def _check_reachable(name: str) -> None:
-    """Fail in one line, at once, where transformers would retry for half a minute or blame a hub id."""
+def _check_reachable(name: str, what: str = "model", marker: str = "config.json",
+                     allowed: str = "a model directory, a hub id or a bundled alias") -> None:
+    """Fail in one line, at once, where transformers would retry for half a minute or blame a hub id.
+    what: the option named in the error; marker: a file every cached copy of such a repo has."""
     path = Path(name).expanduser()
     if path.exists():
         if not path.is_dir():
-            raise LongpatchError(f"model: {name} is a file; allowed: a model directory, a hub id or a bundled alias")
+            raise LongpatchError(f"{what}: {name} is a file; allowed: {allowed}")
         return
     if name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name:  # hub ids are NAME or OWNER/NAME
-        raise LongpatchError(f"model: {name}: no such directory")
+        raise LongpatchError(f"{what}: {name}: no such directory")
     from huggingface_hub import try_to_load_from_cache
     try:
-        cached = isinstance(try_to_load_from_cache(name, "config.json"), str)
+        cached = isinstance(try_to_load_from_cache(name, marker), str)
     except Exception:  # an id the hub would reject: let transformers word that error
         return
     reason = None if cached else hub_unreachable()
     if reason:
-        raise LongpatchError(f"model: cannot load {name!r}: it is not in the local cache and {reason}")
+        raise LongpatchError(f"{what}: cannot load {name!r}: it is not in the local cache and {reason}")
 
 
 def hub_unreachable() -> str | None:
@@ -161,13 +167,61 @@ def hub_unreachable() -> str | None:
     return None
 
 
+BYTES = "bytes"  # --tokenizer bytes: ByteTokenizer
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids (0..255), chosen with --tokenizer bytes / tokenizer='bytes'. Only for models
+    with a vocabulary of at least 256 whose ids mean nothing in particular, such as the tiny:* test models.
+    It has what the evaluations call: encode, __call__ (with character offsets), decode and len()."""
+
+    name_or_path = BYTES
+    eos_token_id = pad_token_id = None
+
+    def __len__(self) -> int:
+        return 256
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def __call__(self, text: str, add_special_tokens: bool = True, return_offsets_mapping: bool = False,
+                 **_) -> dict:
+        out = {"input_ids": self.encode(text)}
+        if return_offsets_mapping:  # every byte of a character maps to that character
+            out["offset_mapping"] = [(i, i + 1) for i, ch in enumerate(text) for _ in range(len(ch.encode("utf-8")))]
+        return out
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+
+def resolve_tokenizer(given=None, loaded=None, model_name: str | None = None, trust_remote_code: bool = False):
+    """The tokenizer of every evaluation: `given` (--tokenizer / tokenizer=: 'bytes', a name or path, or an
+    object), else the one loaded with the model, else the model's name looked up (model_name None: nothing
+    to look up, e.g. a model object without a name); one line when there is none."""
+    if isinstance(given, str):
+        return load_tokenizer(given, trust_remote_code)
+    if given is not None:
+        return given
+    if loaded is not None:
+        return loaded
+    if model_name and not str(model_name).startswith(TINY_PREFIX):
+        return load_tokenizer(model_name, trust_remote_code)
+    raise ConfigError(f"tokenizer: {model_name or 'the loaded model'} comes without a tokenizer; pass one "
+                      "(--tokenizer NAME_OR_PATH, or tokenizer= in Python: a hub id, a saved tokenizer directory or "
+                      "a loaded tokenizer), or 'bytes' (UTF-8 bytes as ids; only for models with a vocabulary of at "
+                      "least 256, such as the tiny:* test models)")
+
+
 def load_tokenizer(name: str, trust_remote_code: bool = False):
-    """AutoTokenizer.from_pretrained(name), failing in one line: a path that is not a directory, or what
-    transformers says (its first line)."""
+    """AutoTokenizer.from_pretrained(name), failing in one line: a path that is not a directory, a hub id
+    that is neither cached nor reachable (at once, as for models), or what transformers says (its first
+    line). 'bytes' is the ByteTokenizer."""
     from transformers import AutoTokenizer
 
-    if name.startswith((".", "/", "~")) and not Path(name).expanduser().is_dir():  # a path, not a hub id
-        raise ConfigError(f"tokenizer: {name}: no such directory")
+    if name == BYTES:
+        return ByteTokenizer()
+    _check_reachable(name, "tokenizer", "tokenizer_config.json", "a tokenizer directory, a hub id or 'bytes'")
     try:
         return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
@@ -182,19 +236,14 @@ def _first_line(e: Exception) -> str:
 def check_save_target(out_dir: str | Path) -> Path:
     """The directory `--save` will create: new or empty, with a parent we can create and write in.
     Checked before the model is loaded, so a bad path costs no loading time."""
-    out = Path(out_dir).expanduser()
+    from .outdir import check_creatable
+
+    allowed = "a new or empty directory"
+    out = check_creatable(Path(out_dir).expanduser(), "--save", allowed)
     if out.exists():
-        if not out.is_dir():
-            raise LongpatchError(f"--save: {out} exists and is not a directory; allowed: a new or empty directory")
         if any(out.iterdir()):
-            raise LongpatchError(f"--save: {out} exists and is not empty; allowed: a new or empty directory")
-    ancestor = out.parent
-    while not ancestor.exists():
-        ancestor = ancestor.parent
-    if not ancestor.is_dir():
-        raise LongpatchError(f"--save: cannot create {out}: {ancestor} is not a directory")
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        raise LongpatchError(f"--save: cannot create {out}: {ancestor} is not writable")
+            raise LongpatchError(f"--save: {out} exists and is not empty; allowed: {allowed}")
+        check_creatable(out.parent, "--save", allowed)  # the model is written beside it, then renamed into place
     return out
 
 

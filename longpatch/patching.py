@@ -33,6 +33,7 @@ class PatchReport:
     def breakdown(self) -> dict:
         """Calls and seconds per side, phase and path: {side: {phase: {path: {"calls", "seconds"}}}}.
 
+        Seconds are measured only inside ``with longpatch.timing(model):`` (0 otherwise).
         side: "patched" / "unpatched" layers; phase: "prefill" / "decode"; path: "method" (the
         approximation ran), "method_exact" (the method's code, exact at that length), "exact" (longpatch's
         exact fallback) or "original" (the model's own attention). Only what ran is listed.
@@ -70,8 +71,11 @@ class PatchReport:
                 for r in self.routes if r.method is not None]
 
 
-def patch_model(model, cfg: "PatchConfig | dict | str | Path"):
+def patch_model(model, cfg: "PatchConfig | dict | str | Path", *, timed: bool = False):
     """Patch `model` in place per `cfg` (PatchConfig, dict, YAML path or alias); returns the model.
+
+    timed: time every attention call from the start (as ``timing(model)`` does for a block); the
+    evaluations and benchmarks set it, a served model should not (each timed call syncs a GPU).
 
     Patching an already patched model is an error: call unpatch_model first.
     """
@@ -86,7 +90,7 @@ def patch_model(model, cfg: "PatchConfig | dict | str | Path"):
     method = get_method(cfg.method)
     routes = [LayerRoute(layer_idx=i, method=method if i in chosen else None,
                          params=dict(cfg.params) if i in chosen else {},
-                         min_seq_len=cfg.min_seq_len, backend=cfg.backend) for i in range(n)]
+                         min_seq_len=cfg.min_seq_len, backend=cfg.backend, timed=timed) for i in range(n)]
     family.install(model, routes)
     setattr(model, REPORT_ATTR, PatchReport(cfg, family, n, sorted(chosen), routes))
     return model
@@ -105,7 +109,7 @@ def unpatch_model(model):
 def redraw_buffers(model, seed: int | None = None) -> int:
     """Draw new random buffers in every patched layer whose method has seeded ones (HyperAttention's
     LSH directions, Performer's random features, the sparse method's random-block seed); returns how
-    many layers were redrawn. In place: the buffers keep their device and stay in the state_dict.
+    many layers were redrawn. In place: the buffers keep their device.
 
     seed None: a fresh draw from torch's global generator (reproducible under torch.manual_seed);
     an int: deterministic, each layer mixing in its index as at patch time. Decode states are
@@ -122,6 +126,25 @@ def patched_layers(model) -> list[int]:
     """Sorted 0-based indices of the layers that run a longpatch method ([] when unpatched)."""
     report = getattr(model, REPORT_ATTR, None)
     return [] if report is None else list(report.layers)
+
+
+@contextlib.contextmanager
+def timing(model, on: bool = True):
+    """``with timing(model): ...`` times every attention call of a patched model inside the block
+    (``model.longpatch.breakdown()`` / ``stats()`` then report seconds per path), and restores the
+    previous setting after it. Off by default: a timed call synchronises a GPU before and after it.
+    Calls are counted either way."""
+    report: PatchReport | None = getattr(model, REPORT_ATTR, None)
+    if report is None:
+        raise ValueError("timing: the model is not patched by longpatch")
+    before = [r.timed for r in report.routes]
+    for r in report.routes:
+        r.timed = on
+    try:
+        yield report
+    finally:
+        for r, t in zip(report.routes, before):
+            r.timed = t
 
 
 @contextlib.contextmanager

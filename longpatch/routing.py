@@ -3,6 +3,9 @@ model's own implementation, and keep counts and timings of what ran.
 
 Every attention layer of a patched model gets a LayerRoute (unpatched layers too, with
 method=None) so that time spent in patched and in untouched layers is measured the same way.
+Counting is free and always on; timing is opt-in (``longpatch.timing(model)``, which the evaluations
+and benchmarks use): a timed call synchronises a GPU before and after it, which a model being served
+must not pay (two host syncs per layer per token rule out overlap and CUDA graphs).
 
 Calls are counted per (phase, path): phase "prefill" (q_len == kv_len) or "decode"; path "method"
 (the method's approximation), "method_exact" (the method's code, but exact at this length, e.g.
@@ -47,7 +50,8 @@ class LayerRoute:
     buffer_names: tuple[str, ...] = ()
     state: dict = field(default_factory=dict)  # a stateful method's decode summaries
     calls: Counter = field(default_factory=Counter)  # (phase, path) -> number of calls
-    seconds: Counter = field(default_factory=Counter)  # (phase, path) -> wall time
+    seconds: Counter = field(default_factory=Counter)  # (phase, path) -> wall time, while timed
+    timed: bool = False  # time each call (synchronising a GPU around it); see longpatch.timing
 
     def choose(self, q_len: int, kv_len: int, unsupported: str | None = None, causal: bool = True) -> str:
         """Which path serves this call: 'method', 'exact' or 'original'.
@@ -70,31 +74,35 @@ class LayerRoute:
         return "method" if self.method.decode is not None else "exact"
 
     def run(self, path: str, q, k, v, *, causal: bool, scale: float | None, original=None):
-        """Run `path` on the shared layout and time it; `original` is a zero-argument callable."""
+        """Run `path` on the shared layout, count it, and time it when ``timed``; `original` is a
+        zero-argument callable."""
         prefill = q.shape[2] == k.shape[2]
         if prefill:
             self.state.clear()  # a prefill starts a new sequence: decode summaries of the old cache are void
-        sync = q.is_cuda
+        sync = self.timed and q.is_cuda
         if sync:
             torch.cuda.synchronize(q.device)
-        t0 = time.perf_counter()
-        if path == "original":
-            out = original()
-        elif path == "exact":
-            out = exact_attention(q, k, v, causal=causal, scale=scale, backend=self.backend)
-        else:
-            if self.bound is None:  # a route used without a module (tests): bind on first use
-                self.bound = self.method.bind(self.params, q.shape[-1], self.layer_idx)
-            # read through the owner so .to(device) and load_state_dict are always seen
-            bufs = {n: getattr(self.owner, BUFFER_PREFIX + n) for n in self.buffer_names} \
-                if self.owner is not None else None
-            out = self.bound(q, k, v, causal=causal, scale=scale, backend=self.backend, state=self.state, buffers=bufs)
+        t0 = time.perf_counter() if self.timed else 0.0
+        out = self._call(path, q, k, v, causal, scale, original)
         if sync:
             torch.cuda.synchronize(q.device)
         key = ("prefill" if prefill else "decode", self._recorded(path, q.shape[2], k.shape[2]))
         self.calls[key] += 1
-        self.seconds[key] += time.perf_counter() - t0
+        if self.timed:
+            self.seconds[key] += time.perf_counter() - t0
         return out
+
+    def _call(self, path: str, q, k, v, causal: bool, scale: float | None, original):
+        if path == "original":
+            return original()
+        if path == "exact":
+            return exact_attention(q, k, v, causal=causal, scale=scale, backend=self.backend)
+        if self.bound is None:  # a route used without a module (tests): bind on first use
+            self.bound = self.method.bind(self.params, q.shape[-1], self.layer_idx)
+        # read through the owner so .to(device) and load_state_dict are always seen
+        bufs = {n: getattr(self.owner, BUFFER_PREFIX + n) for n in self.buffer_names} \
+            if self.owner is not None else None
+        return self.bound(q, k, v, causal=causal, scale=scale, backend=self.backend, state=self.state, buffers=bufs)
 
     def _recorded(self, path: str, q_len: int, kv_len: int) -> str:
         if path != "method":
@@ -103,7 +111,10 @@ class LayerRoute:
 
 
 def attach_buffers(route: LayerRoute, owner: torch.nn.Module, head_dim: int, device) -> None:
-    """Create the method's buffers (e.g. LSH directions) on `owner`, so they are in the state_dict."""
+    """Create the method's buffers (e.g. LSH directions) on `owner`: they move with ``.to()``, pickle
+    with the model and are redrawn in place, but are not persistent (not in the state_dict): they are
+    drawn from the config (its seed and the layer index), so a plain ``save_pretrained`` of a patched
+    model loads cleanly into the unpatched model, and re-patching draws them again."""
     route.owner = owner
     if route.method is None:
         return
@@ -111,13 +122,13 @@ def attach_buffers(route: LayerRoute, owner: torch.nn.Module, head_dim: int, dev
     # the configured seed, as independently initialised layers would have
     route.bound = route.method.bind(route.params, head_dim, route.layer_idx)
     for name, t in route.bound.buffers.items():
-        owner.register_buffer(BUFFER_PREFIX + name, t.to(device))
+        owner.register_buffer(BUFFER_PREFIX + name, t.to(device), persistent=False)
         route.bound.buffers[name] = getattr(owner, BUFFER_PREFIX + name)  # one tensor, not a stale copy
     route.buffer_names = tuple(route.bound.buffers)
 
 
 def redraw_route(route: LayerRoute, seed: int) -> bool:
-    """New random buffers for one route (in place: they keep their device and stay in the state_dict);
+    """New random buffers for one route (in place: they keep their device);
     its decode state is cleared (it was built with the old ones). False when nothing was redrawn."""
     if route.bound is None or not route.buffer_names:
         return False

@@ -38,7 +38,7 @@ def test_attention_bench_gqa_rows(tmp_path, one_thread):
 
 
 def test_attention_bench_rejects_bad_kv_heads(tmp_path):
-    with pytest.raises(ValueError, match="kv_heads"):
+    with pytest.raises(ValueError, match="--kv-heads: got 3"):
         run_attention_bench(methods=("exact",), seq_lens=(64,), heads=4, kv_heads=3, out_dir=tmp_path, progress=False)
 
 
@@ -54,7 +54,7 @@ def test_decode_bench_every_decoding_method(tmp_path, one_thread):
 
 @pytest.mark.parametrize("argv, needle", [
     (["attention", "--dtype", "float8", "--seq-lens", "64"], "dtype: got 'float8'"),
-    (["attention", "--heads", "4", "--kv-heads", "3", "--seq-lens", "64"], "kv_heads: got 3"),
+    (["attention", "--heads", "4", "--kv-heads", "3", "--seq-lens", "64"], "--kv-heads: got 3"),
     (["decode", "--methods", "hyper", "--cache-lens", "64"], "method 'hyper' has no decode"),
     (["decode", "--threads", "0"], "--threads: got 0"),
 ])

@@ -299,3 +299,247 @@ def test_needle_on_a_loaded_model_without_a_tokenizer_fails_at_once(tmp_path):
     with pytest.raises(LongpatchError, match="the loaded model comes without a tokenizer"):
         needle(tiny_model("llama"), "0", lengths="256", depths="0.5", trials=1, out=str(tmp_path / "o"), progress=False)
     assert not (tmp_path / "o").exists()
+
+
+# ---- issue #28, items 3-8, 12, 13 -------------------------------------------------------------------
+
+BENCH = {"attention": {"--methods": "exact", "--seq-lens": "64", "--mode": "causal", "--repeats": "1",
+                       "--no-memory": None},
+         "decode": {"--methods": "moba", "--cache-lens": "64", "--repeats": "1"}}
+
+
+def bench_argv(which, **changes):
+    """`bench <which>` with tiny shapes; changes: {'--flag': value} replacing or adding options."""
+    opts = {**BENCH[which], **changes}
+    return ("bench", which, *[x for k, v in opts.items() for x in ((k,) if v is None else (k, v))])
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Every command fails loudly if it starts its real work (timing, loading the demo model)."""
+    def work(*a, **k):
+        raise AssertionError("the work started before the options were checked")
+
+    monkeypatch.setattr("longpatch.bench.time_calls", work)
+    monkeypatch.setattr("longpatch.bench_decode.time_calls", work)
+    monkeypatch.setattr("longpatch.eval.demo.demo_model_path", work)
+
+
+def out_commands(tmp_path):
+    """One cheap invocation of every command that writes --out (each fails after its --out check)."""
+    return {"eval ppl": (*EVAL, "--data", str(tmp_path / "missing.jsonl")),
+            "eval needle": ("eval", "needle", "--model", "tiny:llama", "--no-progress"),
+            "eval longbench": ("eval", "longbench", "--model", "tiny:llama", "--data", "demo", "--no-progress"),
+            "demo": ("demo", "--no-progress"),
+            "bench attention": bench_argv("attention"),
+            "bench decode": bench_argv("decode")}
+
+
+# item 3: an --out that cannot be a directory fails before any work
+@pytest.mark.parametrize("command", ["eval ppl", "eval needle", "eval longbench", "demo", "bench attention",
+                                     "bench decode"])
+def test_out_that_cannot_be_a_directory_fails_before_any_work(tmp_path, no_work, command):
+    afile = tmp_path / "afile"
+    afile.write_text("keep")
+    targets = [(afile, "not a directory"), (afile / "sub", "cannot create")]
+    if os.path.isdir("/proc/self"):
+        targets.append(("/proc/longpatch-out", "cannot create"))  # a directory nothing can be created in
+    for target, needle in targets:
+        r = invoke(*out_commands(tmp_path)[command], "--out", str(target))
+        assert_one_line_error(r, "--out", str(target), needle)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"] and afile.read_text() == "keep"
+
+
+# item 4: bench shapes, counts and --set keys are checked up front and named by their flag
+@pytest.mark.parametrize("which, flag, value", [
+    ("attention", "--seq-lens", "0"), ("attention", "--seq-lens", "-5"), ("attention", "--seq-lens", ""),
+    ("attention", "--head-dim", "0"), ("attention", "--batch", "0"), ("attention", "--repeats", "0"),
+    ("attention", "--heads", "0"), ("attention", "--kv-heads", "0"),
+    ("decode", "--cache-lens", "0"), ("decode", "--cache-lens", "-5"), ("decode", "--cache-lens", ""),
+    ("decode", "--head-dim", "0"), ("decode", "--batch", "0"), ("decode", "--repeats", "0"),
+    ("decode", "--heads", "0"), ("decode", "--kv-heads", "3"),
+])
+def test_bench_bad_sizes_name_their_flag(tmp_path, no_work, which, flag, value):
+    out = tmp_path / "b"
+    r = invoke(*bench_argv(which, **{flag: value, "--out": str(out)}))
+    assert_one_line_error(r, f"{flag}: got {value!r}" if "lens" in flag else f"{flag}: got {value}", "allowed")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("which", ["attention", "decode"])
+def test_bench_set_for_a_method_not_benchmarked_is_an_error(tmp_path, no_work, which):
+    out = tmp_path / "b"
+    for key in ("bogus.x=1", "hyper.block_size=64" if which == "decode" else "moba.topk=2"):
+        r = invoke(*bench_argv(which, **{"--set": key, "--out": str(out)}))
+        assert_one_line_error(r, "--set", key.partition(".")[0], "allowed")
+    assert not out.exists()
+
+
+# item 5: a malformed YAML value in --set
+def test_set_with_malformed_yaml_is_one_line(tmp_path, no_work):
+    r = invoke("apply", "--model", "tiny:llama", "--method", "hyper", "--set", "block_size=[1")
+    assert_one_line_error(r, "--set", "block_size=[1", "YAML")
+    r = invoke(*bench_argv("attention", **{"--methods": "exact,hyper", "--set": "hyper.block_size=[",
+                                           "--out": str(tmp_path / "b")}))
+    assert_one_line_error(r, "--set", "hyper.block_size=[", "YAML")
+
+
+# item 6: digits that str.isdigit accepts but int() does not
+@pytest.mark.parametrize("spec", ["²", "1:²", "٣"])
+def test_layers_with_non_ascii_digits_is_one_line(spec):
+    assert_one_line_error(invoke("apply", "--model", "tiny:llama", "--layers", spec), "--layers", repr(spec))
+    assert_one_line_error(invoke(*EVAL, "--layers", spec, "--data", "x"), "--layers")
+
+
+# item 7: non-finite needle depths
+@pytest.mark.parametrize("depths", ["nan", "0.5,inf", "0:inf:0.1", "0:1:nan"])
+def test_needle_non_finite_depths_are_one_line(tmp_path, depths):
+    out = tmp_path / "out"
+    r = invoke("eval", "needle", "--model", "tiny:llama", "--depths", depths, "--out", str(out), "--no-progress")
+    assert_one_line_error(r, "--depths", repr(depths))
+    assert not out.exists()
+
+
+# item 8: performer's feature count is bounded relative to head_dim (1e6 hung for minutes in QRs)
+@pytest.mark.parametrize("m", [1025, 1000000])
+def test_performer_num_features_is_bounded(tmp_path, m):
+    from longpatch.methods.performer import MAX_FEATURES_PER_DIM, performer_attention
+
+    assert MAX_FEATURES_PER_DIM * 16 == 1024  # tiny:llama's head_dim is 16
+    r = invoke("apply", "--model", "tiny:llama", "--method", "performer", "--set", f"num_features={m}")
+    assert_one_line_error(r, "num_features", str(m), "1024", "head_dim")
+    with pytest.raises(LongpatchError, match="num_features"):
+        longpatch.patch_model(tiny_model("llama"), {"method": "performer", "params": {"num_features": m}})
+    q = torch.randn(1, 1, 8, 16)
+    with pytest.raises(ValueError, match="num_features"):
+        performer_attention(q, q, q, num_features=m)
+    r = invoke(*bench_argv("attention", **{"--methods": "performer", "--head-dim": "16",
+                                           "--set": f"performer.num_features={m}", "--out": str(tmp_path / "b")}))
+    assert_one_line_error(r, "num_features", str(m))
+
+
+# item 12: a saved patch directory without its weights
+def test_saved_dir_without_its_weights_is_an_error_naming_the_file(tmp_path):
+    target = tmp_path / "saved"
+    r = invoke("apply", "--model", "tiny:llama", "--method", "exact", "--layers", "1", "--save", str(target))
+    assert r.exit_code == 0, r.output
+    (target / "model.safetensors").unlink()
+    assert_one_line_error(invoke("apply", "--model", str(target)), str(target / "model.safetensors"))
+    with pytest.raises(LongpatchError, match="model.safetensors"):
+        longpatch.from_pretrained(target)
+
+
+# item 13: a directory another command wrote is refused, in one line, before anything in it changes
+def test_out_written_by_another_command_is_refused(tmp_path, no_work):
+    data = write_jsonl(tmp_path / "lcc.jsonl", [record("d0", "abcdefgh" * 20)])
+    out = tmp_path / "out"
+    ppl = (*EVAL, "--seq-len", "64", "--data", str(data), "--layers", "0", "--out", str(out))
+    assert invoke(*ppl).exit_code == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    for command, argv in out_commands(tmp_path).items():
+        if command != "eval ppl":
+            assert_one_line_error(invoke(*argv, "--out", str(out)), "--out", str(out), "`longpatch eval ppl`",
+                                  f"`longpatch {command}`")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert invoke(*ppl).exit_code == 0  # its own command resumes there
+
+
+def test_eval_and_other_benches_refuse_a_bench_directory(tmp_path):
+    out = tmp_path / "bench"
+    assert invoke(*bench_argv("attention"), "--out", str(out)).exit_code == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    data = write_jsonl(tmp_path / "lcc.jsonl", [record("d0", "abcdefgh" * 20)])
+    r = invoke(*EVAL, "--seq-len", "64", "--data", str(data), "--out", str(out))
+    assert_one_line_error(r, "--out", "`longpatch bench attention`", "`longpatch eval ppl`")
+    assert_one_line_error(invoke(*bench_argv("decode"), "--out", str(out)), "`longpatch bench attention`")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert invoke(*bench_argv("attention"), "--out", str(out)).exit_code == 0  # its own command may rewrite it
+
+
+# ---- issue #28: a new user's surprises --------------------------------------------------------------
+
+_GEN_ARGS = {"needle": ("--lengths", "256", "--depths", "0.5", "--trials", "1"),
+             "longbench": ("--data", "demo", "--max-samples", "1", "--max-length", "256", "--max-new-tokens", "2"),
+             "ppl": ("--data", "demo", "--seq-len", "64", "--max-docs", "1", "--warmup", "0")}
+
+
+@pytest.mark.parametrize("command", ["needle", "longbench", "ppl"])
+def test_every_eval_takes_the_bytes_tokenizer_and_fails_fast_on_an_uncached_hub_id(tmp_path, monkeypatch, command):
+    # item 9: one tokenizer resolution everywhere: 'bytes' is not a hub id, and a hub id that is neither cached
+    # nor reachable fails at once, as a model does (needle and longbench spent ~50 s in the hub's retries)
+    def no_hub(*a, **k):
+        raise AssertionError("AutoTokenizer.from_pretrained was asked")
+
+    monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", no_hub)
+    out = tmp_path / "out"
+    base = ("eval", command, "--model", "tiny:llama", "--layers", "0", "--out", str(out), "--no-progress",
+            *_GEN_ARGS[command])
+    assert_one_line_error(invoke(*base, "--tokenizer", "nobody/no-such-tokenizer"), "tokenizer",
+                          "nobody/no-such-tokenizer", "not in the local cache")
+    assert not out.exists()
+    r = invoke(*base, "--tokenizer", "bytes")
+    assert r.exit_code == 0, (r.output, r.exception)
+    assert (out / "results.json").is_file()
+
+
+def test_list_shows_the_offline_models(monkeypatch):
+    # item 18: the tiny:* models (and demo) are what --model takes without a download; list names them
+    from longpatch.testing.tiny import BUILDERS
+
+    monkeypatch.setenv("COLUMNS", "200")
+    r = invoke("list")
+    assert r.exit_code == 0, r.output
+    for name in ["demo", *(f"tiny:{f}" for f in BUILDERS)]:
+        assert name in r.stdout, name
+
+
+def test_eval_needle_defaults_to_the_demos_template():
+    # item 18: `eval needle` and `longpatch demo` use the same template (passkey) unless told otherwise
+    import inspect
+
+    from longpatch.eval.demo import run_demo
+    from longpatch.eval.needle_run import NeedleSpec
+
+    demo_default = inspect.signature(run_demo).parameters["needle_template"].default
+    assert demo_default == "passkey" and NeedleSpec().template == demo_default
+    for fn, name in ((cli.eval_needle, "template"), (cli.demo, "needle_template")):
+        assert inspect.signature(fn).parameters[name].default.default == demo_default
+
+
+def test_csvs_hold_json_not_python_reprs_and_name_the_exact_rows(tmp_path):
+    # item 17: a CSV cell holding a dict is JSON; the 0-layer rows say method 'exact', not ''
+    import csv
+
+    base = ("--model", "tiny:llama", "--tokenizer", "bytes", "--method", "moba", "--layers", "0,1", "--no-progress")
+    for command in ("needle", "longbench", "ppl"):
+        out = tmp_path / command
+        r = invoke("eval", command, *base, "--out", str(out), *_GEN_ARGS[command])
+        assert r.exit_code == 0, (command, r.output, r.exception)
+        rows = list(csv.DictReader((out / "results.csv").open()))
+        assert {row["method"] for row in rows if row["layers"] == "0"} == {"exact"}, command
+        assert {row["method"] for row in rows if row["layers"] == "1"} == {"moba"}, command
+        if command == "needle":
+            for row in rows:
+                assert isinstance(json.loads(row["attention_seconds_by_path"]), dict)
+
+
+def test_a_method_that_is_exact_for_the_whole_run_is_said_once(tmp_path, caplog):
+    # item 14: MoBA's defaults (chunk 2048, top-4) cover every chunk of the demo's lengths; only the
+    # method_exact label in the stats showed it
+    base = ("--model", "tiny:llama", "--tokenizer", "bytes", "--method", "moba", "--no-progress")
+    runs = iter(range(100))
+
+    def said(command, *argv):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="longpatch"):
+            r = invoke("eval", command, *base, *_GEN_ARGS[command], "--out", str(tmp_path / str(next(runs))), *argv)
+        assert r.exit_code == 0, (r.output, r.exception)
+        return [m for m in caplog.messages if "exact attention at every length" in m]
+
+    lines = said("ppl", "--layers", "0,1,2")  # one line for the run, not one per layer count
+    assert len(lines) == 1 and "\n" not in lines[0], lines
+    assert lines[0].startswith("longpatch: moba (chunk_size=2048, topk=4") and "up to 64 tokens" in lines[0]
+    assert len(said("needle", "--layers", "0,1,2")) == 1  # its prefills and decode steps are all exact
+    # 8-token chunks: 8 chunks at 64 tokens, 32 at 256 and more: top-4 approximates
+    assert said("ppl", "--layers", "0,1", "--set", "chunk_size=8") == []
+    assert said("needle", "--layers", "0,1", "--set", "chunk_size=8") == []

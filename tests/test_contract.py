@@ -117,9 +117,11 @@ def test_unpatch_restores_the_state_dict(name, family):
     ids = _ids()
     ref = logits(model, ids)
     before = {k: t.clone() for k, t in model.state_dict().items()}
+    buffers = {k for k, _ in model.named_buffers()}
     patch_model(model, _config(name))
     logits(model, ids)  # a forward may create decode state and stats: unpatch drops them too
-    added = set(model.state_dict()) - set(before)
+    assert list(model.state_dict()) == list(before)  # the method's buffers are not persistent
+    added = {k for k, _ in model.named_buffers()} - buffers
     assert all(k.rsplit(".", 1)[-1].startswith("longpatch_") for k in added)
     assert len(added) == len(model.longpatch.routes) * len(model.longpatch.routes[0].buffer_names)
     unpatch_model(model)
@@ -160,6 +162,52 @@ def test_redraw_buffers_draws_what_the_patch_draws(name):
         return
     fresh = tiny_model("llama")
     patch_model(fresh, {**cfg, "params": {**cfg["params"], "seed": 11}})
-    mine, theirs = model.state_dict(), fresh.state_dict()
+    mine, theirs = dict(model.named_buffers()), dict(fresh.named_buffers())
     keys = [k for k in mine if ".longpatch_" in k]
     assert keys and all(torch.equal(mine[k], theirs[k]) for k in keys)
+
+
+def _strided(t: torch.Tensor, dim: int, how: str) -> torch.Tensor:
+    """The same values as t, laid out with a non-unit stride in ``dim``: every other element of a
+    twice-larger tensor ("step"), or the dimension transposed with its neighbour ("transposed")."""
+    if how == "step":
+        shape = list(t.shape)
+        shape[dim] *= 2
+        big = torch.full(shape, float("nan"), dtype=t.dtype)  # NaN in the gaps: reading one shows
+        idx = [slice(None)] * t.dim()
+        idx[dim] = slice(None, None, 2)
+        big[tuple(idx)] = t
+        return big[tuple(idx)]
+    other = dim - 1 if dim == 3 else dim + 1
+    return t.transpose(dim, other).contiguous().transpose(dim, other)
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_any_strides_give_the_contiguous_result(name):
+    """q, k and v each strided in the head, sequence and feature dimensions (#28: the torch paths read
+    feature-strided inputs as if contiguous)."""
+    bound = available_methods()[name].bind(SMALL.get(name, {}), head_dim=16, layer_idx=1)
+    qkv = [torch.randn(1, 4, N, 16), torch.randn(1, 2, N, 16), torch.randn(1, 2, N, 16)]
+    ref = bound(*qkv)
+    for which in range(3):
+        for dim in (1, 2, 3):
+            for how in ("step", "transposed"):
+                args = list(qkv)
+                args[which] = _strided(qkv[which], dim, how)
+                assert torch.equal(args[which], qkv[which]) and not args[which].is_contiguous()
+                torch.testing.assert_close(bound(*args), ref, atol=1e-5, rtol=1e-5,
+                                           msg=lambda m, w=which, d=dim, h=how: f"{'qkv'[w]} dim {d} {h}: {m}")
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_integer_inputs_and_a_different_value_head_dim_are_one_line_errors(name):
+    bound = available_methods()[name].bind(SMALL.get(name, {}), head_dim=16, layer_idx=1)
+    q, k, v = torch.randn(1, 4, N, 16), torch.randn(1, 2, N, 16), torch.randn(1, 2, N, 16)
+    with pytest.raises(ValueError, match="floating point.*int64"):
+        bound(q.long(), k.long(), v.long())
+    v8 = v[..., :8].contiguous()
+    if name in ("exact", "linear", "performer"):  # a separate value head_dim is supported
+        assert bound(q, k, v8).shape == (1, 4, N, 8)
+        return
+    with pytest.raises(ValueError, match="v's head_dim must equal q's and k's \\(16\\); got 8"):
+        bound(q, k, v8)

@@ -328,7 +328,7 @@ def test_patched_tiny_models_prefill_beyond_min_seq_len(name):
     assert 0 < (out - ref).abs().max() < 0.5 * ref.abs().max()
 
 
-def test_lsh_directions_are_a_seeded_state_dict_buffer():
+def test_lsh_directions_are_a_seeded_layer_buffer():
     from longpatch import patch_model
     from longpatch.testing.tiny import tiny_model
 
@@ -336,14 +336,13 @@ def test_lsh_directions_are_a_seeded_state_dict_buffer():
     a, b = tiny_model("llama"), tiny_model("llama")
     patch_model(a, _PATCH)
     patch_model(b, _PATCH)
-    keys = [k for k in a.state_dict() if k.endswith("longpatch_lsh_dirs")]
-    assert len(keys) == 2 and a.state_dict()[keys[0]].shape == (16, 7)
+    dirs = {k: t for k, t in b.named_buffers() if k.endswith("longpatch_lsh_dirs")}
+    assert len(dirs) == 2 and next(iter(dirs.values())).shape == (16, 7)
     assert torch.equal(logits(a, ids), logits(b, ids))  # same seed: identical runs
-    # the buffer is what the layer uses: loading other directions changes the output
-    sd = b.state_dict()
-    for k in keys:
-        sd[k] = torch.randn_like(sd[k])
-    b.load_state_dict(sd)
+    # the buffer is what the layer uses: other directions change the output
+    with torch.no_grad():
+        for t in dirs.values():
+            t.copy_(torch.randn_like(t))
     assert not torch.equal(logits(a, ids), logits(b, ids))
 
 
@@ -353,5 +352,5 @@ def test_each_patched_layer_draws_its_own_directions():
 
     model = tiny_model("llama")
     patch_model(model, _PATCH)
-    dirs = [t for k, t in model.state_dict().items() if k.endswith("longpatch_lsh_dirs")]
+    dirs = [t for k, t in model.named_buffers() if k.endswith("longpatch_lsh_dirs")]
     assert len(dirs) == 2 and not torch.equal(dirs[0], dirs[1])

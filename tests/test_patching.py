@@ -36,17 +36,18 @@ def test_exact_patch_equals_unpatched_and_unpatch_restores(name, impl):
 
 
 @pytest.mark.parametrize("name", HF + ["chatglm2"])
-def test_only_chosen_layers_are_routed_and_buffers_in_state_dict(name):
+def test_only_chosen_layers_are_routed_and_get_buffers(name):
     model = tiny_model(name)
     PROBE_CALLS.clear()
     patch_model(model, longpatch.PatchConfig(method="probe", layers=[0, 2], params={"level": 3}))
-    buffers = [k for k in model.state_dict() if k.endswith("longpatch_marker")]
-    assert len(buffers) == 2 and all(float(model.state_dict()[k][0]) == 3.0 for k in buffers)
+    buffers = {k: t for k, t in model.named_buffers() if k.endswith("longpatch_marker")}
+    assert len(buffers) == 2 and all(float(t[0]) == 3.0 for t in buffers.values())
+    assert not any("longpatch" in k for k in model.state_dict())  # drawn from the config: not persistent
     logits(model, torch.randint(0, 256, (1, 40)))
     assert PROBE_CALLS == [(40, 40), (40, 40)]
     assert [r.layer_idx for r in model.longpatch.routes if r.calls[("prefill", "method")]] == [0, 2]
     unpatch_model(model)
-    assert not any("longpatch" in k for k in model.state_dict())
+    assert not any("longpatch" in k for k, _ in model.named_buffers())
 
 
 def test_layer_selection_forms():
@@ -168,3 +169,24 @@ def test_chatglm2_loader_compat_fills_missing_config_attributes():
     assert not hasattr(model.config, "use_cache")  # like the remote ChatGLMConfig on transformers 5.x
     prepare_loaded(model)
     assert model.config.use_cache is True
+
+
+def test_save_pretrained_of_a_patched_model_loads_into_the_unpatched_model(tmp_path):
+    """#28 item 11: the method buffers (drawn from the config) are not saved, so a plain HF save of a
+    patched model loads strictly, without an unexpected-keys report."""
+    import warnings
+
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_model("llama")
+    patch_model(model, {"method": "hyper", "layers": 2, "params": {"block_size": 8, "sample_size": 8}})
+    model.save_pretrained(tmp_path)
+    unpatched = tiny_model("llama")
+    from safetensors.torch import load_file
+    unpatched.load_state_dict(load_file(str(tmp_path / "model.safetensors")), strict=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loaded, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["unexpected_keys"] and not info["missing_keys"]
+    moved = model.to(torch.float64)  # the buffers still move with the model
+    assert all(t.dtype == torch.float64 for k, t in moved.named_buffers() if k.endswith("longpatch_lsh_dirs"))

@@ -289,22 +289,23 @@ def test_projection_is_a_layer_buffer_and_redraw_changes_it():
     model = tiny_model("llama")
     ids = torch.randint(0, 256, (1, 40))
     patch_model(model, {"method": "performer", "layers": 2, "params": {"num_features": 32, "seed": 7}})
-    keys = [k for k in model.state_dict() if k.endswith("longpatch_projection")]
-    assert len(keys) == 2 and model.state_dict()[keys[0]].shape == (32, 16)
+    bufs = dict(model.named_buffers())
+    keys = [k for k in bufs if k.endswith("longpatch_projection")]
+    assert len(keys) == 2 and bufs[keys[0]].shape == (32, 16)
     # each patched layer (2 and 3 of 4) draws its own features from the configured seed
     mine = [perf.PERFORMER.make_buffers(head_dim=16, num_features=32, seed=7, layer_seed=i)["projection"]
             for i in (2, 3)]
-    assert torch.equal(model.state_dict()[keys[0]], mine[0]) and torch.equal(model.state_dict()[keys[1]], mine[1])
+    assert torch.equal(bufs[keys[0]], mine[0]) and torch.equal(bufs[keys[1]], mine[1])
     assert not torch.equal(mine[0], mine[1])
     before = logits(model, ids)
     assert redraw_buffers(model, seed=1) == 2
     after = logits(model, ids)
-    sd = {n: t.clone() for n, t in model.state_dict().items()}  # redraw works in place
+    sd = {n: t.clone() for n, t in model.named_buffers()}  # redraw works in place
     assert not torch.equal(sd[keys[0]], mine[0])
     assert not torch.equal(sd[keys[0]], sd[keys[1]])  # each layer its own draw
     assert not torch.allclose(before, after)
     redraw_buffers(model)  # from torch's global generator
-    assert not torch.equal(model.state_dict()[keys[0]], sd[keys[0]])
+    assert not torch.equal(dict(model.named_buffers())[keys[0]], sd[keys[0]])
 
 
 def test_generate_decode_equals_prefill():

@@ -7,6 +7,8 @@ from pathlib import Path
 
 from ..assets import EVAL_MIN_TOKENS, demo_model_path
 from ..errors import ConfigError, LongpatchError
+from ..outdir import check_out, claim_out
+from .needle import DEFAULT_TEMPLATE as NEEDLE_TEMPLATE
 from .sweep import check_int
 
 
@@ -65,10 +67,11 @@ def demo_configs() -> list[str]:
 NEEDLE_LENGTH = 8192
 NEEDLE_DEPTHS = "0.1:0.9:0.2"
 NEEDLE_TRIALS = 2
+COMMAND = "demo"  # marks its --out (outdir.claim_out); its eval directories inside are marked by their evals
 
 
 def run_demo(layers: str = "0:4:1", max_docs: int = 6, out: str = "runs/demo", progress: bool = True,
-             needle_length: int = NEEDLE_LENGTH, needle_template: str = "passkey",
+             needle_length: int = NEEDLE_LENGTH, needle_template: str = NEEDLE_TEMPLATE,
              needle_depths: str = NEEDLE_DEPTHS, needle_trials: int = NEEDLE_TRIALS) -> dict:
     """The main offline job: a small-scale Figure 3 of the HyperAttention paper on the demo model,
     with retrieval beside it.
@@ -84,6 +87,7 @@ def run_demo(layers: str = "0:4:1", max_docs: int = 6, out: str = "runs/demo", p
     from .needle_run import needle
     from .perplexity import perplexity
 
+    check_out(out, COMMAND)  # before minutes of work
     path = demo_model_path()
     tok = AutoTokenizer.from_pretrained(path)
     if needle_length:
@@ -110,7 +114,7 @@ def run_demo(layers: str = "0:4:1", max_docs: int = 6, out: str = "runs/demo", p
             r["needle_accuracy"] = acc.get(("exact" if r["layers"] == 0 else r["config"], r["layers"]))
         summary["needle"] = {"template": needle_template, "length": needle_length,
                              "depths": found["depths"], "trials": needle_trials}
-    Path(out).mkdir(parents=True, exist_ok=True)
+    claim_out(out, COMMAND)
     (Path(out) / "demo.json").write_text(json.dumps(summary, indent=1))
     _plot_demo(rows, Path(out) / "figure3.png", summary.get("needle"))
     return summary
@@ -141,22 +145,27 @@ def _plot_demo(rows: list[dict], path: Path, needle: dict | None = None) -> None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from ..plotting import layers_axis, method_color, speedup_line
+
     fig, axes = plt.subplots(1, 3 if needle else 2, figsize=(15 if needle else 10, 4))
     a1, a2 = axes[0], axes[1]
     for cfg in dict.fromkeys(r["config"] for r in rows):
         rs = [r for r in rows if r["config"] == cfg]
         label = next((r["method"] for r in rs if r["layers"]), cfg)
-        a1.plot([r["layers"] for r in rs], [r["ppl"] for r in rs], "o-", label=label)
-        a2.plot([r["layers"] for r in rs], [r["attention_speedup"] or 0 for r in rs], "o-", label=label)
+        style = dict(label=label, color=method_color(label))
+        a1.plot([r["layers"] for r in rs], [r["ppl"] for r in rs], "o-", **style)
+        a2.plot([r["layers"] for r in rs], [r["attention_speedup"] or 0 for r in rs], "o-", **style)
         if needle:
-            axes[2].plot([r["layers"] for r in rs], [r.get("needle_accuracy") or 0 for r in rs], "o-", label=label)
-    a1.set(xlabel="replaced final layers", ylabel="perplexity (held-out stdlib, 4096 tokens)", title="quality")
-    a2.set(xlabel="replaced final layers", ylabel="attention speedup vs exact", title="speed")
+            axes[2].plot([r["layers"] for r in rs], [r.get("needle_accuracy") or 0 for r in rs], "o-", **style)
+    a1.set(ylabel="perplexity (held-out stdlib, 4096 tokens)", title="quality")
+    a2.set(ylabel="attention speedup vs exact", title="speed")
+    speedup_line(a2)
     if needle:
-        axes[2].set(xlabel="replaced final layers", ylabel="needle accuracy", ylim=(-0.05, 1.05),
+        axes[2].set(ylabel="needle accuracy", ylim=(-0.05, 1.05),
                     title=f"retrieval ({needle['template']}, {needle['length']} tokens)")
-        axes[2].legend()
-    a1.legend(), a2.legend()
+    for ax in axes:
+        layers_axis(ax, "replaced final layers")
+        ax.legend()
     fig.suptitle("longpatch demo model: a small-scale Figure 3")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -115,6 +115,13 @@ def register_source(name: str, locate: Callable[[], "str | Path"], subsets: dict
     _SOURCES[name] = (locate, dict(subsets) if subsets else None)
 
 
+def source_name(label: str) -> str:
+    """What titles call the data of a LongBench.source label: 'LongBench', or a named source with its own
+    subsets (e.g. 'demo', the demo model's held-out code), which is not LongBench."""
+    name = str(label).split(" (", 1)[0]
+    return name if name in _SOURCES and _SOURCES[name][1] else "LongBench"
+
+
 def subset_categories(data=None) -> dict[str, str]:
     """{subset: category} of what `data` holds: LongBench v1's 21 unless a named source says otherwise."""
     if isinstance(data, str) and data in _SOURCES and _SOURCES[data][1]:

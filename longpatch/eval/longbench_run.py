@@ -27,10 +27,11 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError, LongpatchError
+from ..outdir import claim_out
 from ..patching import total_seconds
 from . import longbench_tasks as T
 from .launch import Dist, run_sharded
-from .longbench import CATEGORIES, LongBench, Record, code_completion_tasks, load_longbench
+from .longbench import CATEGORIES, LongBench, Record, code_completion_tasks, load_longbench, source_name
 from .longbench_metrics import LENGTH_BUCKETS, longbench_score, longbench_score_e
 from .plan import PLAN_FILE, read_plan, report_problems
 from .records import read_records, write_csv, write_json
@@ -40,6 +41,7 @@ from .sweep import (
     Point,
     RunSpec,
     check_int,
+    generation_shapes,
     labelled_points,
     num_layers,
     parse_layer_sweep,
@@ -73,6 +75,7 @@ class LongBenchSpec(RunSpec):
     with it are not LongBench's protocol; results record it).
     """
 
+    COMMAND = "eval longbench"
     out: str = "runs/longbench"
     tasks: object = "all"
     e: bool = False
@@ -190,7 +193,7 @@ def _evaluate(model, spec: LongBenchSpec, dist: Dist, run_id: str) -> dict:
                 "tokenizer": str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)}
     points = labelled_points(prepared, spec, sweep, n_layers, identity)
     if dist.main:
-        out.mkdir(parents=True, exist_ok=True)
+        claim_out(out, spec.COMMAND)
         write_json(out / PLAN_FILE, {
             "model": name, "data": lb.source, "tasks": list(lb.records), "e": spec.e, "max_length": max_length,
             "max_samples": spec.max_samples, "max_new_tokens": spec.max_new_tokens, "num_layers": n_layers,
@@ -202,7 +205,8 @@ def _evaluate(model, spec: LongBenchSpec, dist: Dist, run_id: str) -> dict:
     stops = {t: T.stop_ids(tokenizer, t) for t in {w.task for w in items}}
     run_generations(model, points, items[dist.rank::dist.world], out, dist, spec.progress and dist.main,
                     "eval longbench", lambda label, p, w: _generate(model, tokenizer, label, p, w, device,
-                                                                    stops[w.task], dist.rank, run_id))
+                                                                    stops[w.task], dist.rank, run_id),
+                    generation_shapes((len(w.ids), w.max_new) for w in items))
     dist.barrier()
     if dist.mode == "spawned" or not dist.main:
         return {}
@@ -328,7 +332,7 @@ _CSV_COLUMNS = ("config", "layers", "method", "scope", "name", "score", "records
 
 def _csv_rows(results: dict):
     for c in results["configs"]:
-        base = {"config": c["config"], "layers": c["layers"], "method": c["method"] or ""}
+        base = {"config": c["config"], "layers": c["layers"], "method": c["method"] or "exact"}
         for cat, score in c["categories"].items():
             yield {**base, "scope": "category", "name": cat, "score": score}
         for task, t in c["tasks"].items():
@@ -338,10 +342,12 @@ def _csv_rows(results: dict):
 
 
 def _plot(results: dict, path: Path) -> str | None:
-    """Category score against the number of replaced layers (one line per category and config)."""
+    """Category score against the number of replaced layers (one line per category and config): a config's
+    lines in its method's colour, one marker and dash per category."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.ticker import MaxNLocator
+
+    from ..plotting import layers_axis, method_color
 
     baseline = [c for c in results["configs"] if c["layers"] == 0]
     series: dict[str, list[dict]] = {}
@@ -355,14 +361,16 @@ def _plot(results: dict, path: Path) -> str | None:
     fig = Figure(figsize=(6.5, 4))
     ax = fig.add_subplot()
     for config, cs in series.items():
-        for cat in CATEGORIES:
+        color = method_color(next((c["method"] for c in cs if c["layers"]), None))
+        for i, cat in enumerate(CATEGORIES):
             pts = [(c["layers"], c["categories"][cat]) for c in cs if cat in c["categories"]]
             if pts:
                 label = cat if len(series) == 1 else f"{cat} ({config})"
-                ax.plot(*zip(*pts), "o-", label=label)
-    ax.set(xlabel="number of replaced final layers", ylabel="LongBench score",
-           title=f"{results['model']}: LongBench task scores")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+                ax.plot(*zip(*pts), marker="os^Dv<>"[i % 7], ls=("-", "--", ":", "-.")[i % 4], color=color,
+                        label=label)
+    name = source_name(results["data"])
+    ax.set(ylabel=f"{name} score", title=f"{results['model']}: {name} task scores")
+    layers_axis(ax)
     ax.legend(fontsize="small"), ax.grid(alpha=0.3)
     FigureCanvasAgg(fig)
     fig.tight_layout()
@@ -377,7 +385,8 @@ def print_results(results: dict) -> None:
 
     cats = [k for k in CATEGORIES if any(k in c["categories"] for c in results["configs"])]
     tasks = results["tasks"] if len(results["tasks"]) <= 4 and len(cats) == 1 else []
-    t = Table(title=f"{results['model']}: LongBench task scores ({'LongBench-E, ' if results['e'] else ''}"
+    t = Table(title=f"{results['model']}: {source_name(results['data'])} task scores "
+                    f"({'LongBench-E, ' if results['e'] else ''}"
                     f"prompts up to {results['max_length']} tokens"
                     f"{', new tokens capped at %d' % results['max_new_tokens'] if results['max_new_tokens'] else ''})",
               title_justify="left", box=box.SIMPLE_HEAD)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,6 +76,7 @@ BUILTIN_TEMPLATES: dict[str, Template] = {
                         question="What is the pass key? The pass key is"),
     "code": Template("code", needle="{var} = {key}", question="assert {var} ==", fields={"var": "PASSKEY"}),
 }
+DEFAULT_TEMPLATE = "passkey"  # of `eval needle` and `longpatch demo` alike
 
 
 def load_template(spec: str) -> Template:
@@ -109,18 +111,26 @@ def load_template(spec: str) -> Template:
 
 # ---- grid ------------------------------------------------------------------------------------------
 
+def _finite(text: str) -> float:
+    """float(text), refusing nan and inf (ValueError), which would pass every range check."""
+    x = float(text)
+    if not math.isfinite(x):
+        raise ValueError(text)
+    return x
+
+
 def parse_depths(spec: str) -> list[float]:
     """'0:1:0.1' -> [0.0, 0.1, ..., 1.0] (end included); '0.05,0.5,0.95' -> those values."""
     text = str(spec).strip()
     try:
         if ":" in text:
-            bits = [float(b) for b in text.split(":")]
+            bits = [_finite(b) for b in text.split(":")]
             if len(bits) != 3 or bits[2] <= 0 or bits[1] < bits[0]:
                 raise ValueError
             n = int(round((bits[1] - bits[0]) / bits[2]))
             values = [bits[0] + i * bits[2] for i in range(n + 1)]
         else:
-            values = [float(b) for b in text.split(",")]
+            values = [_finite(b) for b in text.split(",")]
     except ValueError:
         raise ConfigError(f"--depths: got {spec!r}; allowed: start:end:step (end included) or a list d1,d2,... "
                           "of fractions in [0, 1]") from None
@@ -294,7 +304,10 @@ def accuracy_grid(records: list[dict], config: str, layers: int) -> tuple[list[i
 
 
 def heatmap(records: list[dict], config: str, layers: int, path: Path, title: str | None = None) -> None:
-    """The standard NIAH picture: context length (x) by needle depth (y), accuracy as colour."""
+    """The standard NIAH picture: context length (x) by needle depth (y), accuracy as colour. However few
+    the cells, the figure keeps room for its title, wrapped to the figure's width."""
+    import textwrap
+
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -302,7 +315,9 @@ def heatmap(records: list[dict], config: str, layers: int, path: Path, title: st
 
     lengths, depths, grid = accuracy_grid(records, config, layers)
     data = np.array([[np.nan if v is None else v for v in row] for row in grid], dtype=float)
-    fig, ax = plt.subplots(figsize=(1.2 + 1.1 * len(lengths), 1.0 + 0.38 * len(depths)))
+    width = max(4.5, 1.2 + 1.1 * len(lengths))
+    title = textwrap.fill(title or f"{config}, {layers} layers replaced", width=int(width * 72 / (9 * 0.62)))
+    fig, ax = plt.subplots(figsize=(width, max(2.4, 1.0 + 0.38 * len(depths)) + 0.15 * title.count("\n")))
     im = ax.imshow(data, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
     ax.set_xticks(range(len(lengths)), [length_label(n) for n in lengths])
     ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
@@ -311,7 +326,7 @@ def heatmap(records: list[dict], config: str, layers: int, path: Path, title: st
             if not np.isnan(data[i, j]):
                 ax.text(j, i, f"{data[i, j]:.2f}", ha="center", va="center", fontsize=7)
     ax.set(xlabel="context length (tokens)", ylabel="needle depth")
-    ax.set_title(title or f"{config}, {layers} layers replaced", fontsize=9)
+    ax.set_title(title, fontsize=9)
     fig.colorbar(im, ax=ax, label="accuracy")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -18,6 +18,7 @@ from typing import Sequence
 import torch
 
 from ..errors import ConfigError
+from ..outdir import claim_out
 from ..patching import total_seconds
 from . import needle as N
 from .launch import Dist, run_sharded
@@ -29,6 +30,7 @@ from .sweep import (
     Point,
     RunSpec,
     check_int,
+    generation_shapes,
     labelled_points,
     num_layers,
     parse_layer_sweep,
@@ -46,14 +48,16 @@ class NeedleSpec(RunSpec):
     """Everything `eval needle` takes besides the model (RunSpec: patch, sweep, out, processes).
 
     config: one config, a comma-separated list or a list (each gets the whole sweep; None: `method`
-    with `sets`, or the model's bundled config). template: 'code', 'passkey' or a YAML template file.
+    with `sets`, or the model's bundled config). template: 'passkey' (default, as in `longpatch demo`),
+    'code' or a YAML template file.
     lengths: prompt lengths in tokens ('4096,8192' or a list). depths: '0:1:0.1' (end included) or
     'd1,d2'. trials: prompts per (length, depth). filler: see needle.filler_texts. seed: of keys and
     haystacks.
     """
 
+    COMMAND = "eval needle"
     out: str = "runs/needle"
-    template: str = "code"
+    template: str = N.DEFAULT_TEMPLATE
     lengths: object = "4096,8192,16384,32768"
     depths: object = "0:1:0.1"
     trials: int = 4
@@ -145,13 +149,15 @@ def _evaluate(model, spec: NeedleSpec, tmpl: N.Template, lengths: list[int], dep
     identity = {"model": name, "template": tmpl.name, "filler": filler, "seed": spec.seed, "task": "needle"}
     points = labelled_points(prepared, spec, sweep, n_layers, identity)
     if dist.main:
-        out.mkdir(parents=True, exist_ok=True)
+        claim_out(out, spec.COMMAND)
         write_json(out / PLAN_FILE, {"model": name, "template": tmpl.name, "filler": filler, "lengths": lengths,
                                      "depths": depths, "trials": spec.trials, "seed": spec.seed,
                                      "points": [dict(p.describe(), config=label) for label, p in points]})
     device, eos = input_device(model), tokenizer.eos_token_id
+    shapes = generation_shapes((len(w.prompt.ids), N.answer_tokens(tokenizer, w.prompt.expected)) for w in work)
     run_generations(model, points, work[dist.rank::dist.world], out, dist, spec.progress and dist.main, "eval needle",
-                    lambda label, p, w: _generate(model, tokenizer, label, p, w, device, eos, dist.rank, run_id))
+                    lambda label, p, w: _generate(model, tokenizer, label, p, w, device, eos, dist.rank, run_id),
+                    shapes)
     dist.barrier()
     if dist.mode == "spawned" or not dist.main:
         return {}

@@ -41,6 +41,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from ..errors import ConfigError, LongpatchError
+from ..outdir import claim_out
 from ..patching import total_seconds
 from .launch import Dist, run_sequence_parallel, run_sharded
 from .longbench import load_longbench, resolve_subsets
@@ -53,6 +54,7 @@ from .sweep import (
     RunSpec,
     check_int,
     config_id,
+    eval_tokenizer,
     make_points,
     num_layers,
     parse_layer_sweep,
@@ -73,13 +75,14 @@ class PerplexitySpec(RunSpec):
     subsets: 'all' or comma-separated subset or category names. seq_len: tokens per document.
     max_docs: at most this many documents per subset (the first ones in file order that are long enough).
     data: None (hub data.zip), a path to data.zip, a directory of <subset>.jsonl, parquet, or 'demo'.
-    tokenizer: as RunSpec, or 'bytes' (scoring.ByteTokenizer). device_map: 'auto' spreads the model over
+    tokenizer: as RunSpec, or 'bytes' (loading.ByteTokenizer). device_map: 'auto' spreads the model over
     this machine's GPUs with accelerate (one process). strict: a malformed LongBench record is fatal
     instead of reported and skipped. warmup: untimed forward passes before the first timed document of
     each configuration. loss_chunk: positions per LM-head call. sequence_parallel: N > 1 splits every
     document over N processes (longpatch.parallel, docs/distributed.md); not with num_processes.
     """
 
+    COMMAND = "eval ppl"
     subsets: object = "all"
     seq_len: int = 32768
     max_docs: int | None = None
@@ -146,7 +149,8 @@ def _evaluate(model, spec: PerplexitySpec, dist: Dist, run_id: str) -> dict:
         log.warning("longpatch: seq_len %d exceeds the %d positions %s was trained for", spec.seq_len, limit,
                     model_name)
     vocab = vocab_size(model)
-    encode, tok_id = make_encoder(spec.tokenizer, loaded_tok, vocab, model_name, spec.trust_remote_code)
+    tok = eval_tokenizer(spec.tokenizer, loaded_tok, model, model_name, spec.trust_remote_code)
+    encode, tok_id = make_encoder(tok, None, vocab, model_name)
     check_loss_path(model)
     n_layers = num_layers(model, cfg)
     identity = {"model": model_name, "dtype": cfg.dtype, "attn_implementation": cfg.attn_implementation,
@@ -156,7 +160,7 @@ def _evaluate(model, spec: PerplexitySpec, dist: Dist, run_id: str) -> dict:
     if not docs:
         raise LongpatchError(nothing_to_evaluate(lb, counts, skipped, spec.seq_len))
     if dist.main:
-        out.mkdir(parents=True, exist_ok=True)
+        claim_out(out, spec.COMMAND)
         write_json(out / PLAN_FILE, {
             "model": model_name, "tokenizer": tok_id, "seq_len": spec.seq_len, "data": lb.source, "subsets": wanted,
             "max_docs": spec.max_docs, "num_layers": n_layers, "baseline_id": config_id(identity, [], cfg),
@@ -207,7 +211,10 @@ def _run(model, points: list[Point], docs: list[Doc], out: Path, dist: Dist, war
         bar.set_postfix(ppl=f"{math.exp(nll):.3f}" if math.isfinite(nll) else "nan")
         return _record(point, doc, result, model.longpatch.breakdown(), dist.rank, run_id)
 
-    run_points(model, todo, writer, bar, out, one, start=warm)
+    # every document is one prefill of its seq_len tokens (the sequence-parallel ones too, per head group);
+    # interleaved, each document's configurations run side by side, so their speedups share the load
+    run_points(model, todo, writer, bar, out, one, start=warm, interleave=True,
+               shapes={(d.ids.numel(), d.ids.numel()) for d in docs} if dist.main else ())
 
 
 class _Discard:

@@ -84,15 +84,21 @@ def removed_on_failure(out: Path, keep_if_existed: bool):
 
 
 def write_csv(path: Path, columns: list[str], rows) -> None:
-    """Rows (dicts) as CSV with the given columns (None as empty), written atomically like write_json."""
+    """Rows (dicts) as CSV with the given columns (None as empty; a dict or list as JSON), written atomically
+    like write_json."""
     import csv
+
+    def cell(x):
+        if x is None:
+            return ""
+        return json.dumps(x, sort_keys=False, allow_nan=False) if isinstance(x, (dict, list, tuple)) else x
 
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(columns)
         for row in rows:
-            w.writerow(["" if row.get(k) is None else row[k] for k in columns])
+            w.writerow([cell(row.get(k)) for k in columns])
     os.replace(tmp, path)
 
 

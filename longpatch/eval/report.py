@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
+import statistics
 from pathlib import Path
 
 from ..patching import total_seconds
-from .longbench import CATEGORIES
+from .longbench import CATEGORIES, source_name
 from .plan import read_plan
 from .records import read_records, write_csv, write_json
 
@@ -70,9 +71,10 @@ def summarize(out: "str | Path", plots: bool = True) -> dict:
                               "reference code printed; NOT a perplexity, only for comparison with the paper",
             "scored_tokens": "seq_len - 1 per document (every position but the last predicts the next token)",
             "attention_seconds": "wall time inside attention calls of all layers (model.longpatch.stats())",
-            "attention_speedup": "attention_seconds of the 0-layer configuration / this configuration's, over "
-                                 "the documents both finished in the same run (forward_speedup: same with "
-                                 "forward_seconds)",
+            "attention_speedup": "median over the documents both finished in the same run of the 0-layer "
+                                 "configuration's attention_seconds / this configuration's, the two timed side by "
+                                 "side (the run interleaves configurations per document); forward_speedup: same "
+                                 "with forward_seconds",
             "attention_seconds_by_path": "{side: {phase: {path: seconds}}}; side patched/unpatched layers, phase "
                                          "prefill/decode, path method / method_exact (the method's code, exact at "
                                          "that length) / exact (fallback) / original (the model's own attention)",
@@ -113,10 +115,6 @@ def _group_stats(recs: list[dict], planned: int, base: dict) -> dict:
     # timings of one run only: a reused --out may hold a baseline measured earlier, under another load
     common = [r for r in recs if (k := (r["subset"], r["doc_id"])) in base
               and r.get("run_id") is not None and base[k].get("run_id") == r["run_id"]]
-    base_attn = math.fsum(base[(r["subset"], r["doc_id"])]["attention_seconds"] for r in common)
-    base_fwd = math.fsum(base[(r["subset"], r["doc_id"])]["forward_seconds"] for r in common)
-    this_attn = math.fsum(r["attention_seconds"] for r in common)
-    this_fwd = math.fsum(r["forward_seconds"] for r in common)
     return {
         "docs": len(recs), "docs_planned": planned, "complete": len(recs) == planned,
         "nonfinite_docs": len(recs) - n, "scored_tokens": tokens,
@@ -128,10 +126,18 @@ def _group_stats(recs: list[dict], planned: int, base: dict) -> dict:
         "tokens_per_second": sum(r["tokens"] for r in recs) / forward if forward > 0 else None,
         "attention_seconds": attention,
         "attention_seconds_by_path": by_path,
-        "attention_speedup": base_attn / this_attn if common and this_attn > 0 else None,
-        "forward_speedup": base_fwd / this_fwd if common and this_fwd > 0 else None,
+        "attention_speedup": _median_speedup(common, base, "attention_seconds"),
+        "forward_speedup": _median_speedup(common, base, "forward_seconds"),
         "speedup_docs": len(common),
     }
+
+
+def _median_speedup(recs: list[dict], base: dict, key: str) -> float | None:
+    """Median over the documents of baseline seconds / these seconds, each document's pair timed side by side
+    (eval ppl interleaves the configurations document by document): a load spike moves one pair, not the
+    median, and each document's forward and attention ratios come from the same two passes."""
+    ratios = [base[(r["subset"], r["doc_id"])][key] / r[key] for r in recs if r[key] > 0]
+    return statistics.median(ratios) if ratios else None
 
 
 _CSV_COLUMNS = ("config_id", "label", "method", "layers", "scope", "name", "docs", "docs_planned", "scored_tokens",
@@ -146,7 +152,7 @@ def _csv_rows(results: dict):
             + [("subset", k, v) for k, v in c["subsets"].items()]
         for scope, name, s in scopes:
             by_path = s["attention_seconds_by_path"]
-            yield {**s, "config_id": c["config_id"], "label": c["label"], "method": c["method"] or "",
+            yield {**s, "config_id": c["config_id"], "label": c["label"], "method": c["method"] or "exact",
                    "layers": c["layers"], "scope": scope, "name": name,
                    "patched_attention_seconds": total_seconds(by_path.get("patched", {})),
                    "unpatched_attention_seconds": total_seconds(by_path.get("unpatched", {}))}
@@ -156,21 +162,24 @@ def _plots(results: dict, out: Path) -> list[str]:
     """ppl and speedup against the number of replaced layers (the paper's Figure 3), and ppl per category."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.ticker import MaxNLocator
+
+    from ..plotting import layers_axis, method_color, speedup_line
 
     configs = sorted((c for c in results["configs"] if c["all"]["ppl"] is not None), key=lambda c: c["layers"])
     written = []
     if not configs:
         return written
-    title = f"{results['model']}, LongBench, {results['seq_len']} tokens"
+    title = f"{results['model']}, {source_name(results['data'])}, {results['seq_len']} tokens"
     xs = [c["layers"] for c in configs]
+    color = method_color(next((c["method"] for c in configs if c["layers"]), None))  # one method per run
 
     fig = Figure(figsize=(6, 4))
     ax = fig.add_subplot()
-    ax.plot(xs, [c["all"]["ppl"] for c in configs], "o-", label="ppl (pooled tokens)")
-    ax.plot(xs, [c["all"]["ppl_doc_mean"] for c in configs], "s--", label="ppl_doc_mean (mean of per-doc ppl)")
-    ax.set(xlabel="number of replaced final layers", ylabel="perplexity", title=title)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.plot(xs, [c["all"]["ppl"] for c in configs], "o-", color=color, label="ppl (pooled tokens)")
+    ax.plot(xs, [c["all"]["ppl_doc_mean"] for c in configs], "s--", color=color,
+            label="ppl_doc_mean (mean of per-doc ppl)")
+    ax.set(ylabel="perplexity", title=title)
+    layers_axis(ax)
     ax.legend(), ax.grid(alpha=0.3)
     _save(fig, FigureCanvasAgg, out / PLOTS["ppl"], written)
 
@@ -179,11 +188,11 @@ def _plots(results: dict, out: Path) -> list[str]:
         fig = Figure(figsize=(6, 4))
         ax = fig.add_subplot()
         xs = [c["layers"] for c in speed]
-        ax.plot(xs, [c["all"]["attention_speedup"] for c in speed], "o-", label="attention")
-        ax.plot(xs, [c["all"]["forward_speedup"] for c in speed], "s--", label="whole forward")
-        ax.axhline(1.0, color="grey", lw=0.8)
-        ax.set(xlabel="number of replaced final layers", ylabel="speedup vs 0 layers", title=title)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.plot(xs, [c["all"]["attention_speedup"] for c in speed], "o-", color=color, label="attention")
+        ax.plot(xs, [c["all"]["forward_speedup"] for c in speed], "s--", color=color, label="whole forward")
+        speedup_line(ax)
+        ax.set(ylabel="speedup vs 0 layers", title=title)
+        layers_axis(ax)
         ax.legend(), ax.grid(alpha=0.3)
         _save(fig, FigureCanvasAgg, out / PLOTS["speedup"], written)
 
@@ -196,7 +205,10 @@ def _plots(results: dict, out: Path) -> list[str]:
         for i, c in enumerate(configs):
             vals = [(c["categories"].get(k) or {}).get("ppl") or 0.0 for k in cats]
             top = max(top, *vals)
-            ax.bar([j + i * width for j in range(len(cats))], vals, width, label=c["label"])
+            # the method's colour, deeper with more replaced layers; the 0-layer bars are exact's grey
+            ax.bar([j + i * width for j in range(len(cats))], vals, width, label=c["label"],
+                   color=method_color(c["method"] if c["layers"] else None),
+                   alpha=0.35 + 0.65 * i / max(1, len(configs) - 1))
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cats))], cats, rotation=20)
         ax.set(ylabel="perplexity (pooled tokens)", title=title, ylim=(0, top * 1.3))
         ax.legend(fontsize="small", ncols=min(4, len(configs)), loc="upper center")
@@ -217,7 +229,7 @@ def print_results(results: dict, out: "str | Path") -> None:
     from rich.table import Table
 
     docs = results["documents"]
-    t = Table(title=f"{results['model']}: LongBench perplexity at {results['seq_len']} tokens, "
+    t = Table(title=f"{results['model']}: {source_name(results['data'])} perplexity at {results['seq_len']} tokens, "
                     f"{docs['kept']} documents ({sum(docs['skipped'].values())} skipped)",
               title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
     for col in ("config", "layers", "docs", "ppl", "doc-mean", "fwd s", "attn s", "speedup", "tok/s"):
@@ -234,7 +246,8 @@ def print_results(results: dict, out: "str | Path") -> None:
         console.print(f"{len(results['data_problems'])} malformed LongBench record(s) skipped; see results.json",
                       style="yellow", markup=False)
     console.print("ppl = exp(pooled token NLL); doc-mean = mean of per-document perplexities; speedup = "
-                  "attention seconds at 0 layers / attention seconds. Written to "
+                  "median over the documents of attention seconds at 0 layers / attention seconds, timed side by "
+                  "side. Written to "
                   f"{out}: {', '.join([RESULTS_FILE, CSV_FILE, *results['files'].get('plots', [])])}", markup=False)
 
 

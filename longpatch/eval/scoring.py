@@ -9,38 +9,17 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError, UnsupportedModelError
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as token ids (0..255). Only for models with a vocabulary of at least 256 whose ids
-    mean nothing in particular, such as the tiny:* test models; chosen with tokenizer='bytes'."""
-
-    name_or_path = "bytes"
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
+from ..loading import BYTES, ByteTokenizer, resolve_tokenizer
 
 
 def make_encoder(tokenizer, loaded, vocab: int, model_name: str, trust_remote_code: bool = False):
-    """-> (encode(text) -> list[int], tokenizer id for the records)."""
-    if isinstance(tokenizer, str) and tokenizer == "bytes":
+    """-> (encode(text) -> list[int], tokenizer id for the records). The tokenizer as loading.resolve_tokenizer
+    finds it (`tokenizer` given, else `loaded`); the byte tokenizer needs a vocabulary of at least 256."""
+    tok = resolve_tokenizer(tokenizer, loaded, None, trust_remote_code)
+    if isinstance(tok, ByteTokenizer):
         if vocab < 256:
             raise ConfigError(f"tokenizer: 'bytes' needs a vocabulary of at least 256 ids; {model_name} has {vocab}")
-        return ByteTokenizer().encode, "bytes"
-    if isinstance(tokenizer, str):
-        from ..loading import load_tokenizer
-        tok = load_tokenizer(tokenizer, trust_remote_code)
-    elif tokenizer is not None:
-        tok = tokenizer
-    elif loaded is not None:
-        tok = loaded
-    else:
-        raise ConfigError(f"tokenizer: {model_name} comes without a tokenizer; pass tokenizer=NAME_OR_PATH "
-                          "(--tokenizer), or tokenizer='bytes' (UTF-8 bytes as ids; only for models with a "
-                          "vocabulary of at least 256, such as the tiny:* test models)")
-    if isinstance(tok, ByteTokenizer):
-        return make_encoder("bytes", None, vocab, model_name)
+        return tok.encode, BYTES
 
     def encode(text: str) -> list[int]:
         try:  # verbose=False: no "sequence longer than the model maximum" warning per document

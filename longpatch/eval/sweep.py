@@ -11,8 +11,9 @@ from typing import Callable
 
 from ..config import PatchConfig, load_config, parse_layer_items, select_layers
 from ..errors import ConfigError
-from ..loading import TINY_PREFIX, load_tokenizer
-from ..patching import patch_model, unpatch_model
+from ..loading import resolve_tokenizer
+from ..outdir import check_out
+from ..patching import patch_model, patched, unpatch_model
 from .records import INTERRUPTED, RecordLog, announce_resume, read_records, records_file
 
 log = logging.getLogger("longpatch")
@@ -24,9 +25,9 @@ class RunSpec:
 
     layers: the sweep (parse_layer_sweep). config / method / sets: the patch (YAML or alias / method
     name / 'key=value' overrides). out: output directory; a rerun with the same out resumes.
-    tokenizer: None (the model's), a name or path, or an object. num_processes: > 1 spawns that many
-    local workers (launch.run_sharded). progress: progress bars (rank 0). plots: write the PNGs.
-    run_id: tags this invocation's records (default: a fresh id).
+    tokenizer: None (the model's), a name or path, 'bytes' (loading.ByteTokenizer), or an object.
+    num_processes: > 1 spawns that many local workers (launch.run_sharded). progress: progress bars
+    (rank 0). plots: write the PNGs. run_id: tags this invocation's records (default: a fresh id).
     """
 
     layers: object = None
@@ -40,6 +41,7 @@ class RunSpec:
     progress: bool = True
     plots: bool = True
     run_id: str | None = None
+    COMMAND = "eval"  # not a field: the command whose output `out` holds (outdir.check_out, claim_out)
 
     def __post_init__(self):
         self.sets = list(self.sets)
@@ -72,6 +74,7 @@ def resolve_spec(spec_cls, name: str, spec, layers, options: dict):
     elif options or layers is not None:
         raise ConfigError(f"{name}: pass either spec= or options, not both")
     parse_layer_sweep(spec.layers)
+    check_out(spec.out, spec.COMMAND)
     return spec
 
 
@@ -210,19 +213,25 @@ def check_int(name: str, value, minimum: int) -> None:
 
 def run_points(model, todo: list[tuple[Point, list]], writer: RecordLog, bar, out,
                one: Callable[[Point, object], dict], start: Callable[[Point, list], None] | None = None,
-               label: Callable[[Point], str] = lambda p: p.label) -> None:
+               label: Callable[[Point], str] = lambda p: p.label, shapes=(), interleave: bool = False) -> None:
     """The loop of every evaluation: patch the model for each point that has pending items, append the
     record one(point, item) of each item as it finishes, unpatch; closes writer and bar. start(point,
-    pending) runs after patching (warm-up). Interrupted, it says where the finished work is."""
+    items) runs after a point's first patching (warm-up). Interrupted, it says where the finished work is.
+
+    shapes: the (q_len, kv_len) of the run's attention calls (say_if_exact; () says nothing).
+    interleave: item by item, every point's record of an item before the next item, so the points'
+    timings of one item are taken side by side, under the same load (eval ppl's speedups)."""
+    say_if_exact(model, [p for p, pending in todo if pending], shapes)
+    steps = _interleaved(todo) if interleave else [(p, pending) for p, pending in todo if pending]
+    started: set[str] = set()
     try:
-        for point, pending in todo:
-            if not pending:
-                continue
-            patch_model(model, point.cfg)
+        for point, pending in steps:
+            patch_model(model, point.cfg, timed=True)  # the records report attention seconds per path
             try:
                 bar.set_description(label(point))
-                if start is not None:
+                if start is not None and point.config_id not in started:
                     start(point, pending)
+                started.add(point.config_id)
                 for item in pending:
                     writer.append(one(point, item))
                     bar.update(1)
@@ -236,10 +245,50 @@ def run_points(model, todo: list[tuple[Point, list]], writer: RecordLog, bar, ou
         writer.close()
 
 
+def _interleaved(todo: list[tuple[Point, list]]) -> list[tuple[Point, list]]:
+    """[(point, [item])] item by item (in first-seen order), each item's points in todo's order."""
+    pending = [{id(x) for x in items} for _, items in todo]
+    items = list({id(x): x for _, xs in todo for x in xs}.values())
+    return [(p, [x]) for x in items for (p, _), ids in zip(todo, pending) if id(x) in ids]
+
+
+def generation_shapes(prompts) -> set[tuple[int, int]]:
+    """The (q_len, kv_len) of the attention calls that generating new_tokens after each prompt of
+    prompt_len tokens makes: [(prompt_len, new_tokens)] -> a prefill each, then one-token decode steps."""
+    shapes = set()
+    for n, new in prompts:
+        shapes.add((n, n))
+        shapes.update((1, kv) for kv in range(n + 1, n + new + 1))
+    return shapes
+
+
+def say_if_exact(model, points: list[Point], shapes) -> None:
+    """One line for each configuration of the run whose patched layers compute exact attention at every
+    (q_len, kv_len) call in `shapes` (the run's own): each call either takes an exact path (below
+    min_seq_len, decode without the method's own) or is one the bound method computes exactly
+    (BoundMethod.exact_at; e.g. MoBA whose top-k covers every chunk). Its numbers are exact attention's."""
+    shapes, told = sorted(set(shapes), key=lambda s: (-s[1], s[0])), set()  # the longest (least exact) first
+    for p in points:
+        key = json.dumps([p.cfg.method, p.cfg.params, p.cfg.min_seq_len], sort_keys=True, default=str)
+        if not shapes or not p.indices or p.cfg.method == "exact" or key in told:
+            continue
+        told.add(key)
+        with patched(model, p.cfg):
+            routes = [r for r in model.longpatch.routes if r.method is not None]
+            exact = bool(routes) and all(r.bound is not None for r in routes) and all(
+                r.choose(q, kv) != "method" or r.bound.exact_at(q, kv) for r in routes for q, kv in shapes)
+            params = ", ".join(f"{k}={v}" for k, v in routes[0].bound.params.items()) if exact else ""
+        if exact:
+            log.warning("longpatch: %s%s is exact attention at every length of this run (up to %d tokens): its "
+                        "results and times are exact attention's, not an approximation's", p.cfg.method,
+                        f" ({params})" if params else "", max(kv for _, kv in shapes))
+
+
 def run_generations(model, points: list[tuple[str, Point]], work: list, out, dist, progress: bool, desc: str,
-                    one: Callable[[str, Point, object], dict]) -> None:
+                    one: Callable[[str, Point, object], dict], shapes=()) -> None:
     """The generation evaluations' loop (eval needle, eval longbench): every (labelled point, work item)
-    not yet in out's records, one record each; `work` items carry a `digest`; one(label, point, item)."""
+    not yet in out's records, one record each; `work` items carry a `digest`; one(label, point, item).
+    shapes: as run_points (on rank 0; generation_shapes)."""
     from tqdm.auto import tqdm
 
     out = Path(out)
@@ -254,7 +303,8 @@ def run_generations(model, points: list[tuple[str, Point]], work: list, out, dis
     labels = {p.config_id: label for label, p in points}
     bar = tqdm(total=total, desc=desc, unit="gen", disable=not progress, dynamic_ncols=True)
     run_points(model, [(p, ws) for _, p, ws in todo], RecordLog(records_file(out, dist.rank, dist.world)), bar, out,
-               lambda p, w: one(labels[p.config_id], p, w), label=lambda p: f"{labels[p.config_id]} {p.label}")
+               lambda p, w: one(labels[p.config_id], p, w), label=lambda p: f"{labels[p.config_id]} {p.label}",
+               shapes=shapes if dist.main else ())
 
 
 def prepare_configs(model, spec: RunSpec, dist):
@@ -269,9 +319,7 @@ def prepare_configs(model, spec: RunSpec, dist):
         name = name or loaded_name
         prepared.append((config, cfg))
         tokenizer = tokenizer or tok
-    if tokenizer is None or isinstance(tokenizer, str):
-        # a loaded model's name is its name_or_path, else its class name, which is nothing to look up
-        tokenizer = _load_tokenizer(tokenizer, None if name == type(model).__name__ else name, spec.trust_remote_code)
+    tokenizer = eval_tokenizer(tokenizer, None, model, name, spec.trust_remote_code)
     _check_vocab(model, tokenizer)
     return model, tokenizer, name, prepared
 
@@ -288,15 +336,10 @@ def _check_vocab(model, tokenizer) -> None:
                           "own tokenizer")
 
 
-def _load_tokenizer(given: str | None, model_name: str | None, trust_remote_code: bool):
-    """The tokenizer named by --tokenizer, else the model's; one line when neither loads (a tiny:* model has
-    none, and generation needs a real one to decode: 'bytes' ids are not enough here)."""
-    name = given or model_name
-    if not name or (given is None and str(name).startswith(TINY_PREFIX)):
-        raise ConfigError(f"tokenizer: {model_name or 'the loaded model'} comes without a tokenizer; pass one "
-                          "(--tokenizer NAME_OR_PATH, or tokenizer= in Python: a hub id, a saved tokenizer directory "
-                          "or a loaded tokenizer)")
-    return load_tokenizer(name, trust_remote_code)
+def eval_tokenizer(given, loaded, model, name: str | None, trust_remote_code: bool):
+    """The evaluation's tokenizer (loading.resolve_tokenizer: --tokenizer, else the model's). A loaded model's
+    name is its name_or_path, else its class name, which is nothing to look up."""
+    return resolve_tokenizer(given, loaded, None if name == type(model).__name__ else name, trust_remote_code)
 
 
 def labelled_points(prepared: list, spec: RunSpec, sweep, n_layers: int, identity: dict) -> list[tuple[str, Point]]:

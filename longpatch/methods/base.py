@@ -92,8 +92,9 @@ class Method:
     per-layer dict the method may use to keep decode-time summaries beside the KV cache;
     ``init_state(k, v, *, buffers, **params)`` builds it from an existing cache in one pass.
     ``make_buffers(head_dim=, layer_seed=, **params)`` (optional) returns tensors the patched layer
-    must keep in its state_dict (e.g. HyperAttention's LSH directions); ``layer_seed`` is the layer
-    index (None for a lone call, as in the benchmarks).
+    keeps as buffers that move with the model (e.g. HyperAttention's LSH directions; not persistent:
+    the params draw them again); ``layer_seed`` is the layer index (None for a lone call, as in the
+    benchmarks).
     """
 
     name: str
@@ -112,6 +113,10 @@ class Method:
     # sequences of up to n tokens (e.g. hyper's min_seq_len >= n); None: no setting makes it exact
     # (linear, performer). The contract tests (tests/test_contract.py) hold every method to it.
     exact_params: Callable[[int, dict], dict] | None = None
+    # attended_pairs(q, k, causal, params) -> the query-key products a prefill call computes, selection
+    # (gates, estimates) included, per query head summed: what `bench attention` divides exact's by for
+    # the ideal speedup. None: not reported.
+    attended_pairs: Callable[..., int] | None = None
 
     def resolve_params(self, given: dict[str, Any] | None) -> dict[str, Any]:
         """Fill defaults and validate; unknown names are an error that lists the known ones."""
@@ -167,6 +172,12 @@ class BoundMethod:
         if self.method.init_state is None:
             return {}
         return self.method.init_state(k, v, buffers=self.buffers if buffers is None else buffers, **self.params)
+
+    def attended_pairs(self, q, k, causal: bool = True) -> int | None:
+        """Query-key products of a prefill call on these inputs (``Method.attended_pairs``), or None."""
+        fn = self.method.attended_pairs
+        pairs = None if fn is None else fn(q, k, causal, self.params)
+        return None if pairs is None else int(pairs)
 
     def exact_at(self, q_len: int, kv_len: int) -> bool:
         """Whether a call of this shape computes exact attention (``Method.exact_when``)."""

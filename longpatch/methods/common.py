@@ -1,6 +1,7 @@
 """Helpers every attention op shares: shape checks, GQA views, LSE merges, backend choice."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -13,8 +14,10 @@ from ..errors import ConfigError
 BACKENDS = ("auto", "torch", "triton")
 
 
-def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> tuple[int, int, int]:
-    """Validate the shared layout; returns (q_heads // kv_heads, q_len, kv_len)."""
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+              value_dim: bool = False) -> tuple[int, int, int]:
+    """Validate the shared layout; returns (q_heads // kv_heads, q_len, kv_len). value_dim: the op
+    supports a value head_dim other than q's (exact, linear, performer); the others refuse one."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("q, k, v must be 4-D [batch, heads, len, head_dim]; "
                          f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
@@ -26,6 +29,11 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -
         raise ValueError(f"q_heads ({hq}) must be a multiple of kv_heads ({hk})")
     if causal and nq > nk:
         raise ValueError(f"causal attention needs q_len <= kv_len; got {nq} > {nk}")
+    if v.shape[-1] != d and not value_dim:
+        raise ValueError(f"v's head_dim must equal q's and k's ({d}); got {v.shape[-1]} (q {tuple(q.shape)}, "
+                         f"v {tuple(v.shape)}): a separate value head_dim is not supported")
+    if not q.is_floating_point():  # integer inputs would run integer arithmetic: garbage, not attention
+        raise ValueError(f"q, k, v must be floating point (float16, bfloat16, float32 or float64); got {q.dtype}")
     if not q.dtype == k.dtype == v.dtype:  # the fused kernels would fail deep inside, or misread the data
         raise ValueError(f"q, k, v must have one dtype; got dtypes {q.dtype}, {k.dtype}, {v.dtype} "
                          "(cast them, e.g. k.to(q.dtype))")
@@ -94,20 +102,46 @@ def isolate_nonfinite(op, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bad
 
 
 def guards_nonfinite(op):
-    """Decorator of an attention op ``op(q, k, v, *, ..., return_lse=False, ...)``: when a key or value
-    row holds NaN/inf, run it through ``isolate_nonfinite`` so that rows that do not attend to that
-    position do not depend on it. Every op needs it: fused kernels weigh masked values by 0 (0 * NaN =
+    """Decorator of an attention op ``op(q, k, v, *, ..., return_lse=False, ...)``: any strides, and
+    isolation of NaN/inf key or value rows (rows that do not attend to such a position do not depend
+    on it).
+
+    Strides: an input whose feature dimension is not contiguous is copied once (the CPU paths and
+    kernels read rows as contiguous vectors); the head and sequence dimensions may have any strides.
+
+    Prefill (q_len == kv_len): when a key or value row holds NaN/inf, the call runs through
+    ``isolate_nonfinite``. Every op needs it there: fused kernels weigh masked values by 0 (0 * NaN =
     NaN), chunked prefix sums are GEMMs with 0/1 matrices, performer's key stabiliser is shared, and
-    NSA's gate 0 multiplies a NaN branch. Finite inputs pay one summing pass over k and v."""
+    NSA's gate 0 multiplies a NaN branch. Finite inputs pay one summing pass over k and v, small
+    against the O(n^2 / sparsity) work.
+
+    Decode (q_len < kv_len, a step against a cache): the op runs first; only when its output is not
+    finite does the step pay the pass over the cache and re-run isolated. A sparse step reads only
+    the rows it selects (a non-finite row it reads makes its output non-finite), so a finite output
+    means it read no bad row and the step costs what it attends, not a read of the whole cache. A
+    block whose summary (chunk mean, compressed key) is non-finite scores -inf and is not selected."""
     @functools.wraps(op)
     def guarded(q, k, v, **kwargs):
-        floats = all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in (k, v))
-        bad = nonfinite_rows(k, v) if floats else None
+        q, k, v = (t.contiguous() if isinstance(t, torch.Tensor) and t.dim() == 4 and t.shape[-1] > 1
+                   and t.stride(-1) != 1 else t for t in (q, k, v))
+        floats = all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in (q, k, v))
+        if not floats:  # the op's own argument check names what is wrong
+            return op(q, k, v, **kwargs)
+        lse = bool(kwargs.get("return_lse", False))
+        if q.dim() == 4 and k.dim() == 4 and q.shape[2] < k.shape[2]:
+            res = op(q, k, v, **kwargs)
+            if all_finite(res[0] if lse else res):
+                return res
+        bad = nonfinite_rows(k, v)
         if bad is None:
             return op(q, k, v, **kwargs)
-        return isolate_nonfinite(lambda q_, k_, v_: op(q_, k_, v_, **kwargs), q, k, v, bad,
-                                 bool(kwargs.get("return_lse", False)))
+        return isolate_nonfinite(lambda q_, k_, v_: op(q_, k_, v_, **kwargs), q, k, v, bad, lse)
     return guarded
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every element of t is finite (one pass over a small output)."""
+    return bool(torch.isfinite(t).all())
 
 
 def default_scale(scale: float | None, head_dim: int) -> float:
@@ -193,33 +227,61 @@ def merge_lse(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor,
     return out.to(o1.dtype), lse
 
 
+@functools.cache
+def _openmp_controller():
+    """threadpoolctl's handle on the OpenMP runtime torch runs its CPU ops on, or None (a torch
+    built without OpenMP, or threadpoolctl missing)."""
+    try:
+        from threadpoolctl import ThreadpoolController
+    except ImportError:
+        return None
+    ctl = ThreadpoolController().select(user_api="openmp")
+    return ctl if ctl.lib_controllers else None
+
+
+def one_thread():
+    """A context in which the calling thread's torch CPU ops run on one thread (OpenMP's thread count
+    is a per-thread setting: other threads, the caller's included, and threads started later keep
+    theirs). ``torch.set_num_threads`` is not used: it also changes the process-wide default, which is
+    the caller's to choose. A no-op context where the OpenMP runtime cannot be reached."""
+    ctl = _openmp_controller()
+    if ctl is None:
+        return contextlib.nullcontext()
+    # torch sets a thread's OpenMP count lazily, on its first parallel op, to torch's process-wide
+    # count (once torch.set_num_threads was called): trigger that first, or it would undo the limit
+    torch.get_num_threads()
+    return ctl.limit(limits=1)
+
+
+def can_limit_threads() -> bool:
+    return _openmp_controller() is not None
+
+
 def run_units(fn, units) -> None:
     """fn(unit) for every unit of independent no-grad CPU work (each writes its own slice of the
     outputs). With torch using T > 1 threads, T Python workers each run whole units on one thread:
     a unit made of many mid-sized ops (NSA's windows of rows) leaves cores idle between and inside
     ops when one caller runs them T-threaded, and the workers keep every core busy (NSA prefill at
-    32k: 1.4x from a second thread inside ops, 1.8x across units). Grad mode, inference mode and
-    autocast are thread-local: workers run without grad and in the caller's inference mode (so they
-    may write into its inference tensors); under autocast the units run serially in the caller."""
+    32k: 1.4x from a second thread inside ops, 1.8x across units). Each worker limits only its own
+    thread (``one_thread``); the caller's thread settings are untouched. Grad mode, inference mode
+    and autocast are thread-local: workers run without grad and in the caller's inference mode (so
+    they may write into its inference tensors); under autocast, or where a worker's thread count
+    cannot be limited, the units run serially in the caller."""
     units = list(units)
     threads = torch.get_num_threads()
-    if threads < 2 or len(units) < 2 or torch.is_autocast_enabled("cpu"):
+    if threads < 2 or len(units) < 2 or torch.is_autocast_enabled("cpu") or not can_limit_threads():
         for unit in units:
             fn(unit)
         return
     inference = torch.is_inference_mode_enabled()
 
     def call(unit):
-        torch.set_num_threads(1)  # per thread for OpenMP; also torch's global count, restored below
-        with torch.inference_mode(inference), torch.no_grad():
+        with one_thread(), torch.inference_mode(inference), torch.no_grad():
             fn(unit)
 
-    try:
-        with ThreadPoolExecutor(max_workers=min(threads, len(units))) as pool:
-            for job in [pool.submit(call, unit) for unit in units]:
-                job.result()
-    finally:
-        torch.set_num_threads(threads)
+    with ThreadPoolExecutor(max_workers=min(threads, len(units))) as pool:
+        for job in [pool.submit(call, unit) for unit in units]:
+            job.result()
 
 
 def resolve_backend(backend: str, *tensors: torch.Tensor) -> str:

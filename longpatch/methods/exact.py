@@ -26,7 +26,7 @@ def exact_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
     the float32 (float64 for float64) log-sum-exp of each row's scaled scores ([b, q_heads, q_len]); rows that see no
     key get lse = -inf and a zero output.
     """
-    group, nq, nk = check_qkv(q, k, v, causal)
+    group, nq, nk = check_qkv(q, k, v, causal, value_dim=True)
     scale = default_scale(scale, q.shape[-1])
     backend = resolve_backend(backend, q, k, v)
     if backend == "triton" and attn_mask is None:
@@ -91,6 +91,12 @@ def _no_change(n: int, params: dict) -> dict:
     return {}
 
 
+def _pairs(q, k, causal: bool, params: dict) -> int:
+    nq, nk = q.shape[2], k.shape[2]
+    per_head = nq * nk - (nq * (nq - 1) // 2 if causal else 0)  # bottom-right causal: row i sees nk - nq + i + 1
+    return q.shape[0] * q.shape[1] * per_head
+
+
 EXACT = register_method(Method(
     name="exact",
     summary="exact softmax attention (torch SDPA on CPU, flash-attn on CUDA when installed)",
@@ -98,4 +104,5 @@ EXACT = register_method(Method(
     decode=_prefill,
     exact_when=_always,
     exact_params=_no_change,
+    attended_pairs=_pairs,
 ))

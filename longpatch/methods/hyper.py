@@ -33,8 +33,6 @@ the fused attention kernel) or a block (block_size x (block_size + sample_size))
 """
 from __future__ import annotations
 
-import threading
-
 import torch
 
 from .base import Between, Method, Param, optional_int, positive_int, register_method
@@ -47,6 +45,7 @@ from .common import (
     guards_nonfinite,
     layer_seed_of,
     merge_lse,
+    one_thread,
     resolve_backend,
 )
 from .exact import exact_attention
@@ -163,32 +162,16 @@ def hyper_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
 _stage = torch.profiler.record_function  # named stages in torch.profiler traces
 
 
-class _serial:
+def _serial():
     """Run a stretch of small O(n) ops (hashing, index building, merges) on one intra-op thread.
 
     Each of them takes microseconds, but every parallel op ends on a barrier: when another process
     holds one of the cores, each barrier waits for a descheduled thread, and a HyperAttention call
     has a few hundred such ops (measured on a loaded 2-core VM, n = 32k causal: 360 ms with one
     thread, 800 ms with two; 450 ms with two and these stretches serial). The attention calls keep
-    all threads."""
-
-    _lock = threading.Lock()
-    _depth = 0  # serial stretches open (several Python threads may run HyperAttention at once)
-    _saved = 1
-
-    def __enter__(self):
-        with _serial._lock:
-            if _serial._depth == 0:
-                _serial._saved = torch.get_num_threads()
-                if _serial._saved > 1:
-                    torch.set_num_threads(1)
-            _serial._depth += 1
-
-    def __exit__(self, *exc):
-        with _serial._lock:
-            _serial._depth -= 1
-            if _serial._depth == 0 and _serial._saved > 1:
-                torch.set_num_threads(_serial._saved)
+    all threads. Only the calling thread is limited (``one_thread``): the process-wide thread count
+    stays the caller's."""
+    return one_thread()
 
 
 # Elements of gathered keys per attention call: chunks stay in cache and small enough for the

@@ -280,7 +280,7 @@ def linear_attention(q, k, v, *, causal: bool = True, scale: float | None = None
     common signature but has no effect: this kernel has no temperature (it is not a softmax).
     There is no softmax LSE: ``return_lse=True`` is an error. Returns out [b, hq, nq, dv] in q's dtype.
     """
-    check_qkv(q, k, v, causal)
+    check_qkv(q, k, v, causal, value_dim=True)
     _check_feature_map(feature_map)
     if return_lse:
         raise ValueError("linear_attention has no softmax log-sum-exp (return_lse is not supported)")
@@ -301,7 +301,7 @@ def _featurizer(feature_map: str) -> KeyFeaturizer:
 def _run(q, k, v, *, causal=True, scale=None, backend="auto", buffers=None, state=None, feature_map="elu+1", **_):
     if state is None or not causal:
         return linear_attention(q, k, v, causal=causal, feature_map=feature_map, backend=backend)
-    check_qkv(q, k, v, causal)
+    check_qkv(q, k, v, causal, value_dim=True)
     backend = resolve_backend(backend, q, k, v)
     if q.shape[2] == 0 or k.shape[2] == 0:
         return q.new_zeros(q.shape[:3] + (v.shape[-1],))

@@ -27,7 +27,7 @@ numerator and denominator cancels:
   relative to their shift; when new keys raise it, the sums are rescaled by exp(old − new), so
   decoding equals prefill.
 
-The projection is a buffer of each patched layer (in the state_dict, seeded); ``longpatch.redraw_buffers``
+The projection is a buffer of each patched layer (seeded from the config, not persistent); ``longpatch.redraw_buffers``
 draws new ones, as the paper recommends when training.
 """
 from __future__ import annotations
@@ -37,6 +37,7 @@ import math
 
 import torch
 
+from ..errors import ConfigError
 from .base import Method, Param, one_of, optional_int, positive_int, register_method
 from .common import (
     acc_dtype,
@@ -52,6 +53,10 @@ from .linear import build_state, feature_attention, finish, stateful_attention
 
 DEFAULT_SEED = 0  # seed=None gives these features: deterministic unless asked otherwise
 DEFAULT_NUM_FEATURES = 256
+# The most features per head dimension. FAVOR+ needs m = Θ(d log d) (≈ 4-7 d at d = 64..128; the default 256
+# is 4 d at d = 64): 64 d leaves ample room, while a typo such as 1e6 would draw 1e6/d QRs and a [1e6, d]
+# projection per layer (minutes and gigabytes while patching, then [n, 1e6] features per head and call).
+MAX_FEATURES_PER_DIM = 64
 FEATURE_TYPES = ("positive", "hyperbolic", "trig")
 
 
@@ -164,8 +169,18 @@ def softmax_kernel_estimate(x: torch.Tensor, y: torch.Tensor, projection: torch.
 
 # --------------------------------------------------------------------------- the op
 
+def check_num_features(num_features: int, head_dim: int) -> None:
+    """At most MAX_FEATURES_PER_DIM x head_dim features (checked by the op and when a patch draws them)."""
+    limit = MAX_FEATURES_PER_DIM * head_dim
+    if num_features > limit:
+        raise ConfigError(f"params.num_features of method 'performer': got {num_features}; allowed: an int in "
+                          f"[1, {limit}] (at most {MAX_FEATURES_PER_DIM} x head_dim {head_dim}; FAVOR+ needs about "
+                          "d·log d)")
+
+
 def _check_args(num_features, feature_type, projection, d):
     check_int("performer_attention", "num_features", num_features, 1)
+    check_num_features(num_features, d)
     _check_feature_type(feature_type)
     if projection is not None and (projection.dim() != 2 or projection.shape[1] != d):
         raise ValueError(f"performer_attention: projection must be [num_features, head_dim={d}]; "
@@ -202,7 +217,7 @@ def performer_attention(q, k, v, *, causal: bool = True, scale: float | None = N
     give identical outputs. feature_type: "positive" (FAVOR+), "hyperbolic" or "trig".
     No softmax LSE exists here: ``return_lse=True`` is an error. Returns out [b, hq, nq, d].
     """
-    check_qkv(q, k, v, causal)
+    check_qkv(q, k, v, causal, value_dim=True)
     _check_args(num_features, feature_type, projection, q.shape[-1])
     check_seed("performer_attention", seed)
     if return_lse:
@@ -235,7 +250,7 @@ def _run(q, k, v, *, causal=True, scale=None, backend="auto", buffers=None, stat
     kw = dict(num_features=num_features, feature_type=feature_type, orthogonal=orthogonal, seed=seed)
     if state is None or not causal:
         return performer_attention(q, k, v, causal=causal, scale=scale, projection=projection, backend=backend, **kw)
-    check_qkv(q, k, v, causal)
+    check_qkv(q, k, v, causal, value_dim=True)
     _check_args(num_features, feature_type, projection, q.shape[-1])
     backend = resolve_backend(backend, q, k, v)
     if q.shape[2] == 0 or k.shape[2] == 0:
@@ -261,6 +276,7 @@ def _make_buffers(*, head_dim: int, num_features: int = DEFAULT_NUM_FEATURES, or
                   seed: int | None = None, layer_seed: int | None = None, **_):
     """{"projection": [num_features, head_dim]} from ``seed`` (None -> 0); an optional
     ``layer_seed`` gives each layer its own features."""
+    check_num_features(num_features, head_dim)
     return {"projection": gaussian_projection(num_features, head_dim, seed=layer_seed_of(seed, layer_seed),
                                               orthogonal=orthogonal)}
 

@@ -509,7 +509,7 @@ def _run(q, k, v, *, causal=True, scale=None, backend="auto", buffers=None, wind
 
 def _make_buffers(*, head_dim: int, seed: int | None = None, layer_seed: int | None = None, **_):
     """{"seed": the layer's seed of the random blocks}, so that layers draw different blocks (as in
-    BigBird) and a saved patched model keeps its draw in the state_dict."""
+    BigBird); re-patching with the same config draws the same."""
     return {"seed": torch.tensor(layer_seed_of(seed, layer_seed), dtype=torch.int64)}
 
 

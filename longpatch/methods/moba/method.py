@@ -5,9 +5,9 @@ import math
 
 import torch
 
-from ..base import Method, Param, positive_int, register_method
+from ..base import Between, Method, Param, nonneg_int, one_of, positive_int, register_method
 from .cpu import DEFAULT_CHUNK_SIZE, DEFAULT_TOPK, moba_chunk_means
-from .op import moba_attention
+from .op import SELECTIONS, moba_attention
 
 # --------------------------------------------------------------------------- decode state
 
@@ -42,7 +42,12 @@ def init_state(k, v, *, chunk_size: int = DEFAULT_CHUNK_SIZE, **_) -> dict:
 
 
 def _run(q, k, v, *, causal=True, scale=None, backend="auto", buffers=None, state=None,
-         chunk_size=DEFAULT_CHUNK_SIZE, topk=DEFAULT_TOPK, shared_selection=False, **_):
+         chunk_size=DEFAULT_CHUNK_SIZE, topk=DEFAULT_TOPK, shared_selection=False, selection="gate", mass=None,
+         estimate_queries=64, local_blocks=1, **_):
+    if selection == "estimate":  # its decode state is the prefill's chunk list, not chunk means
+        return moba_attention(q, k, v, causal=causal, scale=scale, chunk_size=chunk_size, topk=topk,
+                              selection=selection, mass=mass, estimate_queries=estimate_queries,
+                              local_blocks=local_blocks, state=state, backend=backend)
     means = None
     if state is not None and causal:
         means = _state_means(state, k.detach(), chunk_size)
@@ -51,12 +56,35 @@ def _run(q, k, v, *, causal=True, scale=None, backend="auto", buffers=None, stat
 
 
 def _exact_when(q_len: int, kv_len: int, params: dict) -> bool:
-    """Where moba_attention short-cuts to exact attention: top-k covers every chunk."""
-    return params["topk"] >= math.ceil(kv_len / params["chunk_size"])
+    """Where moba_attention short-cuts to exact attention: top-k covers every chunk (and, with the
+    estimated selection, a chunked prefill)."""
+    chunked = params.get("selection") == "estimate" and 1 < q_len < kv_len
+    return chunked or params["topk"] >= math.ceil(kv_len / params["chunk_size"])
 
 
 def _exact_params(n: int, params: dict) -> dict:
     return {"topk": max(params["topk"], math.ceil(n / params["chunk_size"]))}
+
+
+def _pairs(q, k, causal: bool, params: dict) -> int | None:
+    """Query-key products of a causal prefill (None otherwise): the gate (one per query and past chunk) and, per query,
+    its own chunk up to itself and topk - 1 full past chunks (fewer where fewer exist); or the
+    estimated selection's count (``selection.estimated_pairs``)."""
+    from ..common import default_scale
+    from ..selection import estimated_pairs
+
+    n, C, topk = q.shape[2], params["chunk_size"], params["topk"]
+    heads = q.shape[0] * q.shape[1]
+    if not causal or k.shape[2] != n:
+        return None
+    if topk >= math.ceil(n / C):
+        return heads * n * (n + 1) // 2
+    if params["selection"] == "estimate":
+        return estimated_pairs(q, k, C, topk - 1, params["mass"], params["estimate_queries"],
+                               params["local_blocks"], default_scale(None, q.shape[-1]))
+    t = torch.arange(n)
+    past = t // C
+    return heads * int((t % C + 1 + past + torch.clamp(past, max=topk - 1) * C).sum())
 
 
 MOBA = register_method(Method(
@@ -70,9 +98,18 @@ MOBA = register_method(Method(
                              DEFAULT_TOPK),
         "shared_selection": Param(False, (bool,), "query heads of a KV group select chunks together "
                                   "(sum of their gate scores)"),
+        "selection": one_of("'gate': the paper's q·mean(chunk keys) per query; 'estimate': query-aware, from "
+                            "the last queries' exact attention per chunk (group-shared, per query chunk)",
+                            "gate", SELECTIONS),
+        "mass": Param(None, (float, type(None)), "estimate only: the fewest chunks whose estimated attention "
+                      "mass reaches this share (null: always topk)", Between(1e-9, 1.0, optional=True),
+                      "a number in (0, 1] or null"),
+        "estimate_queries": positive_int("estimate only: how many last queries score the chunks", 64),
+        "local_blocks": nonneg_int("estimate only: chunks before the own one always attended", 1),
     },
     stateful=True,
     init_state=init_state,
     exact_when=_exact_when,
     exact_params=_exact_params,
+    attended_pairs=_pairs,
 ))

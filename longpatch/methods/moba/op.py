@@ -7,8 +7,10 @@ import math
 
 import torch
 
+from ..blocksparse import block_sparse_decode, block_sparse_prefill
 from ..common import check_int, check_qkv, default_scale, guards_nonfinite, resolve_backend
 from ..exact import exact_attention
+from ..selection import decode_blocks, estimated_blocks
 from .cpu import (
     DEFAULT_CHUNK_SIZE,
     DEFAULT_TOPK,
@@ -85,10 +87,49 @@ def _triton_path(q, k, v, plan: _Plan):
 
 # --------------------------------------------------------------------------- the op
 
+SELECTIONS = ("gate", "estimate")
+
+
+def _estimated(q, k, v, causal, scale, C, topk, mass, queries, local_blocks, kept, state, return_lse, backend):
+    """moba_attention with selection="estimate": the block-sparse executor on estimated chunks."""
+    if not causal:
+        raise ValueError("moba_attention: selection='estimate' supports causal attention only")
+    check_int("moba_attention", "estimate_queries", queries, 1)
+    check_int("moba_attention", "local_blocks", local_blocks, 0)
+    if mass is not None and not (isinstance(mass, (int, float)) and not isinstance(mass, bool) and 0 < mass <= 1):
+        raise ValueError(f"moba_attention: mass must be a number in (0, 1] or None; got {mass!r}")
+    b, hq, nq, d = q.shape
+    nk = k.shape[2]
+    if nq == 0:
+        out = q.new_zeros(q.shape)
+        lse = torch.full((b, hq, 0), float("-inf"), dtype=torch.float32, device=q.device)
+        return (out, lse) if return_lse else out
+    if topk >= math.ceil(nk / C) or (1 < nq < nk):
+        return exact_attention(q, k, v, causal=True, scale=scale, return_lse=return_lse, backend=backend)
+    if nq == 1 and nk > 1:
+        if kept is None and state is not None:
+            kept = state.get("kept")
+        if kept is None or kept.shape[:2] != k.shape[:2]:
+            with torch.no_grad():
+                kept = decode_blocks(q.detach(), k.detach(), C, topk - 1, local_blocks, scale)
+            if state is not None:
+                state["kept"] = kept
+        out, lse = block_sparse_decode(q, k, v, kept, C, local_blocks, scale)
+    else:
+        with torch.no_grad():
+            blocks = estimated_blocks(q.detach(), k.detach(), C, topk - 1, mass, queries, local_blocks, scale)
+        if state is not None:
+            state["kept"] = blocks[:, :, -1]
+        out, lse = block_sparse_prefill(q, k, v, blocks, C, scale)
+    return (out, lse.float()) if return_lse else out
+
+
 @guards_nonfinite
 def moba_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
                    chunk_size: int = DEFAULT_CHUNK_SIZE, topk: int = DEFAULT_TOPK, shared_selection: bool = False,
-                   chunk_means: torch.Tensor | None = None, return_lse: bool = False, backend: str = "auto"):
+                   chunk_means: torch.Tensor | None = None, return_lse: bool = False, backend: str = "auto",
+                   selection: str = "gate", mass: float | None = None, estimate_queries: int = 64,
+                   local_blocks: int = 1, kept: torch.Tensor | None = None, state: dict | None = None):
     """MoBA attention on the shared layout (q [b, hq, nq, d], k/v [b, hk, nk, d]).
 
     chunk_size: keys per chunk. topk: chunks per query, own chunk included (1 = own chunk only).
@@ -98,12 +139,27 @@ def moba_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
     Non-causal: the own chunk (the chunk holding the query's bottom-right position) has no mask and
     the other topk - 1 chunks are chosen among ALL chunks, past and future (a query with no
     position, non-causal q_len > kv_len, chooses topk chunks). Returns out (and float32 LSE).
+
+    selection: "gate" (the paper's: q·mean(chunk keys) per query) or "estimate" (query-aware,
+    ``selection.py``: the last ``estimate_queries`` queries' exact attention mass per chunk and per
+    chunk offset; per KV head and query chunk, the first chunk, the ``local_blocks`` chunks before the
+    own one, then the best-scoring past chunks, up to topk - 1 of them, or the fewest reaching
+    ``mass`` of the estimated total when mass is set), run by the block-sparse executor
+    (``blocksparse.py``). With "estimate", a one-token step attends to ``kept`` [b, kv_heads, S] (the
+    prefill's list for its last chunk; ``state`` carries it between calls), its own chunk and the
+    ``local_blocks`` before it, reading only those rows; without ``kept`` it estimates from its own
+    query once. Causal only; chunked prefill (1 < q_len < kv_len) runs exact attention.
     """
     check_qkv(q, k, v, causal)
     check_int("moba_attention", "chunk_size", chunk_size, 1)
     check_int("moba_attention", "topk", topk, 1)
     scale = default_scale(scale, q.shape[-1])
     backend = resolve_backend(backend, q, k, v)
+    if selection not in SELECTIONS:
+        raise ValueError(f"moba_attention: selection must be one of {', '.join(SELECTIONS)}; got {selection!r}")
+    if selection == "estimate":
+        return _estimated(q, k, v, causal, scale, chunk_size, topk, mass, estimate_queries, local_blocks, kept,
+                          state, return_lse, backend)
     if chunk_means is not None:
         if chunk_means.dim() != 4 or chunk_means.shape[:2] != k.shape[:2] or chunk_means.shape[-1] != k.shape[-1]:
             raise ValueError(f"chunk_means must be [b, kv_heads, n_chunks, d] = [{k.shape[0]}, {k.shape[1]}, *, "

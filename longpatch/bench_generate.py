@@ -1,0 +1,389 @@
+"""End-to-end generation benchmark: time to first token and per-token decode latency of a whole model,
+unpatched and patched, in the same run (`longpatch bench generate`).
+
+For every prompt length ("context") the prompt is the first `context` tokens of one long text (the
+demo model's held-out code by default, see needle.filler_texts; repeated if shorter), the same ids for
+every configuration. Each row is one greedy generation of `new_tokens` tokens with our own loop:
+one forward pass of the prompt (it yields the first token: its wall time is the time to first token,
+TTFT), then one forward pass per further token against the growing KV cache, each
+timed on its own; the row's decode latency is the median of those steps. On CUDA the timed regions
+are bracketed by synchronisations. For each context the unpatched model (no patch at all) runs
+first, then the model patched per each (config, layer count), each after an untimed short warm-up
+generation; speedups are against the unpatched row of the same context.
+
+Peak memory: the process's peak resident set (VmHWM, reset before each generation through
+/proc/self/clear_refs; without it getrusage's ru_maxrss, the peak of the whole process so far), as
+peak_rss_mib, and its increase over the resident set at the start of the generation (KV cache and
+activations) as rss_increase_mib; on CUDA also torch.cuda.max_memory_allocated (peak_cuda_mib).
+
+Output, written only when every row is done: results.json ({"meta", "records", "files"}), results.csv,
+and generate.png (decode latency and TTFT against context, one line per configuration).
+"""
+from __future__ import annotations
+
+import gc
+import inspect
+import logging
+import os
+import resource
+import statistics
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from .bench_common import figure, fmt, machine_meta, save_figure, show_table, wide_console
+from .errors import ConfigError
+from .eval.needle import filler_texts
+from .eval.records import removed_on_failure, write_csv, write_json
+from .eval.sweep import (
+    Point,
+    check_int,
+    generation_shapes,
+    make_points,
+    num_layers,
+    parse_layer_sweep,
+    say_if_exact,
+)
+from .outdir import check_out, claim_out
+
+log = logging.getLogger("longpatch")
+
+RESULTS_FILE = "results.json"
+CSV_FILE = "results.csv"
+PLOT_FILE = "generate.png"
+UNPATCHED = "unpatched"
+COMMAND = "bench generate"  # marks its --out (outdir.claim_out)
+CSV_COLUMNS = ["config", "method", "layers", "context", "new_tokens", "ttft_s", "decode_ms_per_token",
+               "decode_tokens_per_s", "tokens_per_s", "total_s", "ttft_speedup", "decode_speedup", "peak_rss_mib",
+               "rss_increase_mib", "peak_cuda_mib", "tokens_match_unpatched"]
+
+
+def parse_contexts(spec: "str | Sequence[int]") -> list[int]:
+    """'8192,16384' or a list -> sorted distinct prompt lengths, as eval needle's --lengths (each >= 64)."""
+    from .eval.needle_run import MIN_LENGTH, parse_lengths
+
+    try:
+        return parse_lengths(spec)
+    except ConfigError:
+        raise ConfigError(f"--contexts: got {spec!r}; allowed: comma-separated token counts >= {MIN_LENGTH}") \
+            from None
+
+
+def split_configs(config) -> list:
+    """--config 'a,b' (or a list) -> ['a', 'b']; None -> [None] (the model's own config)."""
+    if config is None:
+        return [None]
+    if isinstance(config, str):
+        return [c.strip() for c in config.split(",") if c.strip()] or [None]
+    return list(config)
+
+
+# ---- measurement ------------------------------------------------------------------------------------
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class PeakMemory:
+    """Peak memory of a block: host resident set (MiB) and, on CUDA, the peak allocation."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def __enter__(self):
+        gc.collect()
+        self.resettable = _reset_rss_peak()
+        self.start_kb = _status_kb("VmRSS")
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        return self
+
+    def __exit__(self, *exc):
+        peak_kb = _status_kb("VmHWM") if self.resettable else None
+        if peak_kb is None:  # ru_maxrss: KiB on Linux, the peak of the whole process so far
+            peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        self.peak_rss_mib = peak_kb / 1024
+        self.rss_increase_mib = max(0, peak_kb - self.start_kb) / 1024 if self.start_kb is not None else None
+        self.peak_cuda_mib = torch.cuda.max_memory_allocated(self.device) / 2 ** 20 \
+            if self.device.type == "cuda" else None
+        return False
+
+
+def _reset_rss_peak() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := the current resident set (Linux)
+        return True
+    except OSError:
+        return False
+
+
+def _status_kb(field: str) -> int | None:
+    try:
+        from .bench import _status_kb as read
+        return read(field)
+    except (OSError, KeyError):
+        return None
+
+
+def _forward_names(model) -> tuple[dict, str]:
+    """(prefill kwargs, name of the KV-cache argument). Only the last position's logits from a prefill:
+    a [context, vocab] float tensor would dominate memory and time at 32k (generate() asks for the
+    same). The cache argument is `cache` in transformers >= 5.x, `past_key_values` before (and in
+    remote-code models)."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        params = {}
+    keep = next(({n: 1} for n in ("logits_to_keep", "num_logits_to_keep") if n in params), {})
+    if not keep and "return_last_logit" in params:  # ChatGLM's remote code
+        keep = {"return_last_logit": True}
+    return keep, "cache" if "cache" in params else "past_key_values"
+
+
+def _next_and_cache(out) -> tuple[torch.Tensor, object]:
+    """(greedy next token [b, 1], KV cache) of a forward's output: a ModelOutput, or a (logits, cache) tuple."""
+    if isinstance(out, tuple):
+        logits, cache = out[0], out[1]
+    else:
+        cache = getattr(out, "cache", None)
+        logits, cache = out.logits, cache if cache is not None else out.past_key_values
+    return logits[:, -1].argmax(-1, keepdim=True), cache
+
+
+def greedy_generate(model, ids: torch.Tensor, new_tokens: int) -> dict:
+    """Greedy decoding with our own loop: one timed forward of the prompt (TTFT), then one timed
+    forward per further token with the KV cache. -> {"tokens", "ttft_s", "step_s": [...]}."""
+    device = ids.device
+    keep, cache_arg = _forward_names(model)
+    with torch.no_grad():
+        _sync(device)
+        t0 = time.perf_counter()
+        tok, past = _next_and_cache(model(input_ids=ids, use_cache=True, **keep))
+        _sync(device)
+        ttft = time.perf_counter() - t0
+        tokens, steps = [tok], []
+        for _ in range(new_tokens - 1):
+            t0 = time.perf_counter()
+            tok, past = _next_and_cache(model(input_ids=tok, use_cache=True, **{cache_arg: past}))
+            _sync(device)
+            steps.append(time.perf_counter() - t0)
+            tokens.append(tok)
+        del past
+    return {"tokens": torch.cat(tokens, 1)[0].tolist(), "ttft_s": ttft, "step_s": steps}
+
+
+def measure(model, ids: torch.Tensor, new_tokens: int, repeats: int) -> dict:
+    """One row's numbers: medians over `repeats` generations (TTFT; the decode steps of all of them)."""
+    runs, mem = [], None
+    for _ in range(repeats):
+        with PeakMemory(ids.device) as m:
+            runs.append(greedy_generate(model, ids, new_tokens))
+        mem = m if mem is None or m.peak_rss_mib > mem.peak_rss_mib else mem
+    ttft = statistics.median(r["ttft_s"] for r in runs)
+    step_ms = statistics.median(s for r in runs for s in r["step_s"]) * 1e3
+    total = statistics.median(r["ttft_s"] + sum(r["step_s"]) for r in runs)
+    return {"ttft_s": ttft, "decode_ms_per_token": step_ms, "decode_tokens_per_s": 1e3 / step_ms,
+            "tokens_per_s": new_tokens / total, "total_s": total, "peak_rss_mib": mem.peak_rss_mib,
+            "rss_increase_mib": mem.rss_increase_mib, "peak_cuda_mib": mem.peak_cuda_mib,
+            "tokens": runs[0]["tokens"]}
+
+
+# ---- prompts ----------------------------------------------------------------------------------------
+
+def prompt_ids(tokenizer, loaded_tokenizer, model, model_name: str, texts: list[str], length: int,
+               trust_remote_code: bool = False) -> list[int]:
+    """The first `length` token ids of the filler texts (needle.filler_texts: documents joined by blank
+    lines, repeated when shorter), tokenized as eval ppl does (tokenizer 'bytes' for tiny:* models)."""
+    from .eval.scoring import make_encoder, vocab_size
+    from .loading import resolve_tokenizer
+
+    vocab = vocab_size(model)
+    tok = resolve_tokenizer(tokenizer, loaded_tokenizer, model_name, trust_remote_code)
+    encode, _ = make_encoder(tok, None, vocab, model_name, trust_remote_code)
+    text = "\n\n".join(t.rstrip("\n") for t in texts if t.strip())
+    if not text:
+        raise ConfigError("--filler: the source has no text")
+    ids = encode(text)
+    if len(ids) < length:
+        ids = encode("\n\n".join([text] * (length // max(1, len(ids)) + 1)))
+    ids = ids[:length]
+    top = max(ids)
+    if top >= vocab or min(ids) < 0:
+        raise ConfigError(f"tokenizer: produced id {top}, outside the model's vocabulary of {vocab}; pass the "
+                          "model's own tokenizer (--tokenizer)")
+    return ids
+
+
+# ---- the run ----------------------------------------------------------------------------------------
+
+def run_generate_bench(model: str, config=None, layers=None, contexts="8192,16384,32768", new_tokens: int = 64,
+                       out: "str | os.PathLike" = "runs/bench_generate", *, method: str | None = None,
+                       sets: Sequence[str] = (), tokenizer=None, filler: str = "demo", repeats: int = 1,
+                       warmup: int = 1, trust_remote_code: bool = False, progress: bool = True,
+                       plots: bool = True) -> dict:
+    """Greedy generation after a prompt of each context length, unpatched and patched per each config
+    and layer count, in one run. model: what --model takes; config: one config, 'a,b' or a list;
+    layers: a sweep as eval ppl's (None: each config's layers). Every option is checked before the model
+    is loaded; out is written only when every row is done. Returns the dict written to results.json."""
+    from .loading import build_config, load_model
+
+    ctx = parse_contexts(contexts)
+    check_int("new_tokens", new_tokens, 2)
+    check_int("repeats", repeats, 1)
+    check_int("warmup", warmup, 0)
+    sweep = parse_layer_sweep(layers)
+    out = check_out(Path(out).expanduser(), COMMAND)
+    names = split_configs(config)
+    cfgs = [(name, build_config(model, name, method, None, list(sets), trust_remote_code)) for name in names]
+    texts = filler_texts(filler)
+
+    loaded, tok = load_model(cfgs[0][1])
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    loaded = loaded.to(device).eval()
+    _say_if_beyond_positions(loaded, ctx[-1] + new_tokens)
+    ids = prompt_ids(tokenizer, tok, loaded, cfgs[0][1].model or str(model), texts, ctx[-1], trust_remote_code)
+    n_layers = num_layers(loaded, cfgs[0][1])
+    identity = {"model": str(model), "task": "bench_generate"}
+    points: list[tuple[str, Point | None]] = [(UNPATCHED, None)]
+    for name, cfg in cfgs:
+        label = name or (method or cfg.method)
+        points += [(label, p) for p in make_points(cfg, sweep, n_layers, identity) if p.layers]
+    say_if_exact(loaded, [p for _, p in points if p is not None], generation_shapes((n, new_tokens) for n in ctx))
+    records = _run(loaded, points, ids, ctx, new_tokens, repeats, warmup, device, progress)
+    meta = machine_meta(model=str(model), filler=filler, contexts=ctx, new_tokens=new_tokens, repeats=repeats,
+                        warmup=warmup,
+                        note="greedy, batch 1; ttft_s: the prompt's forward pass (it yields the first token); "
+                             "decode_ms_per_token: median of the per-token forward passes with the KV cache; "
+                             "tokens_per_s: new_tokens / (ttft + decode time)")
+    meta["device"] = str(device) if device.type == "cpu" else torch.cuda.get_device_name(device)
+    with removed_on_failure(out, keep_if_existed=out.exists()):
+        claim_out(out, COMMAND)
+        files = {"csv": CSV_FILE, "plot": PLOT_FILE if plots else None}
+        results = {"meta": meta, "records": records, "files": files}
+        write_json(out / RESULTS_FILE, results)
+        write_csv(out / CSV_FILE, CSV_COLUMNS, records)
+        if plots:
+            plot(records, out / PLOT_FILE, title=f"{model}: greedy generation, {new_tokens} new tokens, "
+                                                 f"{meta['device']}, {meta['threads']} thread(s)")
+    return results
+
+
+def _say_if_beyond_positions(model, longest: int) -> None:
+    cfg = getattr(model, "config", None)
+    limit = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "seq_length", None)
+    if isinstance(limit, int) and longest > limit:
+        log.warning("longpatch: the longest generation reaches %d positions, beyond the model's %d "
+                    "(max_position_embeddings): its timings are taken, its tokens mean little", longest, limit)
+
+
+def _run(model, points, ids: list[int], contexts: list[int], new_tokens: int, repeats: int, warmup: int,
+         device, progress: bool) -> list[dict]:
+    """Context by context, the unpatched model then each patched configuration: rows compared with each
+    other are measured minutes apart at most, not a whole sweep apart (load drifts on shared machines)."""
+    from tqdm.auto import tqdm
+
+    from .patching import patch_model, unpatch_model
+
+    records: list[tuple[tuple[int, int], dict]] = []
+    base: dict[int, dict] = {}
+    warm = torch.tensor([ids[:min(contexts[0], 256)]], device=device)
+    bar = tqdm(total=len(points) * len(contexts), desc="bench generate", unit="row", disable=not progress,
+               dynamic_ncols=True)
+    try:
+        for n in contexts:
+            prompt = torch.tensor([ids[:n]], device=device)
+            for i, (label, point) in enumerate(points):
+                bar.set_description(f"{label} {point.label if point else ''} {n}".replace("  ", " "))
+                if point is not None:
+                    patch_model(model, point.cfg)
+                try:
+                    for _ in range(warmup):  # untimed: thread pools, allocator, lazily built buffers
+                        greedy_generate(model, warm, 2)
+                    if point is not None:
+                        model.longpatch.reset_stats()
+                    row = measure(model, prompt, new_tokens, repeats)
+                    records.append(((i, n), _record(label, point, n, new_tokens, row, base, model)))
+                finally:
+                    if point is not None:
+                        unpatch_model(model)
+                bar.update(1)
+    finally:
+        bar.close()
+    return [rec for _, rec in sorted(records, key=lambda x: x[0])]  # by configuration, then context
+
+
+def _record(label: str, point: Point | None, n: int, new_tokens: int, row: dict, base: dict, model) -> dict:
+    rec = {"config": label, "method": point.cfg.method if point else None, "layers": point.layers if point else 0,
+           "indices": point.indices if point else [], "context": n, "new_tokens": new_tokens, **row}
+    if point is None:
+        base[n] = rec
+        rec.update(paths=None, ttft_speedup=1.0, decode_speedup=1.0, tokens_match_unpatched=None)
+        return rec
+    # what served the patched layers' calls, per phase: shows that the method's decode really ran
+    rec["paths"] = {phase: {path: s["calls"] for path, s in paths.items()}
+                    for phase, paths in model.longpatch.breakdown()["patched"].items()}
+    ref = base[n]
+    rec["ttft_speedup"] = ref["ttft_s"] / rec["ttft_s"]
+    rec["decode_speedup"] = ref["decode_ms_per_token"] / rec["decode_ms_per_token"]
+    # how many leading greedy tokens equal the unpatched model's at this context
+    rec["tokens_match_unpatched"] = next((i for i, (a, b) in enumerate(zip(rec["tokens"], ref["tokens"])) if a != b),
+                                         min(len(rec["tokens"]), len(ref["tokens"])))
+    return rec
+
+
+# ---- report -----------------------------------------------------------------------------------------
+
+def _series(r: dict) -> str:
+    return UNPATCHED if r["method"] is None else f"{r['config']} ({r['layers']} layers)"
+
+
+def print_table(results: dict, console=None) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+
+    cols = ["config", "layers", "context", "TTFT s", "TTFT speedup", "decode ms/token", "decode speedup",
+            "tokens/s", "peak RSS MiB", "same tokens"]
+    cuda = any(r.get("peak_cuda_mib") is not None for r in results["records"])
+    cols += ["peak CUDA MiB"] if cuda else []
+    cells = []
+    for r in results["records"]:
+        same = "–" if r["tokens_match_unpatched"] is None else f"{r['tokens_match_unpatched']}/{r['new_tokens']}"
+        c = [escape(r["config"]), str(r["layers"]), str(r["context"]), fmt(r["ttft_s"], ".3f"),
+             fmt(r["ttft_speedup"], ".2f") + "×", fmt(r["decode_ms_per_token"], ".2f"),
+             fmt(r["decode_speedup"], ".2f") + "×", fmt(r["tokens_per_s"], ".1f"), fmt(r["peak_rss_mib"], ".0f"), same]
+        cells.append(c + ([fmt(r.get("peak_cuda_mib"), ".0f")] if cuda else []))
+    meta = results["meta"]
+    title = escape(f"{meta['model']}: greedy generation of {meta['new_tokens']} tokens, unpatched vs patched "
+                   "(speedups vs unpatched at the same context)")
+    show_table(title, cols, cells, console or Console(width=wide_console(140).width, emoji=False, highlight=False),
+               left=("config",))
+
+
+def plot(records: list[dict], path: Path, title: str | None = None) -> None:
+    """Decode latency and TTFT against context, one line per configuration; written atomically."""
+    from .plotting import method_color
+
+    fig, axes = figure(1, 2, (11, 4))
+    ax_d, ax_t = axes[0]
+    seen: dict = {}  # method -> series drawn: one colour per method, a line style per series of it
+    for s in dict.fromkeys(_series(r) for r in records):
+        rs = [r for r in records if _series(r) == s]
+        xs, ds, ts = zip(*sorted((r["context"], r["decode_ms_per_token"], r["ttft_s"]) for r in rs))
+        nth = seen.setdefault(rs[0]["method"], []).append(s) or len(seen[rs[0]["method"]]) - 1
+        style = dict(color=method_color(rs[0]["method"]),
+                     ls="--" if rs[0]["method"] is None else ("-", "-.", ":", (0, (5, 1)))[nth % 4])
+        ax_d.plot(xs, ds, marker="o", label=s, **style)
+        ax_t.plot(xs, ts, marker="o", label=s, **style)
+    for ax, ylabel in ((ax_d, "decode ms per token (median)"), (ax_t, "time to first token, s")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context (prompt tokens)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
+    save_figure(fig, tmp, title)
+    os.replace(tmp, path)

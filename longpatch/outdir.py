@@ -1,0 +1,67 @@
+"""Output directories (--out, --save): whether a path can be one, checked before any work, and which
+command wrote it, so that one command never overwrites or mixes into another command's files.
+
+A command that writes an --out directory marks it with MARKER (a one-line file naming the command,
+e.g. ``eval ppl``) when it first writes there: ``check_out`` (before the work) refuses a directory
+another command marked, ``claim_out`` (when the writing starts) creates and marks it.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from .errors import ConfigError
+
+MARKER = ".longpatch-command"
+
+
+def check_creatable(path: "str | os.PathLike", flag: str, allowed: str) -> Path:
+    """`path` as a directory `flag` will write: an existing directory, or a path whose nearest existing
+    ancestor is a directory. Whether we can write there is probed with a temporary directory, removed at
+    once: permissions alone miss read-only and virtual file systems (/proc) and root's rights."""
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{flag}: {out} exists and is not a directory; allowed: {allowed}")
+    ancestor = out
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ConfigError(f"{flag}: cannot create {out}: {ancestor} is not a directory")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".longpatch-probe-", dir=ancestor))
+    except OSError as e:
+        what = "write in" if ancestor == out else "create"
+        raise ConfigError(f"{flag}: cannot {what} {out}: {ancestor} is not writable ({e.strerror or e})") from None
+    return out
+
+
+def written_by(path: "str | os.PathLike") -> str | None:
+    """The command that marked the directory `path`, or None (not marked, or no such directory)."""
+    try:
+        return (Path(path) / MARKER).read_text().strip() or None
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def check_out(path: "str | os.PathLike", command: str, flag: str = "--out") -> Path:
+    """Refuse, before any work, an output directory `command` (e.g. 'eval ppl') cannot use: a file, a
+    path that cannot be created, or a directory another command wrote. Creates nothing."""
+    allowed = f"a new directory or one `longpatch {command}` wrote"
+    out = check_creatable(path, flag, allowed)
+    owner = written_by(out)
+    if owner is not None and owner != command:
+        raise ConfigError(f"{flag}: {out} holds the output of `longpatch {owner}`, which `longpatch {command}` "
+                          f"would overwrite or mix with; allowed: {allowed}")
+    return out
+
+
+def claim_out(path: "str | os.PathLike", command: str) -> Path:
+    """Create the output directory (and its parents) and mark it as `command`'s, when writing starts."""
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    if written_by(out) != command:
+        tmp = out / f"{MARKER}.tmp{os.getpid()}"
+        tmp.write_text(command + "\n")
+        os.replace(tmp, out / MARKER)
+    return out

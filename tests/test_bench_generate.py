@@ -1,0 +1,119 @@
+"""`longpatch bench generate`: end-to-end greedy generation, unpatched vs patched (tiny model, short
+contexts; no timing asserts)."""
+import csv
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from longpatch import cli
+from longpatch.bench_generate import CSV_COLUMNS, run_generate_bench
+from longpatch.outdir import MARKER, claim_out, written_by
+
+runner = CliRunner()
+CONTEXTS = (256, 512)
+NEW = 4
+
+
+@pytest.fixture
+def configs(tmp_path):
+    moba = tmp_path / "moba-small.yaml"
+    moba.write_text("method: moba\nparams: {chunk_size: 64, topk: 2}\nlayers: 2\n")
+    exact = tmp_path / "exact.yaml"
+    exact.write_text("method: exact\nlayers: all\n")
+    return str(moba), str(exact)
+
+
+def test_records_files_and_greedy_tokens(tmp_path, configs, one_thread):
+    moba, exact = configs
+    out = tmp_path / "out"
+    res = run_generate_bench("tiny:llama", f"{moba},{exact}", None, "512,256", NEW, out, tokenizer="bytes",
+                             progress=False)
+    recs = res["records"]
+    # one row per (config, layers, context): the unpatched model first, then each config in order
+    assert [(r["config"], r["layers"], r["context"]) for r in recs] == [
+        ("unpatched", 0, 256), ("unpatched", 0, 512), (moba, 2, 256), (moba, 2, 512), (exact, 4, 256),
+        (exact, 4, 512)]
+    for r in recs:
+        assert {"config", "layers", "context", "ttft_s", "decode_ms_per_token", "peak_rss_mib", "tokens_per_s",
+                "decode_tokens_per_s", "ttft_speedup", "decode_speedup", "tokens"} <= set(r)
+        assert r["ttft_s"] > 0 and r["decode_ms_per_token"] > 0 and r["tokens_per_s"] > 0
+        assert r["peak_rss_mib"] > 0 and r["new_tokens"] == NEW
+        assert len(r["tokens"]) == NEW and all(0 <= t < 256 for t in r["tokens"])
+    base = {r["context"]: r for r in recs if r["config"] == "unpatched"}
+    for r in recs:
+        if r["config"] != "unpatched":
+            assert r["decode_speedup"] == pytest.approx(base[r["context"]]["decode_ms_per_token"]
+                                                        / r["decode_ms_per_token"])
+            assert 0 <= r["tokens_match_unpatched"] <= NEW
+    # the patched layers ran the method in prefill and in every decode step (2 layers x NEW - 1 steps)
+    m = next(r for r in recs if r["config"] == moba and r["context"] == 512)
+    assert m["method"] == "moba" and m["indices"] == [2, 3]
+    assert m["paths"]["decode"] == {"method": 2 * (NEW - 1)} and "method" in m["paths"]["prefill"]
+    # exact attention in every layer gives the unpatched model's greedy tokens
+    for r in recs:
+        if r["config"] == exact:
+            assert r["tokens"] == base[r["context"]]["tokens"] and r["tokens_match_unpatched"] == NEW
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["records"] == recs and saved["meta"]["contexts"] == list(CONTEXTS)
+    with open(out / "results.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == CSV_COLUMNS and len(rows) == len(recs)
+    assert (out / "generate.png").stat().st_size > 0
+    assert sorted(p.name for p in out.iterdir()) == [MARKER, "generate.png", "results.csv", "results.json"]
+    assert written_by(out) == "bench generate"
+
+
+def test_cli_prints_the_table(tmp_path, one_thread):
+    out = tmp_path / "out"
+    r = runner.invoke(cli.app, ["bench", "generate", "--model", "tiny:llama", "--tokenizer", "bytes", "--method",
+                                "sparse", "--layers", "1", "--contexts", "64", "--new-tokens", "2", "--out", str(out),
+                                "--no-progress", "--no-plots", "--warmup", "0"])
+    assert r.exit_code == 0, r.output
+    assert "unpatched" in r.stdout and "sparse" in r.stdout and "decode ms/token" in r.stdout
+    assert sorted(p.name for p in out.iterdir()) == [MARKER, "results.csv", "results.json"]
+
+
+def _one_line_error(r, *needles):
+    assert r.exit_code == 2, (r.exit_code, r.output, r.exception)
+    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+    for n in needles:
+        assert n in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--contexts", "0"], ["--contexts", "'0'", ">= 64"]),
+    (["--contexts", "256,x"], ["--contexts", "comma-separated"]),
+    (["--new-tokens", "0"], ["new_tokens: got 0", ">= 2"]),
+    (["--repeats", "0"], ["repeats: got 0"]),
+    (["--config", "demo-moba,nope"], ["config: 'nope'", "neither a file nor a bundled alias"]),
+    (["--layers", "1,"], ["--layers", "empty item"]),
+    (["--layers", "9"], ["layers: got 9", "4 layers"]),
+    (["--filler", "missing.txt"], ["--filler", "missing.txt"]),
+    (["--threads", "0"], ["--threads: got 0"]),
+    (["--tokenizer", None], ["tokenizer", "tiny:llama", "--tokenizer"]),
+])
+def test_bad_options_fail_in_one_line_and_write_nothing(tmp_path, args, needles):
+    out = tmp_path / "out"
+    argv = ["bench", "generate", "--model", "tiny:llama", "--tokenizer", "bytes", "--contexts", "64",
+            "--new-tokens", "2", "--out", str(out), "--no-progress", *args]
+    if args[-1] is None:  # drop an option: a tiny model without a tokenizer
+        argv = [a for a in argv if a not in ("--tokenizer", "bytes", None)]
+    _one_line_error(runner.invoke(cli.app, argv), *needles)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("kind", ["file", "other command"])
+def test_an_unusable_out_is_refused_before_loading(tmp_path, monkeypatch, kind):
+    target = tmp_path / "results"
+    if kind == "file":
+        target.write_text("keep me")
+    else:
+        claim_out(target, "bench decode")
+    before = {p.name: p.read_bytes() for p in ([target] if target.is_file() else target.iterdir())}
+    monkeypatch.setattr("longpatch.loading.load_model", lambda *a, **k: pytest.fail("loaded a model"))
+    r = runner.invoke(cli.app, ["bench", "generate", "--model", "tiny:llama", "--tokenizer", "bytes",
+                                "--out", str(target), "--no-progress"])
+    _one_line_error(r, "--out", "is not a directory" if kind == "file" else "longpatch bench decode")
+    assert before == {p.name: p.read_bytes() for p in ([target] if target.is_file() else target.iterdir())}

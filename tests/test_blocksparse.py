@@ -1,0 +1,205 @@
+"""Issue #27: the block-sparse executor and the query-aware (last-queries) selection, each against a
+dense reference written from its definition; causality, GQA, ragged lengths, decode, gradients."""
+import math
+
+import pytest
+import torch
+from helpers import dense_attention
+
+from longpatch import patch_model
+from longpatch.methods.blocksparse import block_mask_reference, block_sparse_prefill
+from longpatch.methods.selection import block_scores, estimated_blocks, last_queries_estimate, select_blocks
+from longpatch.ops import moba_attention
+from longpatch.testing.tiny import tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def qkv(n, hq=4, hk=2, d=16, dtype=torch.float64, seed=0, grad=False):
+    g = torch.Generator().manual_seed(seed)
+    ts = [torch.randn(1, h, n, d, generator=g, dtype=torch.float64).to(dtype) for h in (hq, hk, hk)]
+    return [t.requires_grad_(grad) for t in ts]
+
+
+def random_blocks(n, block, S, hk=2, seed=0):
+    """Random past-block lists (no duplicates, -1 pads) per KV head and query block."""
+    g = torch.Generator().manual_seed(seed)
+    nb = math.ceil(n / block)
+    out = torch.full((1, hk, nb, S), -1, dtype=torch.long)
+    for h in range(hk):
+        for i in range(1, nb):
+            pick = torch.randperm(i, generator=g)[:S]
+            pick = pick[torch.rand(len(pick), generator=g) < 0.7]
+            out[0, h, i, :len(pick)] = pick
+    return out
+
+
+def masked_reference(q, k, v, blocks, block):
+    g = q.shape[1] // k.shape[1]
+    mask = block_mask_reference(blocks, q.shape[2], block).repeat_interleave(g, 1)
+    return dense_attention(q, k, v, causal=False, mask=mask)
+
+
+@pytest.mark.parametrize("n", [64, 75, 16, 7])
+@pytest.mark.parametrize("hq,hk", [(4, 2), (2, 2), (4, 1)])
+def test_executor_equals_its_dense_definition(n, hq, hk):
+    block = 8
+    q, k, v = qkv(n, hq, hk)
+    blocks = random_blocks(n, block, 3, hk)
+    out, lse = block_sparse_prefill(q, k, v, blocks, block, 16 ** -0.5)
+    ref, ref_lse = masked_reference(q, k, v, blocks, block)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-12, rtol=1e-10)
+
+
+def test_executor_is_causal_and_differentiable():
+    block, n = 8, 40
+    blocks = random_blocks(n, block, 2, 1)
+    q, k, v = qkv(n, 2, 1, d=4, grad=True)
+    assert torch.autograd.gradcheck(lambda q, k, v: block_sparse_prefill(q, k, v, blocks, block, 0.5)[0],
+                                    (q, k, v), fast_mode=True)
+    out = block_sparse_prefill(q, k, v, blocks, block, 0.5)[0]
+    k2, v2 = k.detach().clone(), v.detach().clone()
+    k2[:, :, 30:] += 5.0
+    v2[:, :, 30:] -= 3.0
+    out2 = block_sparse_prefill(q.detach(), k2, v2, blocks, block, 0.5)[0]
+    torch.testing.assert_close(out2[:, :, :30], out.detach()[:, :, :30], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_executor_in_low_precision(dtype, tol):
+    q, k, v = qkv(48, dtype=dtype)
+    blocks = random_blocks(48, 8, 3)
+    out, _ = block_sparse_prefill(q, k, v, blocks, 8, 0.25)
+    ref, _ = masked_reference(*(t.double() for t in (q, k, v)), blocks, 8)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+
+
+def _estimate_reference(q, k, block, m, scale):
+    """last_queries_estimate written row by row from its definition."""
+    b, hq, n, d = q.shape
+    hk = k.shape[1]
+    g = hq // hk
+    nb = math.ceil(n / block)
+    spread = sorted({round(x) for x in torch.linspace(0, n - 1, m).tolist()})
+    vert, slash = torch.zeros(b, hk, nb), torch.zeros(b, hk, nb)
+    for h in range(hq):
+        for t in range(n):
+            p = torch.softmax((q[0, h, t] @ k[0, h // g, :t + 1].T) * scale, -1)
+            for j in range(t + 1):
+                if t >= n - m:
+                    vert[0, h // g, j // block] += p[j] / (g * m)
+                if t in spread:
+                    slash[0, h // g, t // block - j // block] += p[j] / (g * len(spread))
+    return vert, slash
+
+
+def test_last_queries_estimate_equals_its_definition():
+    q, k, _ = qkv(45)
+    vert, slash = last_queries_estimate(q, k, 8, 6, 0.25)
+    rv, rs = _estimate_reference(q, k, 8, 6, 0.25)
+    torch.testing.assert_close(vert, rv, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(slash, rs, atol=1e-6, rtol=1e-6)
+    assert torch.allclose(vert.sum(-1), torch.ones(1, 2)) and torch.allclose(slash.sum(-1), torch.ones(1, 2))
+
+
+def _select_reference(scores, max_blocks, mass, local, sink=1):
+    b, hk, nb, _ = scores.shape
+    out = []
+    for i in range(nb):
+        row = scores[0, 0, i].clamp(min=0)
+        forced = [j for j in range(i) if j < sink or j >= i - local]
+        rest = sorted((j for j in range(i) if j not in forced), key=lambda j: (-float(row[j]), j))
+        order = (forced + rest)[:max_blocks]
+        if mass is not None:
+            total, got, keep = float(row[:i].sum() + row[i]), float(row[i]), []
+            for j in order:
+                if got < mass * total or j in forced:
+                    keep.append(j)
+                got += float(row[j])
+            order = keep
+        out.append(sorted(order))
+    return out
+
+
+@pytest.mark.parametrize("mass", [None, 0.5, 0.9])
+@pytest.mark.parametrize("local", [0, 1, 2])
+def test_select_blocks_equals_its_definition(mass, local):
+    g = torch.Generator().manual_seed(1)
+    nb = 9
+    scores = block_scores(torch.rand(1, 1, nb, generator=g), torch.rand(1, 1, nb, generator=g))
+    got = select_blocks(scores, 4, mass, local)
+    assert got.shape == (1, 1, nb, 4)
+    rows = [sorted(j for j in got[0, 0, i].tolist() if j >= 0) for i in range(nb)]
+    assert rows == _select_reference(scores, 4, mass, local)
+    assert all(j < i for i in range(nb) for j in rows[i])  # past blocks only
+
+
+def test_a_needle_is_selected_from_the_last_queries():
+    """One key matches the last queries: its block is listed for every later query block, even with
+    a small budget; distractor blocks are not."""
+    n, d, block = 256, 16, 16
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, n, d, generator=g) * 0.1 for _ in range(3))
+    q[0, 0, -8:] = torch.ones(d)
+    k[0, 0, 70] = torch.ones(d) * 3  # the needle, in block 4
+    blocks = estimated_blocks(q, k, block, 3, None, 8, 1, d ** -0.5)
+    assert all(4 in blocks[0, 0, i].tolist() for i in range(5, n // block))
+
+
+def test_moba_estimate_op_prefill_decode_and_reference():
+    n, block = 80, 16
+    q, k, v = qkv(n)
+    state = {}
+    out = moba_attention(q, k, v, chunk_size=block, topk=3, selection="estimate", estimate_queries=8, state=state)
+    blocks = estimated_blocks(q, k, block, 2, None, 8, 1, 0.25)
+    torch.testing.assert_close(out, masked_reference(q, k, v, blocks, block)[0], atol=1e-12, rtol=1e-10)
+    assert torch.equal(state["kept"], blocks[:, :, -1])
+    # a one-token step keeps the prefill's list for the last block: equal to the prefill's last row
+    step = moba_attention(q[:, :, -1:], k, v, chunk_size=block, topk=3, selection="estimate", state=state)
+    torch.testing.assert_close(step, out[:, :, -1:], atol=1e-12, rtol=1e-10)
+    # the next step (a new position) attends the kept blocks, its own and the local ones: a dense check
+    q2, k2, v2 = qkv(n + 1, seed=3)
+    k2[:, :, :n], v2[:, :, :n] = k, v
+    step = moba_attention(q2[:, :, -1:], k2, v2, chunk_size=block, topk=3, selection="estimate", state=state)
+    nb = math.ceil((n + 1) / block)
+    mask = torch.zeros(1, 2, 1, n + 1, dtype=torch.bool)
+    for h in range(2):
+        for j in set(state["kept"][0, h].tolist()) | {nb - 1, nb - 2}:
+            if j >= 0:
+                mask[0, h, 0, j * block:(j + 1) * block] = True
+    ref = dense_attention(q2[:, :, -1:], k2, v2, causal=False, mask=mask.repeat_interleave(2, 1))[0]
+    torch.testing.assert_close(step, ref, atol=1e-12, rtol=1e-10)
+    # values after a position never reach it (the selection reads only q and k)
+    v3 = v.clone()
+    v3[:, :, 50:] += 1.0
+    out3 = moba_attention(q, k, v3, chunk_size=block, topk=3, selection="estimate", estimate_queries=8)
+    torch.testing.assert_close(out3[:, :, :50], out[:, :, :50], atol=0, rtol=0)
+
+
+def test_moba_estimate_rejects_bad_arguments():
+    q, k, v = qkv(32)
+    with pytest.raises(ValueError, match="selection must be one of gate, estimate; got 'x'"):
+        moba_attention(q, k, v, chunk_size=8, topk=2, selection="x")
+    with pytest.raises(ValueError, match=r"mass must be a number in \(0, 1\]"):
+        moba_attention(q, k, v, chunk_size=8, topk=2, selection="estimate", mass=1.5)
+    with pytest.raises(ValueError, match="causal attention only"):
+        moba_attention(q, k, v, chunk_size=8, topk=2, selection="estimate", causal=False)
+
+
+def test_patched_model_generates_with_the_estimated_selection():
+    """Every layer replaced: prefill runs the executor, decode keeps the prefill's lists; the first
+    generated token's logits equal the prefill's last row."""
+    model = tiny_model("llama")
+    patch_model(model, {"method": "moba", "layers": "all",
+                        "params": {"chunk_size": 8, "topk": 3, "selection": "estimate", "mass": 0.9}})
+    ids = torch.randint(0, 256, (1, 50))
+    with torch.no_grad():
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+        full = model(ids).logits[:, -1]
+    torch.testing.assert_close(gen.logits[0], full, atol=1e-4, rtol=1e-4)
+    stats = model.longpatch.breakdown()["patched"]
+    assert stats["prefill"]["method"]["calls"] == 4 * 2 and stats["decode"]["method"]["calls"] == 4 * 4
+    assert all("kept" in r.state for r in model.longpatch.routes)
