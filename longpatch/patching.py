@@ -36,7 +36,9 @@ class PatchReport:
         Seconds are measured only inside ``with longpatch.timing(model):`` (0 otherwise).
         side: "patched" / "unpatched" layers; phase: "prefill" / "decode"; path: "method" (the
         approximation ran), "method_exact" (the method's code, exact at that length), "exact" (longpatch's
-        exact fallback) or "original" (the model's own attention). Only what ran is listed.
+        exact fallback) or "original" (the model's own attention). Only what ran is listed. Methods that
+        report their work add query-key products: "estimate_pairs" (a query-aware selection's estimate)
+        and "attended_pairs" (what the executor attended), summed over query heads.
         """
         out: dict = {"patched": {}, "unpatched": {}}
         for r in self.routes:
@@ -45,6 +47,9 @@ class PatchReport:
                 s = side.setdefault(phase, {}).setdefault(path, {"calls": 0, "seconds": 0.0})
                 s["calls"] += n
                 s["seconds"] += r.seconds[(phase, path)]
+            for (phase, path, kind), n in r.work.items():
+                s = side[phase][path]
+                s[kind] = s.get(kind, 0) + n
         return out
 
     def stats(self) -> dict:

@@ -52,6 +52,9 @@ class LayerRoute:
     calls: Counter = field(default_factory=Counter)  # (phase, path) -> number of calls
     seconds: Counter = field(default_factory=Counter)  # (phase, path) -> wall time, while timed
     timed: bool = False  # time each call (synchronising a GPU around it); see longpatch.timing
+    # (phase, path, kind) -> query-key products, for methods that report their work (selection.py: the
+    # estimate's and the attended ones, "estimate_pairs" / "attended_pairs")
+    work: Counter = field(default_factory=Counter)
 
     def choose(self, q_len: int, kv_len: int, unsupported: str | None = None, causal: bool = True) -> str:
         """Which path serves this call: 'method', 'exact' or 'original'.
@@ -88,6 +91,8 @@ class LayerRoute:
             torch.cuda.synchronize(q.device)
         key = ("prefill" if prefill else "decode", self._recorded(path, q.shape[2], k.shape[2]))
         self.calls[key] += 1
+        for kind, n in self.state.pop("work", {}).items():
+            self.work[(*key, kind)] += n
         if self.timed:
             self.seconds[key] += time.perf_counter() - t0
         return out
@@ -152,3 +157,4 @@ def reset_stats(routes: list[LayerRoute]) -> None:
     for r in routes:
         r.calls.clear()
         r.seconds.clear()
+        r.work.clear()

@@ -203,3 +203,55 @@ def test_patched_model_generates_with_the_estimated_selection():
     stats = model.longpatch.breakdown()["patched"]
     assert stats["prefill"]["method"]["calls"] == 4 * 2 and stats["decode"]["method"]["calls"] == 4 * 4
     assert all("kept" in r.state for r in model.longpatch.routes)
+    # the estimate's cost and the attended products are counted: 4 layers x (4 heads x 50 rows)
+    pre = stats["prefill"]["method"]
+    assert 0 < pre["attended_pairs"] <= 2 * 4 * 4 * 50 * 51 // 2 and pre["estimate_pairs"] > 0
+
+
+NSA_EST = dict(select_block=16, num_selected=4, window=24, init_blocks=1, local_blocks=2, compress_block=16,
+               compress_stride=8, gates=(0.0, 0.75, 0.25), selection="estimate", estimate_queries=8)
+
+
+def test_nsa_estimate_is_its_two_branches_and_decode_keeps_the_prefill_blocks():
+    from longpatch.ops import nsa_attention
+
+    n = 100
+    q, k, v = qkv(n)
+    state = {}
+    out, lse = nsa_attention(q, k, v, state=state, return_lse=True, **NSA_EST)
+    blocks = estimated_blocks(q, k, 16, 3, None, 8, 1, 0.25, sink_blocks=1)
+    sel = masked_reference(q, k, v, blocks, 16)[0]
+    pos = torch.arange(n)
+    window = (pos.view(1, -1) <= pos.view(-1, 1)) & (pos.view(1, -1) > pos.view(-1, 1) - 24)
+    win = dense_attention(q, k, v, causal=False, mask=window.expand(1, 4, n, n))[0]
+    torch.testing.assert_close(out, 0.75 * sel + 0.25 * win, atol=1e-12, rtol=1e-10)
+    assert torch.isinf(lse[..., 0]).all()  # no compressed branch
+    step = nsa_attention(q[:, :, -1:], k, v, state=state, **NSA_EST)
+    torch.testing.assert_close(step, out[:, :, -1:], atol=1e-12, rtol=1e-10)
+    with pytest.raises(ValueError, match="g_cmp = 0"):
+        nsa_attention(q, k, v, **{**NSA_EST, "gates": (0.2, 0.5, 0.3)})
+
+
+def test_nsa_estimate_config_needs_g_cmp_zero():
+    from longpatch.errors import ConfigError
+    from longpatch.methods import get_method
+
+    with pytest.raises(ConfigError, match="g_cmp = 0"):
+        get_method("nsa").resolve_params({"selection": "estimate", "gates": [0.2, 0.5, 0.3]})
+
+
+def test_the_triton_kernel_runs_the_estimated_selection():
+    """backend='triton' feeds the executor's pairs (own chunk + listed chunks per query row) to the MoBA
+    kernel (interpreter on CPU): same output, LSE and gradients as the torch path."""
+    pytest.importorskip("triton")
+    n, block = 40, 8
+    q, k, v = qkv(n, 2, 1, d=16, dtype=torch.float32, grad=True)
+    kw = dict(chunk_size=block, topk=3, selection="estimate", estimate_queries=4, return_lse=True)
+    o_t, l_t = moba_attention(q, k, v, backend="triton", **kw)
+    o_c, l_c = moba_attention(q, k, v, backend="torch", **kw)
+    torch.testing.assert_close(o_t, o_c, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(l_t, l_c, atol=1e-5, rtol=1e-4)
+    g_t = torch.autograd.grad(o_t.sum(), (q, k, v))
+    g_c = torch.autograd.grad(o_c.sum(), (q, k, v))
+    for a, b in zip(g_t, g_c):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-3)

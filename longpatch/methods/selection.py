@@ -110,13 +110,14 @@ def select_blocks(scores: torch.Tensor, max_blocks: int, mass: float | None, loc
 
 
 def estimated_blocks(q, k, block: int, max_blocks: int, mass: float | None, queries: int, local_blocks: int,
-                     scale: float) -> torch.Tensor:
+                     scale: float, sink_blocks: int = 1) -> torch.Tensor:
     """The block lists of a causal prefill (q_len == kv_len) by the last-queries estimate."""
     vertical, slash = last_queries_estimate(q, k, block, queries, scale)
-    return select_blocks(block_scores(vertical, slash), max_blocks, mass, local_blocks)
+    return select_blocks(block_scores(vertical, slash), max_blocks, mass, local_blocks, sink_blocks)
 
 
-def decode_blocks(q, k, block: int, max_blocks: int, local_blocks: int, scale: float) -> torch.Tensor:
+def decode_blocks(q, k, block: int, max_blocks: int, local_blocks: int, scale: float,
+                  sink_blocks: int = 1) -> torch.Tensor:
     """Past blocks [b, hk, S] for a one-token step that has no prefill's selection to keep (a cache
     built elsewhere): the step's own query is the estimate (this reads every key once, like exact
     decode; later steps keep what it chose)."""
@@ -126,24 +127,32 @@ def decode_blocks(q, k, block: int, max_blocks: int, local_blocks: int, scale: f
     s = torch.matmul(q.reshape(b, hk, -1, d).to(acc), k.to(acc).transpose(-1, -2)) * scale
     p = torch.softmax(s, -1).sum(2)
     nb = math.ceil(n / block)
-    vertical = torch.nn.functional.pad(p, (0, nb * block - n)).view(b, hk, nb, block).sum(-1).float()
     scores = torch.zeros(b, hk, nb, nb, device=q.device)
-    scores[:, :, -1] = vertical  # only the last query block (the step's) is used
-    return select_blocks(scores, max_blocks, None, local_blocks)[:, :, -1]
+    scores[:, :, -1] = _pooled(p, nb, block).float()  # only the last query block (the step's) is used
+    return select_blocks(scores, max_blocks, None, local_blocks, sink_blocks)[:, :, -1]
+
+
+def estimate_cost(b: int, hq: int, n: int, queries: int) -> int:
+    """Query-key products of the last-queries estimate of an n-token prefill (its last and spread
+    rows, each against its visible keys), per query head summed."""
+    m = min(queries, n)
+    spread = torch.unique(torch.linspace(0, n - 1, m).round().long())
+    return b * hq * (int((torch.arange(n - m, n) + 1).sum()) + int((spread + 1).sum()))
+
+
+def attended_cost(blocks: torch.Tensor, hq: int, n: int, block: int) -> int:
+    """Query-key products the executor computes for ``blocks`` on an n-token prefill: each query
+    block's listed blocks in full and its own block's causal half, per query head summed."""
+    b, hk, nb, _ = blocks.shape
+    g = hq // hk
+    sizes = torch.clamp(n - torch.arange(nb, device=blocks.device) * block, max=block)  # rows of each block
+    listed = int(((blocks >= 0).sum(-1) * sizes).sum()) * block * g
+    return listed + b * hq * int((sizes * (sizes + 1) // 2).sum())
 
 
 def estimated_pairs(q, k, block: int, max_blocks: int, mass: float | None, queries: int, local_blocks: int,
-                    scale: float) -> int:
-    """Query-key products of an estimated prefill, per query head summed: the estimate's rows (last
-    and spread queries, each against its visible keys), each query block's listed blocks and its own
-    block's causal half."""
-    b, hq, n, _ = q.shape
-    g = hq // k.shape[1]
-    blocks = estimated_blocks(q, k, block, max_blocks, mass, queries, local_blocks, scale)
-    m = min(queries, n)
-    spread = torch.unique(torch.linspace(0, n - 1, m).round().long())
-    estimate = b * hq * (int((torch.arange(n - m, n) + 1).sum()) + int((spread + 1).sum()))
-    sizes = (torch.clamp(n - torch.arange(math.ceil(n / block)) * block, max=block))  # rows of each block
-    listed = int(((blocks >= 0).sum(-1) * sizes.to(blocks.device)).sum()) * block * g
-    own = b * hq * int((sizes * (sizes + 1) // 2).sum())
-    return estimate + listed + own
+                    scale: float, sink_blocks: int = 1) -> int:
+    """All query-key products of an estimated prefill (``estimate_cost`` + ``attended_cost``)."""
+    blocks = estimated_blocks(q, k, block, max_blocks, mass, queries, local_blocks, scale, sink_blocks)
+    n = q.shape[2]
+    return estimate_cost(q.shape[0], q.shape[1], n, queries) + attended_cost(blocks, q.shape[1], n, block)

@@ -10,7 +10,7 @@ import torch
 from ..blocksparse import block_sparse_decode, block_sparse_prefill
 from ..common import check_int, check_qkv, default_scale, guards_nonfinite, resolve_backend
 from ..exact import exact_attention
-from ..selection import decode_blocks, estimated_blocks
+from ..selection import attended_cost, decode_blocks, estimate_cost, estimated_blocks
 from .cpu import (
     DEFAULT_CHUNK_SIZE,
     DEFAULT_TOPK,
@@ -52,7 +52,35 @@ def selection_pairs(q, k, plan: _Plan):
                 chunks.append(flat[ent])
                 kvs.append(torch.full_like(ent, bi * plan.hk + hi))
     row, slot, chunk, kv = (torch.cat(x) for x in (rows, slots, chunks, kvs))
-    nchunks = math.ceil(plan.nk / C)
+    return _segments(row, slot, chunk, kv, C, plan.nk, nq, plan.off)
+
+
+def block_pairs(blocks: torch.Tensor, hq: int, n: int, C: int):
+    """The pairs of a block-sparse prefill (``blocksparse.py``'s definition; q_len == kv_len = n):
+    every query row with its own chunk (slot 0) and each chunk its query chunk lists (``blocks``
+    [b, hk, nb, S], -1 pads), in ``selection_pairs``' format, for the same Triton kernel."""
+    b, hk, nb, S = blocks.shape
+    g = hq // hk
+    dev = blocks.device
+    lists = torch.cat([torch.arange(nb, device=dev).view(1, 1, nb, 1).expand(b, hk, nb, 1), blocks], -1)
+    ent = torch.nonzero(lists >= 0)  # [E, 4]: bi, hi, i, slot
+    bi, hi, i, sl = ent.unbind(1)
+    ch = lists[bi, hi, i, sl]
+    h = torch.arange(g, device=dev).view(1, g, 1)
+    r = torch.arange(C, device=dev).view(1, 1, C)
+    t = (i * C).view(-1, 1, 1) + r  # [E, 1, C] query positions
+    row = ((bi * hq + hi * g).view(-1, 1, 1) + h) * n + t  # [E, g, C]
+    keep = (t < n).expand_as(row)
+    row = row[keep]
+    slot = sl.view(-1, 1, 1).expand(-1, g, C)[keep]
+    chunk = ch.view(-1, 1, 1).expand(-1, g, C)[keep]
+    kv = (bi * hk + hi).view(-1, 1, 1).expand(-1, g, C)[keep]
+    return _segments(row, slot, chunk, kv, C, n, n, 0)
+
+
+def _segments(row, slot, chunk, kv, C: int, nk: int, nq: int, off: int):
+    """Pairs sorted by (KV head, chunk), with the segment arrays of the kernel's work list."""
+    nchunks = math.ceil(nk / C)
     key = kv * nchunks + chunk
     key, order = torch.sort(key, stable=True)
     row, slot = row[order], slot[order]
@@ -61,17 +89,22 @@ def selection_pairs(q, k, plan: _Plan):
     seg_start = seg_end - counts
     seg_chunk = uniq % nchunks
     seg_kv = torch.div(uniq, nchunks, rounding_mode="floor")
-    pos = row % nq + plan.off
+    pos = row % nq + off
     return {"row": row, "slot": slot, "pos": pos, "seg_start": seg_start, "seg_end": seg_end, "seg_kv": seg_kv,
-            "seg_k0": seg_chunk * C, "seg_k1": torch.clamp(seg_chunk * C + C, max=plan.nk)}
+            "seg_k0": seg_chunk * C, "seg_k1": torch.clamp(seg_chunk * C + C, max=nk)}
 
 
 def _triton_path(q, k, v, plan: _Plan):
-    from ...kernels.moba import pairs_attention  # lazily: triton is optional
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     with torch.no_grad():
         pairs = selection_pairs(q, k, plan)
-    o_p, l_p = pairs_attention(q, k, v, pairs, scale=plan.scale, causal=plan.causal)
+    return _run_pairs(q, k, v, pairs, plan.scale, plan.causal)
+
+
+def _run_pairs(q, k, v, pairs: dict, scale: float, causal: bool):
+    """The Triton kernel on a pair list, its partial results merged per query row by their LSEs."""
+    from ...kernels.moba import pairs_attention  # lazily: triton is optional
+    o_p, l_p = pairs_attention(q, k, v, pairs, scale=scale, causal=causal)
     b, hq, nq, d = q.shape
     ns = int(pairs["slot"].max()) + 1  # own + past slots; every row has at least one pair
     flat = pairs["row"] * ns + pairs["slot"]
@@ -120,7 +153,14 @@ def _estimated(q, k, v, causal, scale, C, topk, mass, queries, local_blocks, kep
             blocks = estimated_blocks(q.detach(), k.detach(), C, topk - 1, mass, queries, local_blocks, scale)
         if state is not None:
             state["kept"] = blocks[:, :, -1]
-        out, lse = block_sparse_prefill(q, k, v, blocks, C, scale)
+            state["work"] = {"estimate_pairs": estimate_cost(b, hq, nk, queries),
+                             "attended_pairs": attended_cost(blocks, hq, nk, C)}
+        if backend == "triton":  # the MoBA kernel runs any (query row, chunk) list: fed the executor's pairs
+            with torch.no_grad():
+                pairs = block_pairs(blocks, hq, nk, C)
+            out, lse = _run_pairs(q, k, v, pairs, scale, True)
+        else:
+            out, lse = block_sparse_prefill(q, k, v, blocks, C, scale)
     return (out, lse.float()) if return_lse else out
 
 

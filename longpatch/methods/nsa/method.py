@@ -7,12 +7,12 @@ import math
 import torch
 
 from ...errors import ConfigError
-from ..base import Method, Param, nonneg_int, positive_int, register_method
+from ..base import Between, Method, Param, nonneg_int, one_of, positive_int, register_method
 from ..common import (
     probe_positions,
 )
 from .blocks import DEFAULTS, TRAINING_FREE_GATES, _check_params, nsa_compress, num_compressed
-from .op import nsa_attention
+from .op import SELECTIONS, nsa_attention
 
 # --------------------------------------------------------------------------- decode state and method
 
@@ -52,7 +52,10 @@ def init_state(k, v, *, compress_block: int = 32, compress_stride: int = 16, **_
 
 
 def _run(q, k, v, *, causal=True, scale=None, backend="auto", buffers=None, state=None, gates=TRAINING_FREE_GATES,
-         **params):
+         selection="compressed", mass=None, estimate_queries=64, **params):
+    if selection == "estimate":  # its decode state is the prefill's block list, not compressed K/V
+        return nsa_attention(q, k, v, causal=causal, scale=scale, gates=tuple(gates), backend=backend,
+                             selection=selection, mass=mass, estimate_queries=estimate_queries, state=state, **params)
     compressed = None
     if state is not None and causal:
         l, s = params["compress_block"], params["compress_stride"]
@@ -86,11 +89,15 @@ class _NSAMethod(Method):
 
     def resolve_params(self, given):
         params = super().resolve_params(given)
-        blocks = {n: v for n, v in params.items() if n != "gates"}
+        blocks = {n: params[n] for n in ("compress_block", "compress_stride", "select_block", "num_selected", "window",
+                                         "init_blocks", "local_blocks")}
         try:
             _check_params(**blocks)
         except ValueError as e:
             raise ConfigError(f"params of method 'nsa': {e}") from None
+        if params["selection"] == "estimate" and params["gates"][0] != 0:
+            raise ConfigError(f"params.gates of method 'nsa': got {params['gates']!r}; selection 'estimate' has no "
+                              "compressed branch: allowed: g_cmp = 0, e.g. [0.0, 0.75, 0.25]")
         return params
 
 
@@ -110,6 +117,13 @@ NSA = register_method(_NSAMethod(
         "gates": Param(list(TRAINING_FREE_GATES), (list, tuple),
                        "fixed gates [g_cmp, g_slc, g_win] of the training-free mode (default measured: docs/nsa.md)",
                        _gates_ok, "a list of 3 finite numbers >= 0"),
+        "selection": one_of("'compressed': blocks ranked by the compressed branch's attention (the paper's); "
+                            "'estimate': query-aware, from the last queries' exact attention (needs g_cmp = 0)",
+                            "compressed", SELECTIONS),
+        "mass": Param(None, (float, type(None)), "estimate only: the fewest blocks whose estimated attention "
+                      "mass reaches this share (null: always num_selected)", Between(1e-9, 1.0, optional=True),
+                      "a number in (0, 1] or null"),
+        "estimate_queries": positive_int("estimate only: how many last queries score the blocks", 64),
     },
     causal_only=True,
     stateful=True,

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import torch
 
+from ..blocksparse import block_sparse_decode, block_sparse_prefill
 from ..common import (
     acc_dtype,
     check_gates,
@@ -14,12 +15,66 @@ from ..common import (
     guards_nonfinite,
     resolve_backend,
 )
-from ..cpu_flash import fused_ok
+from ..cpu_flash import flash_lse, fused_ok
+from ..selection import attended_cost, decode_blocks, estimate_cost, estimated_blocks
 from .blocks import DEFAULT_GATES, _check_params, nsa_compress, num_compressed
 from .cpu import _decode_one, _fast_forward, _gated_sum
 from .naive import REFERENCE, _compose
 
 # --------------------------------------------------------------------------- the op
+
+SELECTIONS = ("compressed", "estimate")
+
+
+def _estimated(q, k, v, scale, sb, num_selected, window, init_blocks, local_blocks, gates, mass, queries, state,
+               return_lse):
+    """nsa_attention with selection="estimate": g_slc * (own block + estimated blocks, on the
+    block-sparse executor) + g_win * (sliding window)."""
+    from ..sparse import band_attention
+
+    if isinstance(gates, torch.Tensor) or gates[0] != 0:
+        got = "a tensor" if isinstance(gates, torch.Tensor) else repr(gates)
+        raise ValueError("nsa_attention: selection='estimate' has no compressed branch; gates must be 3 fixed "
+                         f"numbers with g_cmp = 0 (e.g. (0, 0.75, 0.25)); got {got}")
+    if mass is not None and not (isinstance(mass, (int, float)) and not isinstance(mass, bool) and 0 < mass <= 1):
+        raise ValueError(f"nsa_attention: mass must be a number in (0, 1] or None; got {mass!r}")
+    if not isinstance(queries, int) or isinstance(queries, bool) or queries < 1:
+        raise ValueError(f"nsa_attention: estimate_queries must be an int >= 1; got {queries!r}")
+    b, hq, nq, d = q.shape
+    hk, nk = k.shape[1], k.shape[2]
+    if 1 < nq < nk:
+        raise ValueError(f"nsa_attention: selection='estimate' runs prefill (q_len == kv_len) and one-token decode; "
+                         f"got q_len {nq} < kv_len {nk}")
+    past = max(0, local_blocks - 1)  # NSA's local blocks count the own block
+    acc = acc_dtype(q.dtype)
+    if nq == 1 and nk > 1:
+        kept = state.get("kept") if state is not None else None
+        if kept is None or kept.shape[:2] != k.shape[:2]:
+            with torch.no_grad():
+                kept = decode_blocks(q.detach(), k.detach(), sb, num_selected - 1, past, scale, init_blocks)
+            if state is not None:
+                state["kept"] = kept
+        o_s, l_s = block_sparse_decode(q, k, v, kept, sb, past, scale)
+        w0 = max(0, nk - window)
+        o_w, l_w = flash_lse(q.reshape(b, hk, hq // hk, d), k[:, :, w0:], v[:, :, w0:], scale)
+        o_w, l_w = o_w.reshape(b, hq, 1, d), l_w.reshape(b, hq, 1)
+    else:
+        with torch.no_grad():
+            blocks = estimated_blocks(q.detach(), k.detach(), sb, num_selected - 1, mass, queries, past, scale,
+                                      init_blocks)
+        if state is not None:
+            state["kept"] = blocks[:, :, -1]
+            state["work"] = {"estimate_pairs": estimate_cost(b, hq, nk, queries),
+                             "attended_pairs": attended_cost(blocks, hq, nk, sb)}
+        o_s, l_s = block_sparse_prefill(q, k, v, blocks, sb, scale)
+        parts = [band_attention(q[bi], k[bi], v[bi], 0, window - 1, 0, 0, scale) for bi in range(b)]
+        o_w, l_w = torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
+    out = (gates[1] * o_s.to(acc) + gates[2] * o_w.to(acc)).to(q.dtype)
+    if not return_lse:
+        return out
+    l_c = torch.full_like(l_s.to(acc), float("-inf"))
+    return out, torch.stack([l_c, l_s.to(acc), l_w.to(acc)], -1)
+
 
 def _check_gates(gates, q):
     b, hq, nq, _ = q.shape
@@ -57,7 +112,8 @@ def _compressed_for(k, v, compress, compressed, l, s):
 def nsa_attention(q, k, v, *, causal: bool = True, scale: float | None = None, compress_block: int = 32,
                   compress_stride: int = 16, select_block: int = 64, num_selected: int = 16, window: int = 512,
                   init_blocks: int = 1, local_blocks: int = 2, gates=DEFAULT_GATES, compress="mean",
-                  compressed=None, return_lse: bool = False, backend: str = "auto"):
+                  compressed=None, return_lse: bool = False, backend: str = "auto", selection: str = "compressed",
+                  mass: float | None = None, estimate_queries: int = 64, state: dict | None = None):
     """NSA attention on the shared layout (q [b, hq, nq, d], k/v [b, hk, nk, d]); causal only.
 
     gates: (g_cmp, g_slc, g_win) floats, or a tensor [b, hq, nq, 3] (e.g. sigmoid of a projection
@@ -66,6 +122,14 @@ def nsa_attention(q, k, v, *, causal: bool = True, scale: float | None = None, c
     blocks of k (decoding). return_lse: also return the three branches' LSEs [b, hq, nq, 3]
     (compressed, selected, window; float32, float64 for float64 inputs), -inf where a branch is
     empty. The gated sum itself is not a softmax, so it has no single LSE.
+
+    selection: "compressed" (the paper's: blocks ranked by the compressed branch's attention) or
+    "estimate" (query-aware, ``selection.py``: the last ``estimate_queries`` queries' exact attention
+    per select block and per block offset; per KV head and query block, the ``init_blocks`` first
+    blocks, the ``local_blocks`` - 1 blocks before the own one, then the best, up to num_selected
+    blocks with the own one, or the fewest reaching ``mass`` of the estimated total). "estimate"
+    runs the selected branch on the block-sparse executor (``blocksparse.py``) and has no compressed
+    branch: fixed gates with g_cmp = 0. A one-token step keeps the prefill's blocks (``state``).
     """
     if not causal:
         raise ValueError("nsa_attention supports causal attention only (compressed and selected blocks are chosen "
@@ -75,6 +139,11 @@ def nsa_attention(q, k, v, *, causal: bool = True, scale: float | None = None, c
     gates = _check_gates(gates, q)
     scale = default_scale(scale, q.shape[-1])
     backend = resolve_backend(backend, q, k, v)
+    if selection not in SELECTIONS:
+        raise ValueError(f"nsa_attention: selection must be one of {', '.join(SELECTIONS)}; got {selection!r}")
+    if selection == "estimate":
+        return _estimated(q, k, v, scale, select_block, num_selected, window, init_blocks, local_blocks, gates,
+                          mass, estimate_queries, state, return_lse)
     b, hq, nq, d = q.shape
     nk = k.shape[2]
     if nq == 0 or nk == 0:
