@@ -23,7 +23,26 @@ import math
 
 import torch
 
-from .common import acc_dtype
+from .base import Between, Param, positive_int
+from .common import acc_dtype, check_int
+
+
+def estimate_params(unit: str, budget: str) -> dict[str, Param]:
+    """The config params of a method's estimated selection (``unit``: what its blocks are called,
+    ``budget``: the param that caps them)."""
+    return {
+        "mass": Param(None, (float, type(None)), f"estimate only: the fewest {unit}s whose estimated attention "
+                      f"mass reaches this share (null: always {budget})", Between(1e-9, 1.0, optional=True),
+                      "a number in (0, 1] or null"),
+        "estimate_queries": positive_int(f"estimate only: how many last queries score the {unit}s", 64),
+    }
+
+
+def check_estimate_args(op: str, mass, queries) -> None:
+    """The ops' checks of the estimate's arguments (as strict as the config's)."""
+    if mass is not None and not (isinstance(mass, (int, float)) and not isinstance(mass, bool) and 0 < mass <= 1):
+        raise ValueError(f"{op}: mass must be a number in (0, 1] or None; got {mass!r}")
+    check_int(op, "estimate_queries", queries, 1)
 
 
 def _mass(q, k, qpos: torch.Tensor, scale: float) -> torch.Tensor:

@@ -5,7 +5,8 @@ import math
 
 import torch
 
-from ..base import Between, Method, Param, nonneg_int, one_of, positive_int, register_method
+from ..base import Method, Param, nonneg_int, one_of, positive_int, register_method
+from ..selection import estimate_params
 from .cpu import DEFAULT_CHUNK_SIZE, DEFAULT_TOPK, moba_chunk_means
 from .op import SELECTIONS, moba_attention
 
@@ -101,10 +102,7 @@ MOBA = register_method(Method(
         "selection": one_of("'gate': the paper's q·mean(chunk keys) per query; 'estimate': query-aware, from "
                             "the last queries' exact attention per chunk (group-shared, per query chunk)",
                             "gate", SELECTIONS),
-        "mass": Param(None, (float, type(None)), "estimate only: the fewest chunks whose estimated attention "
-                      "mass reaches this share (null: always topk)", Between(1e-9, 1.0, optional=True),
-                      "a number in (0, 1] or null"),
-        "estimate_queries": positive_int("estimate only: how many last queries score the chunks", 64),
+        **estimate_params("chunk", "topk"),
         "local_blocks": nonneg_int("estimate only: chunks before the own one always attended", 1),
     },
     stateful=True,

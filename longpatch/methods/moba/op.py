@@ -10,7 +10,7 @@ import torch
 from ..blocksparse import block_sparse_decode, block_sparse_prefill
 from ..common import check_int, check_qkv, default_scale, guards_nonfinite, resolve_backend
 from ..exact import exact_attention
-from ..selection import attended_cost, decode_blocks, estimate_cost, estimated_blocks
+from ..selection import attended_cost, check_estimate_args, decode_blocks, estimate_cost, estimated_blocks
 from .cpu import (
     DEFAULT_CHUNK_SIZE,
     DEFAULT_TOPK,
@@ -127,10 +127,8 @@ def _estimated(q, k, v, causal, scale, C, topk, mass, queries, local_blocks, kep
     """moba_attention with selection="estimate": the block-sparse executor on estimated chunks."""
     if not causal:
         raise ValueError("moba_attention: selection='estimate' supports causal attention only")
-    check_int("moba_attention", "estimate_queries", queries, 1)
+    check_estimate_args("moba_attention", mass, queries)
     check_int("moba_attention", "local_blocks", local_blocks, 0)
-    if mass is not None and not (isinstance(mass, (int, float)) and not isinstance(mass, bool) and 0 < mass <= 1):
-        raise ValueError(f"moba_attention: mass must be a number in (0, 1] or None; got {mass!r}")
     b, hq, nq, d = q.shape
     nk = k.shape[2]
     if nq == 0:

@@ -7,10 +7,11 @@ import math
 import torch
 
 from ...errors import ConfigError
-from ..base import Between, Method, Param, nonneg_int, one_of, positive_int, register_method
+from ..base import Method, Param, nonneg_int, one_of, positive_int, register_method
 from ..common import (
     probe_positions,
 )
+from ..selection import estimate_params
 from .blocks import DEFAULTS, TRAINING_FREE_GATES, _check_params, nsa_compress, num_compressed
 from .op import SELECTIONS, nsa_attention
 
@@ -120,10 +121,7 @@ NSA = register_method(_NSAMethod(
         "selection": one_of("'compressed': blocks ranked by the compressed branch's attention (the paper's); "
                             "'estimate': query-aware, from the last queries' exact attention (needs g_cmp = 0)",
                             "compressed", SELECTIONS),
-        "mass": Param(None, (float, type(None)), "estimate only: the fewest blocks whose estimated attention "
-                      "mass reaches this share (null: always num_selected)", Between(1e-9, 1.0, optional=True),
-                      "a number in (0, 1] or null"),
-        "estimate_queries": positive_int("estimate only: how many last queries score the blocks", 64),
+        **estimate_params("block", "num_selected"),
     },
     causal_only=True,
     stateful=True,

@@ -16,7 +16,7 @@ from ..common import (
     resolve_backend,
 )
 from ..cpu_flash import flash_lse, fused_ok
-from ..selection import attended_cost, decode_blocks, estimate_cost, estimated_blocks
+from ..selection import attended_cost, check_estimate_args, decode_blocks, estimate_cost, estimated_blocks
 from .blocks import DEFAULT_GATES, _check_params, nsa_compress, num_compressed
 from .cpu import _decode_one, _fast_forward, _gated_sum
 from .naive import REFERENCE, _compose
@@ -36,10 +36,7 @@ def _estimated(q, k, v, scale, sb, num_selected, window, init_blocks, local_bloc
         got = "a tensor" if isinstance(gates, torch.Tensor) else repr(gates)
         raise ValueError("nsa_attention: selection='estimate' has no compressed branch; gates must be 3 fixed "
                          f"numbers with g_cmp = 0 (e.g. (0, 0.75, 0.25)); got {got}")
-    if mass is not None and not (isinstance(mass, (int, float)) and not isinstance(mass, bool) and 0 < mass <= 1):
-        raise ValueError(f"nsa_attention: mass must be a number in (0, 1] or None; got {mass!r}")
-    if not isinstance(queries, int) or isinstance(queries, bool) or queries < 1:
-        raise ValueError(f"nsa_attention: estimate_queries must be an int >= 1; got {queries!r}")
+    check_estimate_args("nsa_attention", mass, queries)
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     if 1 < nq < nk:
