@@ -63,8 +63,8 @@ def test_demo_configs_and_apply(monkeypatch, capsys):
     import sys
 
     from longpatch import cli
-    assert {"demo", "demo-moba"} <= set(demo_configs())
-    assert "demo-hyper-32k" not in demo_configs()  # a demo-model config outside the one-per-method demo
+    assert {"demo", "demo-moba", "demo-moba-32k", "demo-nsa-32k"} <= set(demo_configs())
+    assert "demo-hyper-32k" not in demo_configs()  # exact attention at the demo's 4096 tokens
     monkeypatch.setattr(sys, "argv", ["longpatch", "apply", "--model", "demo", "--prefill", "512"])
     with pytest.raises(SystemExit) as e:
         cli.main()
