@@ -23,21 +23,24 @@ from longpatch.eval.records import read_records
 from longpatch.plotting import method_color
 
 
-def needle_table(records: list[dict], layers: int, length: int) -> dict[str, dict]:
-    """config -> {"found", "kept", "exact_found", "prompts"} on the prompts exact attention was run on."""
+def needle_table(records: list[dict], layers: int, length: int) -> dict[tuple, dict]:
+    """(config, config_id) -> {"found", "kept", "exact_found", "prompts"} on the prompts exact attention
+    was run on."""
     key = ("length", "depth", "trial")
     exact = {tuple(r[k] for k in key): r["correct"] for r in records if r["layers"] == 0 and r["length"] == length}
     out: dict[str, dict] = {}
-    for r in records:
+    for pos, r in enumerate(records):
         p = tuple(r[k] for k in key)
         if r["layers"] != layers or r["length"] != length or p not in exact:
             continue
-        c = out.setdefault(r["config"], {"method": r.get("method"), "found": 0, "kept": 0, "prompts": 0})
+        # one entry per config id: a config file changed between runs keeps its own row
+        c = out.setdefault((r["config"], r.get("config_id")), {"method": r.get("method"), "found": 0, "kept": 0,
+                                                               "prompts": 0, "exact_found": 0})
+        c["last_record"] = pos  # the latest run of a name keeps the plain name (main)
         c["prompts"] += 1
+        c["exact_found"] += bool(exact[p])
         c["found"] += bool(r["correct"])
         c["kept"] += bool(r["correct"]) and bool(exact[p])
-    for c in out.values():
-        c["exact_found"] = sum(bool(v) for v in exact.values())
     return out
 
 
@@ -62,11 +65,17 @@ def main(argv=None) -> int:
     base = [r["ttft_s"] for r in gen if r["layers"] == 0]
     ttft = {r["config"]: r["ttft_s"] for r in gen if r["layers"] == a.layers}
     rows = []
-    for name, c in sorted(needles.items()):
+    latest = {}
+    for (name, cid), c in needles.items():
+        if name not in latest or c["last_record"] > needles[(name, latest[name])]["last_record"]:
+            latest[name] = cid
+    for (name, cid), c in sorted(needles.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
         label = Path(name).stem if name.endswith(".yaml") else name
+        if cid != latest[name]:  # an earlier run of the same name with other params: the id tells it apart
+            label = f"{label} [{cid}]"
         t = ttft.get(label)
-        rows.append({"config": label, "method": c["method"], **{k: c[k] for k in ("found", "kept", "exact_found",
-                                                                                "prompts")},
+        counts = {k: c[k] for k in ("found", "kept", "exact_found", "prompts")}
+        rows.append({"config": label, "config_id": cid, "method": c["method"], **counts,
                      "kept_share": c["kept"] / c["exact_found"] if c["exact_found"] else None,
                      "ttft_s": t, "unpatched_ttft_s": base[0] if base else None,
                      "prefill_speedup": base[0] / t if base and t else None})
@@ -81,13 +90,14 @@ def main(argv=None) -> int:
                                       "layers": a.layers}, rows)
     fig, ax = figure(1, 1, (6, 4.2))
     ax = ax[0][0]
-    for r in rows:
-        if r["prefill_speedup"] is None or r["kept_share"] is None:
-            continue
+    shown = [r for r in rows if r["prefill_speedup"] is not None and r["kept_share"] is not None]
+    level: dict = {}  # labels of points at one height alternate above and below, so neighbours do not overlap
+    for r in sorted(shown, key=lambda r: r["prefill_speedup"]):
+        i = level[round(r["kept_share"], 1)] = level.get(round(r["kept_share"], 1), -1) + 1
         ax.scatter(r["prefill_speedup"], 100 * r["kept_share"], color=method_color(r["method"] or r["config"]),
                    s=40, zorder=3)
         ax.annotate(r["config"], (r["prefill_speedup"], 100 * r["kept_share"]), textcoords="offset points",
-                    xytext=(5, 4), fontsize=7)
+                    xytext=(-20, 7 if i % 2 else -12), fontsize=7)
     ax.axhline(95, color="grey", lw=0.8, ls="--")
     ax.axvline(3, color="grey", lw=0.8, ls="--")
     ax.axvline(1, color="black", lw=0.8)
@@ -96,8 +106,7 @@ def main(argv=None) -> int:
     ax.set_ylabel("needles kept, % of exact's")
     ax.set_ylim(-5, 105)
     ax.grid(alpha=0.3, which="both")
-    save_figure(fig, out / "frontier.png", f"demo model, {a.context} tokens, {a.layers} of 4 layers replaced "
-                f"(goal: upper right of the dashed lines)")
+    save_figure(fig, out / "frontier.png", f"{a.context} tokens, {a.layers} layers replaced (goal: upper right)")
     print(f"wrote {out / 'results.json'} and {out / 'frontier.png'}")
     return 0
 

@@ -129,6 +129,33 @@ def test_a_limited_worker_thread_does_not_change_other_threads():
     assert inside == [1] and torch.get_num_threads() == before
 
 
+def test_a_limited_worker_limits_mkl_too_after_a_global_set_num_threads():
+    """torch.set_num_threads also sets MKL's process-wide count, which overrides OpenMP's per-thread one
+    in MKL's GEMMs: one_thread sets MKL's per-thread count as well (measured: NSA prefill at 32k ran
+    2x slower, two workers each on two threads, without it)."""
+    import ctypes
+    import os
+
+    if common._mkl_set_local() is None or not common.can_limit_threads():
+        pytest.skip("no MKL inside torch here")
+    get = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")).MKL_Get_Max_Threads
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    seen = []
+
+    def worker():
+        with common.one_thread():
+            seen.append(get())
+        seen.append(get())
+    try:
+        t = threading.Thread(target=worker)
+        t.start()
+        t.join()
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [1, 2]
+
+
 def test_the_wheel_holds_every_subpackage(tmp_path):
     """Packages are discovered (setup.py): every folder of longpatch/ with an __init__.py, and the
     top-level kernels/ and configs/, are in the wheel."""

@@ -239,18 +239,45 @@ def _openmp_controller():
     return ctl if ctl.lib_controllers else None
 
 
+@functools.cache
+def _mkl_set_local():
+    """``mkl_set_num_threads_local`` of the MKL inside torch's CPU library, or None (another BLAS, or
+    another platform). torch.set_num_threads also sets MKL's process-wide count, which then overrides
+    OpenMP's per-thread one in MKL's GEMMs: a per-thread limit needs MKL's own per-thread setting."""
+    import ctypes
+
+    path = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+    try:
+        # the C interface, by value (the lower-case symbol is the Fortran one, by reference)
+        fn = ctypes.CDLL(path).MKL_Set_Num_Threads_Local
+    except (OSError, AttributeError):
+        return None
+    fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_int]
+    return fn
+
+
+@contextlib.contextmanager
 def one_thread():
-    """A context in which the calling thread's torch CPU ops run on one thread (OpenMP's thread count
-    is a per-thread setting: other threads, the caller's included, and threads started later keep
-    theirs). ``torch.set_num_threads`` is not used: it also changes the process-wide default, which is
-    the caller's to choose. A no-op context where the OpenMP runtime cannot be reached."""
+    """A context in which the calling thread's torch CPU ops run on one thread. OpenMP's thread count
+    is a per-thread setting, and so is MKL's local one: other threads, the caller's included, and
+    threads started later keep theirs. ``torch.set_num_threads`` is not used: it changes the
+    process-wide default, which is the caller's to choose. A no-op where the OpenMP runtime cannot be
+    reached (``can_limit_threads``)."""
     ctl = _openmp_controller()
     if ctl is None:
-        return contextlib.nullcontext()
+        yield
+        return
     # torch sets a thread's OpenMP count lazily, on its first parallel op, to torch's process-wide
     # count (once torch.set_num_threads was called): trigger that first, or it would undo the limit
     torch.get_num_threads()
-    return ctl.limit(limits=1)
+    mkl = _mkl_set_local()
+    with ctl.limit(limits=1):
+        before = mkl(1) if mkl is not None else None
+        try:
+            yield
+        finally:
+            if mkl is not None:
+                mkl(before)  # 0: back to MKL's process-wide count
 
 
 def can_limit_threads() -> bool:
