@@ -156,12 +156,15 @@ def _plot_demo(rows: list[dict], path: Path, needle: dict | None = None) -> None
     a1, a2 = axes[0], axes[1]
     for cfg in dict.fromkeys(r["config"] for r in rows):
         rs = [r for r in rows if r["config"] == cfg]
-        label = next((r["method"] for r in rs if r["layers"]), cfg)
-        style = dict(label=label, color=method_color(label))
-        a1.plot([r["layers"] for r in rs], [r["ppl"] for r in rs], "o-", **style)
-        a2.plot([r["layers"] for r in rs], [r["attention_speedup"] or 0 for r in rs], "o-", **style)
+        method = next((r["method"] for r in rs if r["layers"]), cfg)
+        # a method's colour; its query-aware config (QUERY_AWARE) dashed, labelled by config name
+        aware = cfg in QUERY_AWARE
+        style = dict(label=f"{method} ({cfg})" if aware else method, color=method_color(method),
+                     linestyle="--" if aware else "-", marker="o")
+        a1.plot([r["layers"] for r in rs], [r["ppl"] for r in rs], **style)
+        a2.plot([r["layers"] for r in rs], [r["attention_speedup"] or 0 for r in rs], **style)
         if needle:
-            axes[2].plot([r["layers"] for r in rs], [r.get("needle_accuracy") or 0 for r in rs], "o-", **style)
+            axes[2].plot([r["layers"] for r in rs], [r.get("needle_accuracy") or 0 for r in rs], **style)
     a1.set(ylabel="perplexity (held-out stdlib, 4096 tokens)", title="quality")
     a2.set(ylabel="attention speedup vs exact", title="speed")
     speedup_line(a2)
