@@ -135,6 +135,37 @@ def estimated_blocks(q, k, block: int, max_blocks: int, mass: float | None, quer
     return select_blocks(block_scores(vertical, slash), max_blocks, mass, local_blocks, sink_blocks)
 
 
+def prefill_blocks(state: dict | None, q, k, block: int, max_blocks: int, mass: float | None, queries: int,
+                   local_blocks: int, scale: float, sink_blocks: int = 1) -> torch.Tensor:
+    """``estimated_blocks`` of a prefill, recording in a layer's ``state`` the last query block's list
+    (``state["kept"]``: what its decode steps keep) and the work (``state["work"]``, counted by the
+    route)."""
+    with torch.no_grad():
+        blocks = estimated_blocks(q.detach(), k.detach(), block, max_blocks, mass, queries, local_blocks, scale,
+                                  sink_blocks)
+    if state is not None:
+        b, hq, n, _ = q.shape
+        state["kept"] = blocks[:, :, -1]
+        state["work"] = {"estimate_pairs": estimate_cost(b, hq, n, queries),
+                         "attended_pairs": attended_cost(blocks, hq, n, block)}
+    return blocks
+
+
+def decode_kept(state: dict | None, q, k, block: int, max_blocks: int, local_blocks: int, scale: float,
+                sink_blocks: int = 1, kept: torch.Tensor | None = None) -> torch.Tensor:
+    """The past blocks [b, hk, S] a one-token step attends to besides its own and local ones: ``kept``
+    when given, else the prefill's list in ``state``, else (no prefill, e.g. a cache built elsewhere)
+    ``decode_blocks`` once, stored for the next steps."""
+    if kept is None and state is not None:
+        kept = state.get("kept")
+    if kept is None or kept.shape[:2] != k.shape[:2]:
+        with torch.no_grad():
+            kept = decode_blocks(q.detach(), k.detach(), block, max_blocks, local_blocks, scale, sink_blocks)
+        if state is not None:
+            state["kept"] = kept
+    return kept
+
+
 def decode_blocks(q, k, block: int, max_blocks: int, local_blocks: int, scale: float,
                   sink_blocks: int = 1) -> torch.Tensor:
     """Past blocks [b, hk, S] for a one-token step that has no prefill's selection to keep (a cache

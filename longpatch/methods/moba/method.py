@@ -6,7 +6,8 @@ import math
 import torch
 
 from ..base import Method, Param, nonneg_int, one_of, positive_int, register_method
-from ..selection import estimate_params
+from ..common import default_scale
+from ..selection import estimate_params, estimated_pairs
 from .cpu import DEFAULT_CHUNK_SIZE, DEFAULT_TOPK, moba_chunk_means
 from .op import SELECTIONS, moba_attention
 
@@ -71,9 +72,6 @@ def _pairs(q, k, causal: bool, params: dict) -> int | None:
     """Query-key products of a causal prefill (None otherwise): the gate (one per query and past chunk) and, per query,
     its own chunk up to itself and topk - 1 full past chunks (fewer where fewer exist); or the
     estimated selection's count (``selection.estimated_pairs``)."""
-    from ..common import default_scale
-    from ..selection import estimated_pairs
-
     n, C, topk = q.shape[2], params["chunk_size"], params["topk"]
     heads = q.shape[0] * q.shape[1]
     if not causal or k.shape[2] != n:

@@ -10,7 +10,7 @@ import torch
 from ..blocksparse import block_sparse_decode, block_sparse_prefill
 from ..common import check_int, check_qkv, default_scale, guards_nonfinite, resolve_backend
 from ..exact import exact_attention
-from ..selection import attended_cost, check_estimate_args, decode_blocks, estimate_cost, estimated_blocks
+from ..selection import check_estimate_args, decode_kept, prefill_blocks
 from .cpu import (
     DEFAULT_CHUNK_SIZE,
     DEFAULT_TOPK,
@@ -138,21 +138,10 @@ def _estimated(q, k, v, causal, scale, C, topk, mass, queries, local_blocks, kep
     if topk >= math.ceil(nk / C) or (1 < nq < nk):
         return exact_attention(q, k, v, causal=True, scale=scale, return_lse=return_lse, backend=backend)
     if nq == 1 and nk > 1:
-        if kept is None and state is not None:
-            kept = state.get("kept")
-        if kept is None or kept.shape[:2] != k.shape[:2]:
-            with torch.no_grad():
-                kept = decode_blocks(q.detach(), k.detach(), C, topk - 1, local_blocks, scale)
-            if state is not None:
-                state["kept"] = kept
+        kept = decode_kept(state, q, k, C, topk - 1, local_blocks, scale, kept=kept)
         out, lse = block_sparse_decode(q, k, v, kept, C, local_blocks, scale)
     else:
-        with torch.no_grad():
-            blocks = estimated_blocks(q.detach(), k.detach(), C, topk - 1, mass, queries, local_blocks, scale)
-        if state is not None:
-            state["kept"] = blocks[:, :, -1]
-            state["work"] = {"estimate_pairs": estimate_cost(b, hq, nk, queries),
-                             "attended_pairs": attended_cost(blocks, hq, nk, C)}
+        blocks = prefill_blocks(state, q, k, C, topk - 1, mass, queries, local_blocks, scale)
         if backend == "triton":  # the MoBA kernel runs any (query row, chunk) list: fed the executor's pairs
             with torch.no_grad():
                 pairs = block_pairs(blocks, hq, nk, C)

@@ -16,7 +16,7 @@ from ..common import (
     resolve_backend,
 )
 from ..cpu_flash import flash_lse, fused_ok
-from ..selection import attended_cost, check_estimate_args, decode_blocks, estimate_cost, estimated_blocks
+from ..selection import check_estimate_args, decode_kept, prefill_blocks
 from .blocks import DEFAULT_GATES, _check_params, nsa_compress, num_compressed
 from .cpu import _decode_one, _fast_forward, _gated_sum
 from .naive import REFERENCE, _compose
@@ -45,24 +45,13 @@ def _estimated(q, k, v, scale, sb, num_selected, window, init_blocks, local_bloc
     past = max(0, local_blocks - 1)  # NSA's local blocks count the own block
     acc = acc_dtype(q.dtype)
     if nq == 1 and nk > 1:
-        kept = state.get("kept") if state is not None else None
-        if kept is None or kept.shape[:2] != k.shape[:2]:
-            with torch.no_grad():
-                kept = decode_blocks(q.detach(), k.detach(), sb, num_selected - 1, past, scale, init_blocks)
-            if state is not None:
-                state["kept"] = kept
+        kept = decode_kept(state, q, k, sb, num_selected - 1, past, scale, init_blocks)
         o_s, l_s = block_sparse_decode(q, k, v, kept, sb, past, scale)
         w0 = max(0, nk - window)
         o_w, l_w = flash_lse(q.reshape(b, hk, hq // hk, d), k[:, :, w0:], v[:, :, w0:], scale)
         o_w, l_w = o_w.reshape(b, hq, 1, d), l_w.reshape(b, hq, 1)
     else:
-        with torch.no_grad():
-            blocks = estimated_blocks(q.detach(), k.detach(), sb, num_selected - 1, mass, queries, past, scale,
-                                      init_blocks)
-        if state is not None:
-            state["kept"] = blocks[:, :, -1]
-            state["work"] = {"estimate_pairs": estimate_cost(b, hq, nk, queries),
-                             "attended_pairs": attended_cost(blocks, hq, nk, sb)}
+        blocks = prefill_blocks(state, q, k, sb, num_selected - 1, mass, queries, past, scale, init_blocks)
         o_s, l_s = block_sparse_prefill(q, k, v, blocks, sb, scale)
         parts = [band_attention(q[bi], k[bi], v[bi], 0, window - 1, 0, 0, scale) for bi in range(b)]
         o_w, l_w = torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
