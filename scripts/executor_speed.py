@@ -92,13 +92,13 @@ def main(argv=None) -> int:
     def method(S):
         def run():
             with torch.no_grad():
-                blocks = estimated_blocks(q, k, a.block, S, None, a.queries, 1, scale)
+                blocks = estimated_blocks(q, k, a.block, S, None, ("estimate", a.queries), 1, scale)
                 return block_sparse_prefill(q, k, v, blocks, a.block, scale)
         return run
 
     calls = {"exact": lambda: exact_attention(q, k, v)}
     calls.update({S: method(S) for S in budgets})
-    lists = {S: estimated_blocks(q, k, a.block, S, None, a.queries, 1, scale) for S in budgets}
+    lists = {S: estimated_blocks(q, k, a.block, S, None, ("estimate", a.queries), 1, scale) for S in budgets}
     flex = {S: flex_runner(q, k, v, lists[S], a.block) for S in budgets} if a.flex else {}
     for fn in list(calls.values()) + [f for f in flex.values() if callable(f)]:
         fn()  # warm-up
@@ -112,7 +112,7 @@ def main(argv=None) -> int:
     ms = {key: statistics.median(t) * 1e3 for key, t in times.items()}
     rows = []
     for S in budgets:
-        pairs = estimate_cost(1, 1, a.n, a.queries) + attended_cost(lists[S], 1, a.n, a.block)
+        pairs = estimate_cost(1, 1, a.n, ("estimate", a.queries)) + attended_cost(lists[S], 1, a.n, a.block)
         ideal = exact_pairs / pairs
         speed = ms["exact"] / ms[S]
         f = flex.get(S)

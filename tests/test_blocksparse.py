@@ -83,16 +83,20 @@ def _estimate_reference(q, k, block, m, scale):
     g = hq // hk
     nb = math.ceil(n / block)
     spread = sorted({round(x) for x in torch.linspace(0, n - 1, m).tolist()})
-    vert, slash = torch.zeros(b, hk, nb), torch.zeros(b, hk, nb)
+    vmean, vmax = torch.zeros(b, hk, nb), torch.zeros(b, hk, nb)
+    slash = torch.zeros(b, hk, nb)
     for h in range(hq):
         for t in range(n):
             p = torch.softmax((q[0, h, t] @ k[0, h // g, :t + 1].T) * scale, -1)
+            row = torch.zeros(nb)  # this query's mass per key block
             for j in range(t + 1):
-                if t >= n - m:
-                    vert[0, h // g, j // block] += p[j] / (g * m)
+                row[j // block] += p[j]
                 if t in spread:
                     slash[0, h // g, t // block - j // block] += p[j] / (g * len(spread))
-    return vert, slash
+            if t >= n - m:
+                vmean[0, h // g] += row / (g * m)
+                vmax[0, h // g] = torch.maximum(vmax[0, h // g], row)
+    return (vmean + vmax) / 2, slash
 
 
 def test_last_queries_estimate_equals_its_definition():
@@ -101,7 +105,8 @@ def test_last_queries_estimate_equals_its_definition():
     rv, rs = _estimate_reference(q, k, 8, 6, 0.25)
     torch.testing.assert_close(vert, rv, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(slash, rs, atol=1e-6, rtol=1e-6)
-    assert torch.allclose(vert.sum(-1), torch.ones(1, 2)) and torch.allclose(slash.sum(-1), torch.ones(1, 2))
+    assert torch.allclose(slash.sum(-1), torch.ones(1, 2))
+    assert bool((vert.sum(-1) >= 1 - 1e-6).all())  # mean part sums to 1/2, max part to at least 1/2
 
 
 def _select_reference(scores, max_blocks, mass, local, sink=1):
@@ -144,7 +149,7 @@ def test_a_needle_is_selected_from_the_last_queries():
     q, k, v = (torch.randn(1, 1, n, d, generator=g) * 0.1 for _ in range(3))
     q[0, 0, -8:] = torch.ones(d)
     k[0, 0, 70] = torch.ones(d) * 3  # the needle, in block 4
-    blocks = estimated_blocks(q, k, block, 3, None, 8, 1, d ** -0.5)
+    blocks = estimated_blocks(q, k, block, 3, None, ("estimate", 8), 1, d ** -0.5)
     assert all(4 in blocks[0, 0, i].tolist() for i in range(5, n // block))
 
 
@@ -153,7 +158,7 @@ def test_moba_estimate_op_prefill_decode_and_reference():
     q, k, v = qkv(n)
     state = {}
     out = moba_attention(q, k, v, chunk_size=block, topk=3, selection="estimate", estimate_queries=8, state=state)
-    blocks = estimated_blocks(q, k, block, 2, None, 8, 1, 0.25)
+    blocks = estimated_blocks(q, k, block, 2, None, ("estimate", 8), 1, 0.25)
     torch.testing.assert_close(out, masked_reference(q, k, v, blocks, block)[0], atol=1e-12, rtol=1e-10)
     assert torch.equal(state["kept"], blocks[:, :, -1])
     # a one-token step keeps the prefill's list for the last block: equal to the prefill's last row
@@ -180,7 +185,7 @@ def test_moba_estimate_op_prefill_decode_and_reference():
 
 def test_moba_estimate_rejects_bad_arguments():
     q, k, v = qkv(32)
-    with pytest.raises(ValueError, match="selection must be one of gate, estimate; got 'x'"):
+    with pytest.raises(ValueError, match="selection must be one of gate, estimate, antidiagonal; got 'x'"):
         moba_attention(q, k, v, chunk_size=8, topk=2, selection="x")
     with pytest.raises(ValueError, match=r"mass must be a number in \(0, 1\]"):
         moba_attention(q, k, v, chunk_size=8, topk=2, selection="estimate", mass=1.5)
@@ -219,7 +224,7 @@ def test_nsa_estimate_is_its_two_branches_and_decode_keeps_the_prefill_blocks():
     q, k, v = qkv(n)
     state = {}
     out, lse = nsa_attention(q, k, v, state=state, return_lse=True, **NSA_EST)
-    blocks = estimated_blocks(q, k, 16, 3, None, 8, 1, 0.25, sink_blocks=1)
+    blocks = estimated_blocks(q, k, 16, 3, None, ("estimate", 8), 1, 0.25, sink_blocks=1)
     sel = masked_reference(q, k, v, blocks, 16)[0]
     pos = torch.arange(n)
     window = (pos.view(1, -1) <= pos.view(-1, 1)) & (pos.view(1, -1) > pos.view(-1, 1) - 24)
@@ -255,3 +260,127 @@ def test_the_triton_kernel_runs_the_estimated_selection():
     g_c = torch.autograd.grad(o_c.sum(), (q, k, v))
     for a, b in zip(g_t, g_c):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-3)
+
+
+def test_a_needle_only_the_final_query_reads_is_kept():
+    """The vertical score is not the last queries' mean mass alone: a block that only the final query
+    looks at (the question's end reading a needle) outranks one that every other last query reads a
+    little. With the mean alone it would rank below (the case is built so), and decoding the answer
+    would lose it."""
+    n, block, m, d = 64, 8, 8, 16
+    e = torch.eye(d, dtype=torch.float64)
+    k = torch.zeros(1, 1, n, d, dtype=torch.float64)
+    k[0, 0, 20] = e[0]        # the needle, block 2
+    k[0, 0, 32:40] = e[1]     # block 4: what the other last queries read a little
+    k[0, 0, 48:64] = e[2]     # blocks 6, 7: the local text
+    q = torch.zeros(1, 1, n, d, dtype=torch.float64)
+    q[0, 0, n - m:] = 2.0 * e[1] + 2.0 * e[2]
+    q[0, 0, n - 1] = 12.0 * e[0]
+    vert, slash = last_queries_estimate(q, k, block, m, 1.0)
+    rows = torch.softmax((q[0, 0, n - m:] @ k[0, 0].T), -1).view(m, n // block, block).sum(-1)
+    mean_only = rows.mean(0)
+    assert mean_only[4] > mean_only[2]  # the case discriminates
+    assert vert[0, 0, 2] > vert[0, 0, 4]
+    blocks = select_blocks(block_scores(torch.stack([vert[0, 0]]).unsqueeze(0), slash), 3, None, 1)
+    assert 2 in blocks[0, 0, -1].tolist()  # sink 0, local 6, then the needle's block
+
+
+def _antidiagonal_reference(q, k, block, stride, scale):
+    """antidiagonal_scores written tile by tile from its definition."""
+    b, hq, n, d = q.shape
+    hk = k.shape[1]
+    g = hq // hk
+    nb = math.ceil(n / block)
+    nt = math.ceil(n / stride)
+    out = torch.zeros(b, hk, nb, nb, dtype=torch.float64)
+    for h in range(hq):
+        for a in range(nt):
+            if a == 0:
+                continue  # no past tile
+            logits = []
+            for c in range(a):
+                total = 0.0
+                for i in range(stride):
+                    r, col = a * stride + i, c * stride + stride - 1 - i
+                    if r < n and col < n:
+                        total += float(q[0, h, r] @ k[0, h // g, col])
+                logits.append(total / stride * scale)
+            p = torch.softmax(torch.tensor(logits, dtype=torch.float64), 0)
+            for c in range(a):
+                out[0, h // g, (a * stride) // block, (c * stride) // block] += p[c]
+    out = out / out.sum(-1, keepdim=True).clamp(min=1e-30)
+    i = torch.arange(nb)
+    return out.masked_fill(i.view(1, -1) > i.view(-1, 1), float("-inf"))
+
+
+@pytest.mark.parametrize("n", [64, 77])  # ragged: a partial last tile and block
+def test_antidiagonal_scores_equal_their_definition(n):
+    from longpatch.methods.selection import antidiagonal_scores
+
+    q, k, _ = qkv(n)
+    got = antidiagonal_scores(q, k, 16, 4, 0.25)
+    ref = _antidiagonal_reference(q, k, 16, 4, 0.25)
+    torch.testing.assert_close(got.double(), ref, atol=1e-6, rtol=1e-5)
+    assert torch.allclose(got[0, :, 1:].clamp(min=0).sum(-1).double(), torch.ones(2, got.shape[2] - 1,
+                                                                               dtype=torch.float64))
+
+
+def test_antidiagonal_finds_what_a_middle_block_reads():
+    """Each query block gets its own scores: block 5's queries read block 2, block 7's read block 4;
+    each is selected for its own query block only."""
+    n, d, block = 128, 16, 16
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 1, n, d, generator=g, dtype=torch.float64) * 0.1 for _ in range(2))
+    e = torch.eye(d, dtype=torch.float64)
+    q[0, 0, 80:96], k[0, 0, 32:48] = 3 * e[0], 3 * e[0]
+    q[0, 0, 112:128], k[0, 0, 64:80] = 3 * e[1], 3 * e[1]
+    blocks = estimated_blocks(q, k, block, 3, None, ("antidiagonal", 4), 1, 1.0)  # sink, local, one more
+    assert blocks[0, 0, 5].tolist() == [0, 4, 2]
+    assert blocks[0, 0, 7].tolist() == [0, 6, 4]
+
+
+@pytest.mark.parametrize("method", ["moba", "nsa"])
+def test_antidiagonal_selection_runs_the_executor_causally_and_decodes(method):
+    """Both methods with selection='antidiagonal': output equal to the masked dense reference of the
+    blocks it selects (GQA: 4 query heads, 2 KV heads; ragged n), values after a position never
+    reach it, and a one-token step equals the prefill's last row."""
+    from longpatch.ops import nsa_attention
+
+    n, block = 90, 16
+    q, k, v = qkv(n)
+    if method == "moba":
+        kw = dict(chunk_size=block, topk=3, selection="antidiagonal", score_stride=4, mass=0.8)
+        run = moba_attention
+    else:
+        kw = {**NSA_EST, "selection": "antidiagonal", "score_stride": 4, "mass": 0.8}
+        run = nsa_attention
+    state = {}
+    out = run(q, k, v, state=state, **kw)
+    blocks = estimated_blocks(q, k, block, 2 if method == "moba" else 3, 0.8, ("antidiagonal", 4), 1, 0.25)
+    sel = masked_reference(q, k, v, blocks, block)[0]
+    if method == "moba":
+        torch.testing.assert_close(out, sel, atol=1e-12, rtol=1e-10)
+    else:
+        pos = torch.arange(n)
+        window = (pos.view(1, -1) <= pos.view(-1, 1)) & (pos.view(1, -1) > pos.view(-1, 1) - 24)
+        win = dense_attention(q, k, v, causal=False, mask=window.expand(1, 4, n, n))[0]
+        torch.testing.assert_close(out, 0.75 * sel + 0.25 * win, atol=1e-12, rtol=1e-10)
+    v3 = v.clone()
+    v3[:, :, 50:] += 1.0
+    torch.testing.assert_close(run(q, k, v3, **kw)[:, :, :50], out[:, :, :50], atol=0, rtol=0)
+    step = run(q[:, :, -1:], k, v, state=state, **kw)
+    torch.testing.assert_close(step, out[:, :, -1:], atol=1e-12, rtol=1e-10)
+
+
+def test_antidiagonal_stride_must_divide_the_block():
+    from longpatch.errors import ConfigError
+    from longpatch.methods import get_method
+
+    q, k, v = qkv(32)
+    with pytest.raises(ValueError, match="score_stride must divide the block size 8; got 3"):
+        moba_attention(q, k, v, chunk_size=8, topk=2, selection="antidiagonal", score_stride=3)
+    with pytest.raises(ConfigError, match="score_stride of method 'moba': got 3"):
+        get_method("moba").resolve_params({"selection": "antidiagonal", "chunk_size": 64, "score_stride": 3})
+    with pytest.raises(ConfigError, match="score_stride of method 'nsa': got 5"):
+        get_method("nsa").resolve_params({"selection": "antidiagonal", "score_stride": 5,
+                                          "gates": [0.0, 0.75, 0.25]})

@@ -1,21 +1,24 @@
 """Query-aware, training-free block selection: which past key blocks each query block attends to.
 
-``last_queries_estimate`` scores blocks from real q·k products, as MInference's vertical-slash
-estimate does: the last ``m`` queries of the input attend exactly (causally) to every key, and their
-attention mass, summed over the rows of each KV group, is pooled per key block (*vertical*: where
-the prompt's end looks, e.g. a needle, sinks); ``m`` queries spread over the sequence give the mass
-per block offset (*slash*: how far back attention looks, e.g. the local diagonal). Query block i
-scores past block j as vertical[j] + slash[i - j].
+Two scorings of real q·k products give a block-score matrix [b, kv_heads, query block, key block]:
+
+- ``last_queries_estimate`` (selection "estimate"), as MInference's vertical-slash estimate: the
+  last ``m`` queries of the input attend exactly (causally) to every key, and their attention mass
+  is pooled per key block, the mean over the rows of each KV group averaged with their maximum
+  (*vertical*: where the prompt's end looks, e.g. a needle, sinks); ``m`` queries spread over the
+  sequence give the mass per block offset (*slash*: how far back attention looks, e.g. the local
+  diagonal). Query block i scores past block j as vertical[j] + slash[i - j]. It reads the whole
+  prompt's last queries, so the *pattern* of an early query block depends on the prompt's end
+  (selection is a prefill-time decision). Cost: 2 m x n products per query head.
+- ``antidiagonal_scores`` (selection "antidiagonal"), as XAttention: every (query tile, past key
+  tile) of ``stride`` rows is scored by its antidiagonal, a softmax per query tile gives each
+  query block its own estimated mass per key block. Cost: about n² / (2 stride) products per head.
 
 ``select_blocks`` turns scores into block lists for the executor (``blocksparse.py``): per KV head
 and query block, the forced blocks (the first block: attention sinks; the ``local_blocks`` blocks
 before the own block), then the best-scoring past blocks, either a fixed number (``mass`` None) or
 the fewest whose estimated mass, with the own block's, reaches ``mass`` of the visible total (at
-most ``max_blocks`` past blocks either way).
-
-The estimate reads the whole prompt's last queries, so the *pattern* of an early query block depends
-on the prompt's end (as in MInference: selection is a prefill-time decision); no query ever reads a
-key after its own position. Its cost is 2 m x n products per query head.
+most ``max_blocks`` past blocks either way). No query ever reads a key after its own position.
 """
 from __future__ import annotations
 
@@ -26,23 +29,35 @@ import torch
 from .base import Between, Param, positive_int
 from .common import acc_dtype, check_int
 
+SCORINGS = ("estimate", "antidiagonal")  # the query-aware selections; a method's `selection` names one
+
 
 def estimate_params(unit: str, budget: str) -> dict[str, Param]:
-    """The config params of a method's estimated selection (``unit``: what its blocks are called,
+    """The config params of a method's query-aware selections (``unit``: what its blocks are called,
     ``budget``: the param that caps them)."""
     return {
-        "mass": Param(None, (float, type(None)), f"estimate only: the fewest {unit}s whose estimated attention "
-                      f"mass reaches this share (null: always {budget})", Between(1e-9, 1.0, optional=True),
-                      "a number in (0, 1] or null"),
+        "mass": Param(None, (float, type(None)), f"estimate/antidiagonal only: the fewest {unit}s whose estimated "
+                      f"attention mass reaches this share (null: always {budget})",
+                      Between(1e-9, 1.0, optional=True), "a number in (0, 1] or null"),
         "estimate_queries": positive_int(f"estimate only: how many last queries score the {unit}s", 64),
+        "score_stride": positive_int(f"antidiagonal only: the side of the score tiles whose antidiagonals score the "
+                               f"{unit}s (divides the {unit} size)", 16),
     }
 
 
-def check_estimate_args(op: str, mass, queries) -> None:
-    """The ops' checks of the estimate's arguments (as strict as the config's)."""
+def scoring_of(selection: str, estimate_queries: int, stride: int) -> tuple[str, int]:
+    """The ``scoring`` argument of the functions below for a method's query-aware ``selection``."""
+    return (selection, estimate_queries if selection == "estimate" else stride)
+
+
+def check_estimate_args(op: str, mass, scoring: tuple[str, int], block: int) -> None:
+    """The ops' checks of a query-aware selection's arguments (as strict as the config's)."""
     if mass is not None and not (isinstance(mass, (int, float)) and not isinstance(mass, bool) and 0 < mass <= 1):
         raise ValueError(f"{op}: mass must be a number in (0, 1] or None; got {mass!r}")
-    check_int(op, "estimate_queries", queries, 1)
+    kind, amount = scoring
+    check_int(op, "estimate_queries" if kind == "estimate" else "score_stride", amount, 1)
+    if kind == "antidiagonal" and block % amount:
+        raise ValueError(f"{op}: score_stride must divide the block size {block}; got {amount}")
 
 
 def _mass(q, k, qpos: torch.Tensor, scale: float) -> torch.Tensor:
@@ -65,12 +80,13 @@ def _pooled(p: torch.Tensor, nb: int, block: int) -> torch.Tensor:
 
 
 def last_queries_estimate(q, k, block: int, m: int, scale: float):
-    """(vertical [b, hk, nb], slash [b, hk, nb]) float32 block scores from exact attention mass,
-    summed over the heads of each KV group and averaged over the scoring rows (each sums to 1):
+    """(vertical [b, hk, nb], slash [b, hk, nb]) float32 block scores from exact attention mass, over
+    the scoring rows of each KV group (every query head's):
 
-    vertical[j]: the mass the last ``m`` queries put on key block j (where the prompt's end looks);
-    slash[o]: the mass that ``m`` queries spread evenly over the sequence put on keys o blocks before
-    their own block (how far back attention looks wherever it is). Spreading the slash rows keeps an
+    vertical[j]: the mass the last ``m`` queries put on key block j (where the prompt's end looks),
+    the rows' mean averaged with their maximum (so it sums to between 1/2 and (1 + g m)/2);
+    slash[o]: the mean mass that ``m`` queries spread evenly over the sequence put on keys o blocks
+    before their own block (how far back attention looks wherever it is; sums to 1). Spreading the slash rows keeps an
     absolute position (a needle) from posing as an offset: it sits at a different offset from each."""
     b, hq, n, d = q.shape
     hk = k.shape[1]
@@ -79,14 +95,18 @@ def last_queries_estimate(q, k, block: int, m: int, scale: float):
     nb = math.ceil(n / block)
     dev = q.device
     last = torch.arange(n - m, n, device=dev)
-    vertical = _pooled(_mass(q, k, last, scale), nb, block).sum(2)
+    per_row = _pooled(_mass(q, k, last, scale), nb, block)  # [b, hk, g * m, nb], each row sums to 1
+    # the mean over the rows, averaged with the most any one row puts on a block: a needle that only
+    # the prompt's final queries look at is not diluted by the others (mean alone ranked it last or
+    # dropped it, and decoding the answer lost it)
+    vertical = (per_row.mean(2) + per_row.amax(2)) / 2
     spread = torch.unique(torch.linspace(0, n - 1, m, device=dev).round().long())
     pb = _pooled(_mass(q, k, spread, scale), nb, block)  # [b, hk, rows, nb]
     off = (spread // block).repeat(g).view(-1, 1) - torch.arange(nb, device=dev).view(1, -1)
     off = off.clamp(min=0).expand(b, hk, -1, -1)  # a future block (offset < 0) has mass 0
     slash = torch.zeros(b, hk, nb, dtype=pb.dtype, device=dev)
     slash.scatter_add_(2, off.reshape(b, hk, -1), pb.reshape(b, hk, -1))
-    return (vertical / (g * m)).float(), (slash / (g * len(spread))).float()
+    return vertical.float(), (slash / (g * len(spread))).float()
 
 
 def block_scores(vertical: torch.Tensor, slash: torch.Tensor) -> torch.Tensor:
@@ -128,25 +148,72 @@ def select_blocks(scores: torch.Tensor, max_blocks: int, mass: float | None, loc
     return torch.where(valid, idx, torch.full_like(idx, -1))
 
 
-def estimated_blocks(q, k, block: int, max_blocks: int, mass: float | None, queries: int, local_blocks: int,
-                     scale: float, sink_blocks: int = 1) -> torch.Tensor:
-    """The block lists of a causal prefill (q_len == kv_len) by the last-queries estimate."""
-    vertical, slash = last_queries_estimate(q, k, block, queries, scale)
-    return select_blocks(block_scores(vertical, slash), max_blocks, mass, local_blocks, sink_blocks)
+def antidiagonal_scores(q, k, block: int, stride: int, scale: float) -> torch.Tensor:
+    """[b, hk, nb (query block), nb (key block)] float32: the estimated attention mass of each query
+    block on each key block from antidiagonals of the score matrix (as XAttention scores blocks).
+
+    Cut queries and keys into tiles of ``stride`` rows. Tile a's score on tile c is the mean of the
+    stride products along the tile's antidiagonal, q[a s + i] · k[c s + s - 1 - i]: every query row
+    and every key row of the tile appears once, so a key that some query of the tile attends to moves
+    it, at 1/stride of the dense cost. Each query tile's softmax over its past tiles (c < a: the
+    diagonal tile holds keys after some of its queries, and the own block is attended anyway) is
+    summed per key block, over the tiles of each query block and the query heads of each KV group,
+    and each row is normalised to 1 (rows with no past tile stay 0). Above the diagonal: -inf."""
+    b, hq, n, d = q.shape
+    hk = k.shape[1]
+    g = hq // hk
+    nb = math.ceil(n / block)
+    per = block // stride  # tiles per block
+    nt = nb * per
+    acc = acc_dtype(q.dtype)
+    pad = nt * stride - n
+    qt = torch.nn.functional.pad(q.to(acc), (0, 0, 0, pad)).view(b, hq, nt, stride * d)
+    # each key tile's rows reversed, so a row of q tiles times a row of k tiles sums an antidiagonal
+    kt = torch.nn.functional.pad(k.to(acc), (0, 0, 0, pad)).view(b, hk, nt, stride, d).flip(3)
+    kt = kt.reshape(b, hk, nt, stride * d)
+    out = torch.zeros(b, hk, nb, nb, dtype=torch.float32, device=q.device)
+    c = torch.arange(nt, device=q.device)
+    rows = max(per, (1 << 21) // (b * hq * nt) // per * per)  # query tiles per step: bounded temporaries
+    for a0 in range(0, nt, rows):
+        a = torch.arange(a0, min(nt, a0 + rows), device=q.device)
+        seen = a0 + len(a)  # key tiles these query tiles can see: whole blocks up to their last block
+        sc = torch.matmul(qt[:, :, a0:seen].reshape(b, hk, g * len(a), -1), kt[:, :, :seen].transpose(-1, -2))
+        sc = sc.view(b, hk, g, len(a), seen) * (scale / stride)
+        p = torch.softmax(sc.masked_fill(c[:seen].view(1, -1) >= a.view(-1, 1), float("-inf")), -1)
+        p = p.nan_to_num(0.0).sum(2)  # tile 0 sees no past tile: no mass
+        pb = p.view(b, hk, len(a) // per, per, seen // per, per).sum((3, 5))  # [b, hk, query blocks, key blocks]
+        out[:, :, a0 // per: a0 // per + pb.shape[2], :seen // per] = pb.float()
+    out = out / out.sum(-1, keepdim=True).clamp(min=1e-30)
+    i = torch.arange(nb, device=q.device)
+    return out.masked_fill(i.view(1, -1) > i.view(-1, 1), float("-inf"))
 
 
-def prefill_blocks(state: dict | None, q, k, block: int, max_blocks: int, mass: float | None, queries: int,
-                   local_blocks: int, scale: float, sink_blocks: int = 1) -> torch.Tensor:
+def score_blocks(q, k, block: int, scoring: tuple[str, int], scale: float) -> torch.Tensor:
+    """[b, hk, nb, nb] block scores of a causal prefill by ``scoring`` (``scoring_of``)."""
+    kind, amount = scoring
+    if kind == "antidiagonal":
+        return antidiagonal_scores(q, k, block, amount, scale)
+    return block_scores(*last_queries_estimate(q, k, block, amount, scale))
+
+
+def estimated_blocks(q, k, block: int, max_blocks: int, mass: float | None, scoring: tuple[str, int],
+                     local_blocks: int, scale: float, sink_blocks: int = 1) -> torch.Tensor:
+    """The block lists of a causal prefill (q_len == kv_len) by a query-aware ``scoring``."""
+    return select_blocks(score_blocks(q, k, block, scoring, scale), max_blocks, mass, local_blocks, sink_blocks)
+
+
+def prefill_blocks(state: dict | None, q, k, block: int, max_blocks: int, mass: float | None,
+                   scoring: tuple[str, int], local_blocks: int, scale: float, sink_blocks: int = 1) -> torch.Tensor:
     """``estimated_blocks`` of a prefill, recording in a layer's ``state`` the last query block's list
     (``state["kept"]``: what its decode steps keep) and the work (``state["work"]``, counted by the
     route)."""
     with torch.no_grad():
-        blocks = estimated_blocks(q.detach(), k.detach(), block, max_blocks, mass, queries, local_blocks, scale,
+        blocks = estimated_blocks(q.detach(), k.detach(), block, max_blocks, mass, scoring, local_blocks, scale,
                                   sink_blocks)
     if state is not None:
         b, hq, n, _ = q.shape
         state["kept"] = blocks[:, :, -1]
-        state["work"] = {"estimate_pairs": estimate_cost(b, hq, n, queries),
+        state["work"] = {"estimate_pairs": estimate_cost(b, hq, n, scoring),
                          "attended_pairs": attended_cost(blocks, hq, n, block)}
     return blocks
 
@@ -182,10 +249,15 @@ def decode_blocks(q, k, block: int, max_blocks: int, local_blocks: int, scale: f
     return select_blocks(scores, max_blocks, None, local_blocks, sink_blocks)[:, :, -1]
 
 
-def estimate_cost(b: int, hq: int, n: int, queries: int) -> int:
-    """Query-key products of the last-queries estimate of an n-token prefill (its last and spread
-    rows, each against its visible keys), per query head summed."""
-    m = min(queries, n)
+def estimate_cost(b: int, hq: int, n: int, scoring: tuple[str, int]) -> int:
+    """Query-key products of a selection's estimate on an n-token prefill, per query head summed:
+    the last-queries estimate's last and spread rows, each against its visible keys; the
+    antidiagonal scoring's stride products per (query tile, past key tile)."""
+    kind, amount = scoring
+    if kind == "antidiagonal":
+        nt = math.ceil(n / amount)
+        return b * hq * amount * nt * (nt - 1) // 2
+    m = min(amount, n)
     spread = torch.unique(torch.linspace(0, n - 1, m).round().long())
     return b * hq * (int((torch.arange(n - m, n) + 1).sum()) + int((spread + 1).sum()))
 
@@ -200,9 +272,9 @@ def attended_cost(blocks: torch.Tensor, hq: int, n: int, block: int) -> int:
     return listed + b * hq * int((sizes * (sizes + 1) // 2).sum())
 
 
-def estimated_pairs(q, k, block: int, max_blocks: int, mass: float | None, queries: int, local_blocks: int,
-                    scale: float, sink_blocks: int = 1) -> int:
+def estimated_pairs(q, k, block: int, max_blocks: int, mass: float | None, scoring: tuple[str, int],
+                    local_blocks: int, scale: float, sink_blocks: int = 1) -> int:
     """All query-key products of an estimated prefill (``estimate_cost`` + ``attended_cost``)."""
-    blocks = estimated_blocks(q, k, block, max_blocks, mass, queries, local_blocks, scale, sink_blocks)
+    blocks = estimated_blocks(q, k, block, max_blocks, mass, scoring, local_blocks, scale, sink_blocks)
     n = q.shape[2]
-    return estimate_cost(q.shape[0], q.shape[1], n, queries) + attended_cost(blocks, q.shape[1], n, block)
+    return estimate_cost(q.shape[0], q.shape[1], n, scoring) + attended_cost(blocks, q.shape[1], n, block)

@@ -5,9 +5,10 @@ import math
 
 import torch
 
+from ...errors import ConfigError
 from ..base import Method, Param, nonneg_int, one_of, positive_int, register_method
 from ..common import default_scale
-from ..selection import estimate_params, estimated_pairs
+from ..selection import estimate_params, estimated_pairs, scoring_of
 from .cpu import DEFAULT_CHUNK_SIZE, DEFAULT_TOPK, moba_chunk_means
 from .op import SELECTIONS, moba_attention
 
@@ -45,10 +46,11 @@ def init_state(k, v, *, chunk_size: int = DEFAULT_CHUNK_SIZE, **_) -> dict:
 
 def _run(q, k, v, *, causal=True, scale=None, backend="auto", buffers=None, state=None,
          chunk_size=DEFAULT_CHUNK_SIZE, topk=DEFAULT_TOPK, shared_selection=False, selection="gate", mass=None,
-         estimate_queries=64, local_blocks=1, **_):
-    if selection == "estimate":  # its decode state is the prefill's chunk list, not chunk means
+         estimate_queries=64, score_stride=16, local_blocks=1, **_):
+    if selection != "gate":  # its decode state is the prefill's chunk list, not chunk means
         return moba_attention(q, k, v, causal=causal, scale=scale, chunk_size=chunk_size, topk=topk,
                               selection=selection, mass=mass, estimate_queries=estimate_queries,
+                              score_stride=score_stride,
                               local_blocks=local_blocks, state=state, backend=backend)
     means = None
     if state is not None and causal:
@@ -60,7 +62,7 @@ def _run(q, k, v, *, causal=True, scale=None, backend="auto", buffers=None, stat
 def _exact_when(q_len: int, kv_len: int, params: dict) -> bool:
     """Where moba_attention short-cuts to exact attention: top-k covers every chunk (and, with the
     estimated selection, a chunked prefill)."""
-    chunked = params.get("selection") == "estimate" and 1 < q_len < kv_len
+    chunked = params.get("selection", "gate") != "gate" and 1 < q_len < kv_len
     return chunked or params["topk"] >= math.ceil(kv_len / params["chunk_size"])
 
 
@@ -78,15 +80,27 @@ def _pairs(q, k, causal: bool, params: dict) -> int | None:
         return None
     if topk >= math.ceil(n / C):
         return heads * n * (n + 1) // 2
-    if params["selection"] == "estimate":
-        return estimated_pairs(q, k, C, topk - 1, params["mass"], params["estimate_queries"],
-                               params["local_blocks"], default_scale(None, q.shape[-1]))
+    if params["selection"] != "gate":
+        scoring = scoring_of(params["selection"], params["estimate_queries"], params["score_stride"])
+        return estimated_pairs(q, k, C, topk - 1, params["mass"], scoring, params["local_blocks"],
+                               default_scale(None, q.shape[-1]))
     t = torch.arange(n)
     past = t // C
     return heads * int((t % C + 1 + past + torch.clamp(past, max=topk - 1) * C).sum())
 
 
-MOBA = register_method(Method(
+class _MoBAMethod(Method):
+    """Checks that the antidiagonal scoring's tiles fit the chunks at config time."""
+
+    def resolve_params(self, given):
+        params = super().resolve_params(given)
+        if params["selection"] == "antidiagonal" and params["chunk_size"] % params["score_stride"]:
+            raise ConfigError(f"params.score_stride of method 'moba': got {params['score_stride']}; allowed: a "
+                              f"divisor of chunk_size ({params['chunk_size']})")
+        return params
+
+
+MOBA = register_method(_MoBAMethod(
     name="moba",
     summary="MoBA: each query attends to its own chunk + the top-k past chunks by q·mean(chunk keys)",
     prefill=_run,
@@ -97,11 +111,12 @@ MOBA = register_method(Method(
                              DEFAULT_TOPK),
         "shared_selection": Param(False, (bool,), "query heads of a KV group select chunks together "
                                   "(sum of their gate scores)"),
-        "selection": one_of("'gate': the paper's q·mean(chunk keys) per query; 'estimate': query-aware, from "
-                            "the last queries' exact attention per chunk (group-shared, per query chunk)",
+        "selection": one_of("'gate': the paper's q·mean(chunk keys) per query; query-aware (group-shared, per "
+                            "query chunk): 'estimate', from the last queries' exact attention per chunk, or "
+                            "'antidiagonal', from strided antidiagonals of the score matrix",
                             "gate", SELECTIONS),
         **estimate_params("chunk", "topk"),
-        "local_blocks": nonneg_int("estimate only: chunks before the own one always attended", 1),
+        "local_blocks": nonneg_int("estimate/antidiagonal only: chunks before the own one always attended", 1),
     },
     stateful=True,
     init_state=init_state,

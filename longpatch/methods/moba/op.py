@@ -10,7 +10,7 @@ import torch
 from ..blocksparse import block_sparse_decode, block_sparse_prefill
 from ..common import check_int, check_qkv, default_scale, guards_nonfinite, resolve_backend
 from ..exact import exact_attention
-from ..selection import check_estimate_args, decode_kept, prefill_blocks
+from ..selection import SCORINGS, check_estimate_args, decode_kept, prefill_blocks, scoring_of
 from .cpu import (
     DEFAULT_CHUNK_SIZE,
     DEFAULT_TOPK,
@@ -120,14 +120,14 @@ def _run_pairs(q, k, v, pairs: dict, scale: float, causal: bool):
 
 # --------------------------------------------------------------------------- the op
 
-SELECTIONS = ("gate", "estimate")
+SELECTIONS = ("gate", *SCORINGS)
 
 
-def _estimated(q, k, v, causal, scale, C, topk, mass, queries, local_blocks, kept, state, return_lse, backend):
-    """moba_attention with selection="estimate": the block-sparse executor on estimated chunks."""
+def _estimated(q, k, v, causal, scale, C, topk, mass, scoring, local_blocks, kept, state, return_lse, backend):
+    """moba_attention with a query-aware selection: the block-sparse executor on estimated chunks."""
     if not causal:
-        raise ValueError("moba_attention: selection='estimate' supports causal attention only")
-    check_estimate_args("moba_attention", mass, queries)
+        raise ValueError(f"moba_attention: selection={scoring[0]!r} supports causal attention only")
+    check_estimate_args("moba_attention", mass, scoring, C)
     check_int("moba_attention", "local_blocks", local_blocks, 0)
     b, hq, nq, d = q.shape
     nk = k.shape[2]
@@ -141,7 +141,7 @@ def _estimated(q, k, v, causal, scale, C, topk, mass, queries, local_blocks, kep
         kept = decode_kept(state, q, k, C, topk - 1, local_blocks, scale, kept=kept)
         out, lse = block_sparse_decode(q, k, v, kept, C, local_blocks, scale)
     else:
-        blocks = prefill_blocks(state, q, k, C, topk - 1, mass, queries, local_blocks, scale)
+        blocks = prefill_blocks(state, q, k, C, topk - 1, mass, scoring, local_blocks, scale)
         if backend == "triton":  # the MoBA kernel runs any (query row, chunk) list: fed the executor's pairs
             with torch.no_grad():
                 pairs = block_pairs(blocks, hq, nk, C)
@@ -156,7 +156,8 @@ def moba_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
                    chunk_size: int = DEFAULT_CHUNK_SIZE, topk: int = DEFAULT_TOPK, shared_selection: bool = False,
                    chunk_means: torch.Tensor | None = None, return_lse: bool = False, backend: str = "auto",
                    selection: str = "gate", mass: float | None = None, estimate_queries: int = 64,
-                   local_blocks: int = 1, kept: torch.Tensor | None = None, state: dict | None = None):
+                   score_stride: int = 16, local_blocks: int = 1, kept: torch.Tensor | None = None,
+                   state: dict | None = None):
     """MoBA attention on the shared layout (q [b, hq, nq, d], k/v [b, hk, nk, d]).
 
     chunk_size: keys per chunk. topk: chunks per query, own chunk included (1 = own chunk only).
@@ -167,12 +168,13 @@ def moba_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
     the other topk - 1 chunks are chosen among ALL chunks, past and future (a query with no
     position, non-causal q_len > kv_len, chooses topk chunks). Returns out (and float32 LSE).
 
-    selection: "gate" (the paper's: q·mean(chunk keys) per query) or "estimate" (query-aware,
-    ``selection.py``: the last ``estimate_queries`` queries' exact attention mass per chunk and per
-    chunk offset; per KV head and query chunk, the first chunk, the ``local_blocks`` chunks before the
-    own one, then the best-scoring past chunks, up to topk - 1 of them, or the fewest reaching
-    ``mass`` of the estimated total when mass is set), run by the block-sparse executor
-    (``blocksparse.py``). With "estimate", a one-token step attends to ``kept`` [b, kv_heads, S] (the
+    selection: "gate" (the paper's: q·mean(chunk keys) per query) or a query-aware one
+    (``selection.py``), "estimate" (the last ``estimate_queries`` queries' exact attention mass per
+    chunk and per chunk offset) or "antidiagonal" (antidiagonals of ``score_stride`` x ``score_stride`` score
+    tiles, per query chunk); per KV head and query chunk, the first chunk, the ``local_blocks`` chunks
+    before the own one, then the best-scoring past chunks, up to topk - 1 of them, or the fewest
+    reaching ``mass`` of the estimated total when mass is set, run by the block-sparse executor
+    (``blocksparse.py``). With a query-aware selection, a one-token step attends to ``kept`` [b, kv_heads, S] (the
     prefill's list for its last chunk; ``state`` carries it between calls), its own chunk and the
     ``local_blocks`` before it, reading only those rows; without ``kept`` it estimates from its own
     query once. Causal only; chunked prefill (1 < q_len < kv_len) runs exact attention.
@@ -184,9 +186,10 @@ def moba_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
     backend = resolve_backend(backend, q, k, v)
     if selection not in SELECTIONS:
         raise ValueError(f"moba_attention: selection must be one of {', '.join(SELECTIONS)}; got {selection!r}")
-    if selection == "estimate":
-        return _estimated(q, k, v, causal, scale, chunk_size, topk, mass, estimate_queries, local_blocks, kept,
-                          state, return_lse, backend)
+    if selection != "gate":
+        return _estimated(q, k, v, causal, scale, chunk_size, topk, mass,
+                          scoring_of(selection, estimate_queries, score_stride), local_blocks, kept, state, return_lse,
+                          backend)
     if chunk_means is not None:
         if chunk_means.dim() != 4 or chunk_means.shape[:2] != k.shape[:2] or chunk_means.shape[-1] != k.shape[-1]:
             raise ValueError(f"chunk_means must be [b, kv_heads, n_chunks, d] = [{k.shape[0]}, {k.shape[1]}, *, "

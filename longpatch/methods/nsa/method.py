@@ -53,10 +53,11 @@ def init_state(k, v, *, compress_block: int = 32, compress_stride: int = 16, **_
 
 
 def _run(q, k, v, *, causal=True, scale=None, backend="auto", buffers=None, state=None, gates=TRAINING_FREE_GATES,
-         selection="compressed", mass=None, estimate_queries=64, **params):
-    if selection == "estimate":  # its decode state is the prefill's block list, not compressed K/V
+         selection="compressed", mass=None, estimate_queries=64, score_stride=16, **params):
+    if selection != "compressed":  # its decode state is the prefill's block list, not compressed K/V
         return nsa_attention(q, k, v, causal=causal, scale=scale, gates=tuple(gates), backend=backend,
-                             selection=selection, mass=mass, estimate_queries=estimate_queries, state=state, **params)
+                             selection=selection, mass=mass, estimate_queries=estimate_queries,
+                             score_stride=score_stride, state=state, **params)
     compressed = None
     if state is not None and causal:
         l, s = params["compress_block"], params["compress_stride"]
@@ -96,9 +97,13 @@ class _NSAMethod(Method):
             _check_params(**blocks)
         except ValueError as e:
             raise ConfigError(f"params of method 'nsa': {e}") from None
-        if params["selection"] == "estimate" and params["gates"][0] != 0:
-            raise ConfigError(f"params.gates of method 'nsa': got {params['gates']!r}; selection 'estimate' has no "
-                              "compressed branch: allowed: g_cmp = 0, e.g. [0.0, 0.75, 0.25]")
+        if params["selection"] != "compressed" and params["gates"][0] != 0:
+            raise ConfigError(f"params.gates of method 'nsa': got {params['gates']!r}; selection "
+                              f"'{params['selection']}' has no compressed branch: allowed: g_cmp = 0, e.g. "
+                              "[0.0, 0.75, 0.25]")
+        if params["selection"] == "antidiagonal" and params["select_block"] % params["score_stride"]:
+            raise ConfigError(f"params.score_stride of method 'nsa': got {params['score_stride']}; allowed: a "
+                              f"divisor of select_block ({params['select_block']})")
         return params
 
 
@@ -119,7 +124,8 @@ NSA = register_method(_NSAMethod(
                        "fixed gates [g_cmp, g_slc, g_win] of the training-free mode (default measured: docs/nsa.md)",
                        _gates_ok, "a list of 3 finite numbers >= 0"),
         "selection": one_of("'compressed': blocks ranked by the compressed branch's attention (the paper's); "
-                            "'estimate': query-aware, from the last queries' exact attention (needs g_cmp = 0)",
+                            "query-aware (needs g_cmp = 0): 'estimate', from the last queries' exact attention, "
+                            "or 'antidiagonal', from strided antidiagonals of the score matrix",
                             "compressed", SELECTIONS),
         **estimate_params("block", "num_selected"),
     },

@@ -16,31 +16,32 @@ from ..common import (
     resolve_backend,
 )
 from ..cpu_flash import flash_lse, fused_ok
-from ..selection import check_estimate_args, decode_kept, prefill_blocks
+from ..selection import SCORINGS, check_estimate_args, decode_kept, prefill_blocks, scoring_of
 from .blocks import DEFAULT_GATES, _check_params, nsa_compress, num_compressed
 from .cpu import _decode_one, _fast_forward, _gated_sum
 from .naive import REFERENCE, _compose
 
 # --------------------------------------------------------------------------- the op
 
-SELECTIONS = ("compressed", "estimate")
+SELECTIONS = ("compressed", *SCORINGS)
 
 
-def _estimated(q, k, v, scale, sb, num_selected, window, init_blocks, local_blocks, gates, mass, queries, state,
+def _estimated(q, k, v, scale, sb, num_selected, window, init_blocks, local_blocks, gates, mass, scoring, state,
                return_lse):
-    """nsa_attention with selection="estimate": g_slc * (own block + estimated blocks, on the
+    """nsa_attention with a query-aware selection: g_slc * (own block + estimated blocks, on the
     block-sparse executor) + g_win * (sliding window)."""
     from ..sparse import band_attention
 
     if isinstance(gates, torch.Tensor) or gates[0] != 0:
         got = "a tensor" if isinstance(gates, torch.Tensor) else repr(gates)
-        raise ValueError("nsa_attention: selection='estimate' has no compressed branch; gates must be 3 fixed "
+        raise ValueError(f"nsa_attention: selection={scoring[0]!r} has no compressed branch; gates must be 3 fixed "
                          f"numbers with g_cmp = 0 (e.g. (0, 0.75, 0.25)); got {got}")
-    check_estimate_args("nsa_attention", mass, queries)
+    check_estimate_args("nsa_attention", mass, scoring, sb)
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     if 1 < nq < nk:
-        raise ValueError(f"nsa_attention: selection='estimate' runs prefill (q_len == kv_len) and one-token decode; "
+        raise ValueError(f"nsa_attention: selection={scoring[0]!r} runs prefill (q_len == kv_len) and one-token "
+                         "decode; "
                          f"got q_len {nq} < kv_len {nk}")
     past = max(0, local_blocks - 1)  # NSA's local blocks count the own block
     acc = acc_dtype(q.dtype)
@@ -51,7 +52,7 @@ def _estimated(q, k, v, scale, sb, num_selected, window, init_blocks, local_bloc
         o_w, l_w = flash_lse(q.reshape(b, hk, hq // hk, d), k[:, :, w0:], v[:, :, w0:], scale)
         o_w, l_w = o_w.reshape(b, hq, 1, d), l_w.reshape(b, hq, 1)
     else:
-        blocks = prefill_blocks(state, q, k, sb, num_selected - 1, mass, queries, past, scale, init_blocks)
+        blocks = prefill_blocks(state, q, k, sb, num_selected - 1, mass, scoring, past, scale, init_blocks)
         o_s, l_s = block_sparse_prefill(q, k, v, blocks, sb, scale)
         parts = [band_attention(q[bi], k[bi], v[bi], 0, window - 1, 0, 0, scale) for bi in range(b)]
         o_w, l_w = torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
@@ -99,7 +100,8 @@ def nsa_attention(q, k, v, *, causal: bool = True, scale: float | None = None, c
                   compress_stride: int = 16, select_block: int = 64, num_selected: int = 16, window: int = 512,
                   init_blocks: int = 1, local_blocks: int = 2, gates=DEFAULT_GATES, compress="mean",
                   compressed=None, return_lse: bool = False, backend: str = "auto", selection: str = "compressed",
-                  mass: float | None = None, estimate_queries: int = 64, state: dict | None = None):
+                  mass: float | None = None, estimate_queries: int = 64, score_stride: int = 16,
+                  state: dict | None = None):
     """NSA attention on the shared layout (q [b, hq, nq, d], k/v [b, hk, nk, d]); causal only.
 
     gates: (g_cmp, g_slc, g_win) floats, or a tensor [b, hq, nq, 3] (e.g. sigmoid of a projection
@@ -109,13 +111,14 @@ def nsa_attention(q, k, v, *, causal: bool = True, scale: float | None = None, c
     (compressed, selected, window; float32, float64 for float64 inputs), -inf where a branch is
     empty. The gated sum itself is not a softmax, so it has no single LSE.
 
-    selection: "compressed" (the paper's: blocks ranked by the compressed branch's attention) or
-    "estimate" (query-aware, ``selection.py``: the last ``estimate_queries`` queries' exact attention
-    per select block and per block offset; per KV head and query block, the ``init_blocks`` first
-    blocks, the ``local_blocks`` - 1 blocks before the own one, then the best, up to num_selected
-    blocks with the own one, or the fewest reaching ``mass`` of the estimated total). "estimate"
-    runs the selected branch on the block-sparse executor (``blocksparse.py``) and has no compressed
-    branch: fixed gates with g_cmp = 0. A one-token step keeps the prefill's blocks (``state``).
+    selection: "compressed" (the paper's: blocks ranked by the compressed branch's attention) or a
+    query-aware one (``selection.py``), "estimate" (the last ``estimate_queries`` queries' exact
+    attention per select block and per block offset) or "antidiagonal" (antidiagonals of
+    ``score_stride`` x ``score_stride`` score tiles, per query block); per KV head and query block,
+    the ``init_blocks`` first blocks, the ``local_blocks`` - 1 blocks before the own one, then the
+    best, up to num_selected blocks with the own one, or the fewest reaching ``mass`` of the
+    estimated total. A query-aware selection runs the selected branch on the block-sparse executor
+    (``blocksparse.py``) and has no compressed branch: fixed gates with g_cmp = 0. A one-token step keeps the prefill's blocks (``state``).
     """
     if not causal:
         raise ValueError("nsa_attention supports causal attention only (compressed and selected blocks are chosen "
@@ -127,9 +130,9 @@ def nsa_attention(q, k, v, *, causal: bool = True, scale: float | None = None, c
     backend = resolve_backend(backend, q, k, v)
     if selection not in SELECTIONS:
         raise ValueError(f"nsa_attention: selection must be one of {', '.join(SELECTIONS)}; got {selection!r}")
-    if selection == "estimate":
+    if selection != "compressed":
         return _estimated(q, k, v, scale, select_block, num_selected, window, init_blocks, local_blocks, gates,
-                          mass, estimate_queries, state, return_lse)
+                          mass, scoring_of(selection, estimate_queries, score_stride), state, return_lse)
     b, hq, nq, d = q.shape
     nk = k.shape[2]
     if nq == 0 or nk == 0:
