@@ -118,7 +118,8 @@ def nsa_attention(q, k, v, *, causal: bool = True, scale: float | None = None, c
     the ``init_blocks`` first blocks, the ``local_blocks`` - 1 blocks before the own one, then the
     best, up to num_selected blocks with the own one, or the fewest reaching ``mass`` of the
     estimated total. A query-aware selection runs the selected branch on the block-sparse executor
-    (``blocksparse.py``) and has no compressed branch: fixed gates with g_cmp = 0. A one-token step keeps the prefill's blocks (``state``).
+    (``blocksparse.py``) and has no compressed branch: fixed gates with g_cmp = 0. A one-token step
+    keeps the prefill's blocks (``state``).
     """
     if not causal:
         raise ValueError("nsa_attention supports causal attention only (compressed and selected blocks are chosen "
