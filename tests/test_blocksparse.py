@@ -162,12 +162,14 @@ def test_moba_estimate_op_prefill_decode_and_reference():
     torch.testing.assert_close(out, masked_reference(q, k, v, blocks, block)[0], atol=1e-12, rtol=1e-10)
     assert torch.equal(state["kept"], blocks[:, :, -1])
     # a one-token step keeps the prefill's list for the last block: equal to the prefill's last row
-    step = moba_attention(q[:, :, -1:], k, v, chunk_size=block, topk=3, selection="estimate", state=state)
+    step = moba_attention(q[:, :, -1:], k, v, chunk_size=block, topk=3, selection="estimate", state=state,
+                          decode_topk=0)
     torch.testing.assert_close(step, out[:, :, -1:], atol=1e-12, rtol=1e-10)
     # the next step (a new position) attends the kept blocks, its own and the local ones: a dense check
     q2, k2, v2 = qkv(n + 1, seed=3)
     k2[:, :, :n], v2[:, :, :n] = k, v
-    step = moba_attention(q2[:, :, -1:], k2, v2, chunk_size=block, topk=3, selection="estimate", state=state)
+    step = moba_attention(q2[:, :, -1:], k2, v2, chunk_size=block, topk=3, selection="estimate", state=state,
+                          decode_topk=0)
     nb = math.ceil((n + 1) / block)
     mask = torch.zeros(1, 2, 1, n + 1, dtype=torch.bool)
     for h in range(2):
@@ -231,7 +233,7 @@ def test_nsa_estimate_is_its_two_branches_and_decode_keeps_the_prefill_blocks():
     win = dense_attention(q, k, v, causal=False, mask=window.expand(1, 4, n, n))[0]
     torch.testing.assert_close(out, 0.75 * sel + 0.25 * win, atol=1e-12, rtol=1e-10)
     assert torch.isinf(lse[..., 0]).all()  # no compressed branch
-    step = nsa_attention(q[:, :, -1:], k, v, state=state, **NSA_EST)
+    step = nsa_attention(q[:, :, -1:], k, v, state=state, **NSA_EST, decode_topk=0)
     torch.testing.assert_close(step, out[:, :, -1:], atol=1e-12, rtol=1e-10)
     with pytest.raises(ValueError, match="g_cmp = 0"):
         nsa_attention(q, k, v, **{**NSA_EST, "gates": (0.2, 0.5, 0.3)})
@@ -368,7 +370,7 @@ def test_antidiagonal_selection_runs_the_executor_causally_and_decodes(method):
     v3 = v.clone()
     v3[:, :, 50:] += 1.0
     torch.testing.assert_close(run(q, k, v3, **kw)[:, :, :50], out[:, :, :50], atol=0, rtol=0)
-    step = run(q[:, :, -1:], k, v, state=state, **kw)
+    step = run(q[:, :, -1:], k, v, state=state, **kw, decode_topk=0)
     torch.testing.assert_close(step, out[:, :, -1:], atol=1e-12, rtol=1e-10)
 
 
@@ -384,3 +386,90 @@ def test_antidiagonal_stride_must_divide_the_block():
     with pytest.raises(ConfigError, match="score_stride of method 'nsa': got 5"):
         get_method("nsa").resolve_params({"selection": "antidiagonal", "score_stride": 5,
                                           "gates": [0.0, 0.75, 0.25]})
+
+
+def _bound_reference(q, k, block, count):
+    """bound_blocks from its definition: per KV head, the full blocks by the largest (over the
+    group's query heads) of sum_f max(q_f min_f, q_f max_f)."""
+    b, hq, _, d = q.shape
+    hk, n = k.shape[1], k.shape[2]
+    g, nf = hq // hk, n // block
+    out = []
+    for h in range(hk):
+        bounds = []
+        for j in range(nf):
+            keys = k[0, h, j * block:(j + 1) * block]
+            per_head = [sum(max(float(q[0, h * g + i, 0, f]) * float(keys[:, f].min()),
+                                float(q[0, h * g + i, 0, f]) * float(keys[:, f].max())) for f in range(d))
+                        for i in range(g)]
+            bounds.append(max(per_head))
+        out.append(sorted(range(nf), key=lambda j: -bounds[j])[:count])
+    return out
+
+
+def test_bound_blocks_equal_their_definition_and_bound_every_score():
+    from longpatch.methods.selection import block_bounds, bound_blocks
+
+    q, k, _ = qkv(70)
+    state = {}
+    mins, maxs = block_bounds(state, k, 16)
+    got = bound_blocks(q[:, :, -1:], mins, maxs, 3)
+    assert [sorted(r) for r in got[0].tolist()] == [sorted(r) for r in _bound_reference(q[:, :, -1:], k, 16, 3)]
+    # an upper bound: no key of a block scores above its bound
+    qg = q[:, :, -1].reshape(1, 2, 2, 1, 16)
+    bound = torch.maximum(qg * mins.unsqueeze(2), qg * maxs.unsqueeze(2)).sum(-1)  # [1, hk, g, nf]
+    scores = torch.einsum("bhgd,bhnd->bhgn", q[:, :, -1].reshape(1, 2, 2, 16), k[:, :, :64])
+    assert bool((scores.view(1, 2, 2, 4, 16).amax(-1) <= bound + 1e-12).all())
+
+
+def test_block_bounds_extend_as_blocks_fill_and_rebuild_for_another_cache():
+    from longpatch.methods.selection import block_bounds
+
+    _, k, _ = qkv(70)
+    state = {}
+    block_bounds(state, k[:, :, :40], 16)
+    assert state["mins"].shape[2] == 2
+    mins, maxs = block_bounds(state, k, 16)  # two more full blocks: only those are read
+    fresh = block_bounds({}, k, 16)
+    assert torch.equal(mins, fresh[0]) and torch.equal(maxs, fresh[1])
+    other = k.clone()
+    other[:, :, 15] += 1.0  # another sequence in the same cache slot: its first block's closing row differs
+    mins2, _ = block_bounds(state, other, 16)
+    assert torch.equal(mins2, block_bounds({}, other, 16)[0])
+
+
+@pytest.mark.parametrize("method", ["moba", "nsa"])
+def test_decode_adds_the_steps_own_bound_blocks(method):
+    """A one-token step attends to the prefill's list joined with its own decode_topk bound blocks:
+    equal to the dense reference of that union; a needle the prefill's last queries did not read is
+    reached by a step whose query matches it."""
+    from longpatch.methods.selection import block_bounds, bound_blocks
+    from longpatch.ops import nsa_attention
+
+    n, block = 96, 16
+    q, k, v = qkv(n)
+    if method == "moba":
+        kw = dict(chunk_size=block, topk=2, selection="estimate", estimate_queries=8, local_blocks=1)
+        run, past = moba_attention, 1
+    else:
+        kw = {**NSA_EST, "num_selected": 3, "window": 8}
+        run, past = nsa_attention, 1
+    state = {}
+    run(q, k, v, state=state, **kw)
+    kept = state["kept"].clone()
+    k[0, :, 35] = 5.0 * q[0, 0, -1] / q[0, 0, -1].norm()  # a key the step's query matches, in block 2
+    step = run(q[:, :, -1:], k, v, state=state, **kw, decode_topk=2)
+    extra = bound_blocks(q[:, :, -1:], *block_bounds({}, k, block), 2)
+    assert 2 in extra[0, 0].tolist()
+    mask = torch.zeros(1, 2, 1, n, dtype=torch.bool)
+    own = (n - 1) // block
+    for h in range(2):
+        for j in set(kept[0, h].tolist()) | set(extra[0, h].tolist()) | {own - t for t in range(past + 1)}:
+            if 0 <= j <= own:
+                mask[0, h, 0, j * block:min(n, (j + 1) * block)] = True
+    sel = dense_attention(q[:, :, -1:], k, v, causal=False, mask=mask.repeat_interleave(2, 1))[0]
+    if method == "moba":
+        torch.testing.assert_close(step, sel, atol=1e-12, rtol=1e-10)
+    else:
+        win = dense_attention(q[:, :, -1:], k[:, :, -8:], v[:, :, -8:], causal=False)[0]
+        torch.testing.assert_close(step, 0.75 * sel + 0.25 * win, atol=1e-12, rtol=1e-10)

@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from .base import Between, Param, positive_int
+from .base import Between, Param, nonneg_int, positive_int
 from .common import acc_dtype, check_int
 
 SCORINGS = ("estimate", "antidiagonal")  # the query-aware selections; a method's `selection` names one
@@ -40,6 +40,9 @@ def estimate_params(unit: str, budget: str) -> dict[str, Param]:
                       f"attention mass reaches this share (null: always {budget})",
                       Between(1e-9, 1.0, optional=True), "a number in (0, 1] or null"),
         "estimate_queries": positive_int(f"estimate only: how many last queries score the {unit}s", 64),
+        "decode_topk": nonneg_int(f"estimate/antidiagonal only: per one-token step, this many more {unit}s "
+                                  f"beside the prefill's, ranked by the step's own query (Quest's bound from each "
+                                  f"{unit}'s key min/max); 0: the prefill's only", 8),
         "score_stride": positive_int(f"antidiagonal only: the side of the score tiles whose antidiagonals score the "
                                f"{unit}s (divides the {unit} size)", 16),
     }
@@ -219,10 +222,11 @@ def prefill_blocks(state: dict | None, q, k, block: int, max_blocks: int, mass: 
 
 
 def decode_kept(state: dict | None, q, k, block: int, max_blocks: int, local_blocks: int, scale: float,
-                sink_blocks: int = 1, kept: torch.Tensor | None = None) -> torch.Tensor:
-    """The past blocks [b, hk, S] a one-token step attends to besides its own and local ones: ``kept``
+                sink_blocks: int = 1, kept: torch.Tensor | None = None, decode_topk: int = 0) -> torch.Tensor:
+    """The past blocks [b, hk, S'] a one-token step attends to besides its own and local ones: ``kept``
     when given, else the prefill's list in ``state``, else (no prefill, e.g. a cache built elsewhere)
-    ``decode_blocks`` once, stored for the next steps."""
+    ``decode_blocks`` once, stored for the next steps; with ``decode_topk`` > 0, joined by the step's
+    own ``bound_blocks`` (-1 pads, no duplicates)."""
     if kept is None and state is not None:
         kept = state.get("kept")
     if kept is None or kept.shape[:2] != k.shape[:2]:
@@ -230,7 +234,53 @@ def decode_kept(state: dict | None, q, k, block: int, max_blocks: int, local_blo
             kept = decode_blocks(q.detach(), k.detach(), block, max_blocks, local_blocks, scale, sink_blocks)
         if state is not None:
             state["kept"] = kept
+    if decode_topk > 0:
+        with torch.no_grad():
+            mins, maxs = block_bounds(state if state is not None else {}, k.detach(), block)
+            joined = torch.cat([kept, bound_blocks(q.detach(), mins, maxs, decode_topk)], -1).sort(-1).values
+            dup = torch.zeros_like(joined, dtype=torch.bool)
+            dup[..., 1:] = joined[..., 1:] == joined[..., :-1]
+            kept = joined.masked_fill(dup, -1)
     return kept
+
+
+def block_bounds(state: dict, k: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mins, maxs) [b, hk, nf, d]: per full block of the cache ``k``, its keys' elementwise minimum
+    and maximum, kept in ``state`` and extended when a block fills (each block is read once). The
+    key row closing each block is kept as a fingerprint; if the cache no longer holds those rows (a
+    new sequence, a cropped or reordered cache) the bounds are rebuilt."""
+    b, hk, n, d = k.shape
+    nf = n // block
+    mins, maxs, probe = state.get("mins"), state.get("maxs"), state.get("bound_probe")
+    ok = mins is not None and state.get("bound_block") == block and mins.shape[:2] == (b, hk) \
+        and mins.shape[-1] == d and mins.device == k.device and mins.dtype == k.dtype
+    if ok:
+        m = min(mins.shape[2], nf)
+        ok = torch.equal(probe[:, :, :m], k[:, :, block - 1: m * block: block])
+        mins, maxs, probe = mins[:, :, :m], maxs[:, :, :m], probe[:, :, :m]
+    if not ok:
+        mins = maxs = probe = k[:, :, :0]
+    m = mins.shape[2]
+    if m < nf:
+        new = k[:, :, m * block: nf * block].reshape(b, hk, nf - m, block, d)
+        mins = torch.cat([mins, new.amin(3)], 2)
+        maxs = torch.cat([maxs, new.amax(3)], 2)
+        probe = torch.cat([probe, k[:, :, m * block + block - 1: nf * block: block]], 2)
+    state.update(mins=mins, maxs=maxs, bound_probe=probe, bound_block=block)
+    return mins, maxs
+
+
+def bound_blocks(q, mins: torch.Tensor, maxs: torch.Tensor, count: int) -> torch.Tensor:
+    """[b, hk, count'] the full blocks with the largest upper bound of a one-token query's q·k, as
+    Quest ranks KV pages: sum over features of max(q_f min_f, q_f max_f) bounds q·k for every key of
+    the block, so one key that matches the query (a needle) lifts its block's bound as much as it
+    lifts its own score, where a block mean would dilute it. The query heads of a KV group share
+    the list (the maximum of their bounds)."""
+    b, hq, _, d = q.shape
+    hk, nf = mins.shape[1], mins.shape[2]
+    qg = q.reshape(b, hk, hq // hk, 1, d).to(acc_dtype(q.dtype))
+    bound = torch.maximum(qg * mins.unsqueeze(2).to(qg.dtype), qg * maxs.unsqueeze(2).to(qg.dtype)).sum(-1)
+    return torch.topk(bound.amax(2), min(count, nf), -1).indices
 
 
 def decode_blocks(q, k, block: int, max_blocks: int, local_blocks: int, scale: float,

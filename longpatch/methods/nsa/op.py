@@ -10,6 +10,7 @@ from ..blocksparse import block_sparse_decode, block_sparse_prefill
 from ..common import (
     acc_dtype,
     check_gates,
+    check_int,
     check_qkv,
     default_scale,
     guards_nonfinite,
@@ -26,8 +27,8 @@ from .naive import REFERENCE, _compose
 SELECTIONS = ("compressed", *SCORINGS)
 
 
-def _estimated(q, k, v, scale, sb, num_selected, window, init_blocks, local_blocks, gates, mass, scoring, state,
-               return_lse):
+def _estimated(q, k, v, scale, sb, num_selected, window, init_blocks, local_blocks, gates, mass, scoring,
+               decode_topk, state, return_lse):
     """nsa_attention with a query-aware selection: g_slc * (own block + estimated blocks, on the
     block-sparse executor) + g_win * (sliding window)."""
     from ..sparse import band_attention
@@ -37,6 +38,7 @@ def _estimated(q, k, v, scale, sb, num_selected, window, init_blocks, local_bloc
         raise ValueError(f"nsa_attention: selection={scoring[0]!r} has no compressed branch; gates must be 3 fixed "
                          f"numbers with g_cmp = 0 (e.g. (0, 0.75, 0.25)); got {got}")
     check_estimate_args("nsa_attention", mass, scoring, sb)
+    check_int("nsa_attention", "decode_topk", decode_topk, 0)
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     if 1 < nq < nk:
@@ -46,7 +48,7 @@ def _estimated(q, k, v, scale, sb, num_selected, window, init_blocks, local_bloc
     past = max(0, local_blocks - 1)  # NSA's local blocks count the own block
     acc = acc_dtype(q.dtype)
     if nq == 1 and nk > 1:
-        kept = decode_kept(state, q, k, sb, num_selected - 1, past, scale, init_blocks)
+        kept = decode_kept(state, q, k, sb, num_selected - 1, past, scale, init_blocks, decode_topk=decode_topk)
         o_s, l_s = block_sparse_decode(q, k, v, kept, sb, past, scale)
         w0 = max(0, nk - window)
         o_w, l_w = flash_lse(q.reshape(b, hk, hq // hk, d), k[:, :, w0:], v[:, :, w0:], scale)
@@ -101,7 +103,7 @@ def nsa_attention(q, k, v, *, causal: bool = True, scale: float | None = None, c
                   init_blocks: int = 1, local_blocks: int = 2, gates=DEFAULT_GATES, compress="mean",
                   compressed=None, return_lse: bool = False, backend: str = "auto", selection: str = "compressed",
                   mass: float | None = None, estimate_queries: int = 64, score_stride: int = 16,
-                  state: dict | None = None):
+                  decode_topk: int = 8, state: dict | None = None):
     """NSA attention on the shared layout (q [b, hq, nq, d], k/v [b, hk, nk, d]); causal only.
 
     gates: (g_cmp, g_slc, g_win) floats, or a tensor [b, hq, nq, 3] (e.g. sigmoid of a projection
@@ -119,7 +121,8 @@ def nsa_attention(q, k, v, *, causal: bool = True, scale: float | None = None, c
     best, up to num_selected blocks with the own one, or the fewest reaching ``mass`` of the
     estimated total. A query-aware selection runs the selected branch on the block-sparse executor
     (``blocksparse.py``) and has no compressed branch: fixed gates with g_cmp = 0. A one-token step
-    keeps the prefill's blocks (``state``).
+    keeps the prefill's blocks (``state``) and adds the ``decode_topk`` full blocks with the largest
+    bound of its own q·k (Quest's, from the blocks' key min/max).
     """
     if not causal:
         raise ValueError("nsa_attention supports causal attention only (compressed and selected blocks are chosen "
@@ -133,7 +136,8 @@ def nsa_attention(q, k, v, *, causal: bool = True, scale: float | None = None, c
         raise ValueError(f"nsa_attention: selection must be one of {', '.join(SELECTIONS)}; got {selection!r}")
     if selection != "compressed":
         return _estimated(q, k, v, scale, select_block, num_selected, window, init_blocks, local_blocks, gates,
-                          mass, scoring_of(selection, estimate_queries, score_stride), state, return_lse)
+                          mass, scoring_of(selection, estimate_queries, score_stride), decode_topk, state,
+                          return_lse)
     b, hq, nq, d = q.shape
     nk = k.shape[2]
     if nq == 0 or nk == 0:
