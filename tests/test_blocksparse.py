@@ -8,7 +8,13 @@ from helpers import dense_attention
 
 from longpatch import patch_model
 from longpatch.methods.blocksparse import block_mask_reference, block_sparse_prefill
-from longpatch.methods.selection import block_scores, estimated_blocks, last_queries_estimate, select_blocks
+from longpatch.methods.selection import (
+    block_scores,
+    estimated_blocks,
+    last_queries_estimate,
+    score_blocks,
+    select_blocks,
+)
 from longpatch.ops import moba_attention
 from longpatch.testing.tiny import tiny_model
 
@@ -96,26 +102,28 @@ def _estimate_reference(q, k, block, m, scale):
             if t >= n - m:
                 vmean[0, h // g] += row / (g * m)
                 vmax[0, h // g] = torch.maximum(vmax[0, h // g], row)
-    return (vmean + vmax) / 2, slash
+    return vmean, slash, vmax
 
 
 def test_last_queries_estimate_equals_its_definition():
     q, k, _ = qkv(45)
-    vert, slash = last_queries_estimate(q, k, 8, 6, 0.25)
-    rv, rs = _estimate_reference(q, k, 8, 6, 0.25)
+    vert, slash, peak = last_queries_estimate(q, k, 8, 6, 0.25)
+    rv, rs, rp = _estimate_reference(q, k, 8, 6, 0.25)
     torch.testing.assert_close(vert, rv, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(slash, rs, atol=1e-6, rtol=1e-6)
-    assert torch.allclose(slash.sum(-1), torch.ones(1, 2))
-    assert bool((vert.sum(-1) >= 1 - 1e-6).all())  # mean part sums to 1/2, max part to at least 1/2
+    torch.testing.assert_close(peak, rp, atol=1e-6, rtol=1e-6)
+    assert torch.allclose(vert.sum(-1), torch.ones(1, 2)) and torch.allclose(slash.sum(-1), torch.ones(1, 2))
 
 
-def _select_reference(scores, max_blocks, mass, local, sink=1):
+def _select_reference(scores, max_blocks, mass, local, sink=1, rank=None):
     b, hk, nb, _ = scores.shape
+    rank = scores if rank is None else rank
     out = []
     for i in range(nb):
         row = scores[0, 0, i].clamp(min=0)
+        by = rank[0, 0, i].clamp(min=0)
         forced = [j for j in range(i) if j < sink or j >= i - local]
-        rest = sorted((j for j in range(i) if j not in forced), key=lambda j: (-float(row[j]), j))
+        rest = sorted((j for j in range(i) if j not in forced), key=lambda j: (-float(by[j]), j))
         order = (forced + rest)[:max_blocks]
         if mass is not None:
             total, got, keep = float(row[:i].sum() + row[i]), float(row[i]), []
@@ -128,16 +136,19 @@ def _select_reference(scores, max_blocks, mass, local, sink=1):
     return out
 
 
+@pytest.mark.parametrize("ranked", [False, True])
 @pytest.mark.parametrize("mass", [None, 0.5, 0.9])
 @pytest.mark.parametrize("local", [0, 1, 2])
-def test_select_blocks_equals_its_definition(mass, local):
+def test_select_blocks_equals_its_definition(mass, local, ranked):
+    """Blocks in rank order (the scores, or a separate ranking), the budget counted in scores."""
     g = torch.Generator().manual_seed(1)
     nb = 9
     scores = block_scores(torch.rand(1, 1, nb, generator=g), torch.rand(1, 1, nb, generator=g))
-    got = select_blocks(scores, 4, mass, local)
+    rank = block_scores(torch.rand(1, 1, nb, generator=g), torch.rand(1, 1, nb, generator=g)) if ranked else None
+    got = select_blocks(scores, 4, mass, local, rank=rank)
     assert got.shape == (1, 1, nb, 4)
     rows = [sorted(j for j in got[0, 0, i].tolist() if j >= 0) for i in range(nb)]
-    assert rows == _select_reference(scores, 4, mass, local)
+    assert rows == _select_reference(scores, 4, mass, local, rank=rank)
     assert all(j < i for i in range(nb) for j in rows[i])  # past blocks only
 
 
@@ -265,10 +276,9 @@ def test_the_triton_kernel_runs_the_estimated_selection():
 
 
 def test_a_needle_only_the_final_query_reads_is_kept():
-    """The vertical score is not the last queries' mean mass alone: a block that only the final query
-    looks at (the question's end reading a needle) outranks one that every other last query reads a
-    little. With the mean alone it would rank below (the case is built so), and decoding the answer
-    would lose it."""
+    """Blocks are ranked by the last queries' mean mass averaged with its peak: a block that only the
+    final query looks at (the question's end reading a needle) outranks one that every other last
+    query reads a little. By the mean alone it ranks below (the case is built so) and is not picked."""
     n, block, m, d = 64, 8, 8, 16
     e = torch.eye(d, dtype=torch.float64)
     k = torch.zeros(1, 1, n, d, dtype=torch.float64)
@@ -278,13 +288,13 @@ def test_a_needle_only_the_final_query_reads_is_kept():
     q = torch.zeros(1, 1, n, d, dtype=torch.float64)
     q[0, 0, n - m:] = 2.0 * e[1] + 2.0 * e[2]
     q[0, 0, n - 1] = 12.0 * e[0]
-    vert, slash = last_queries_estimate(q, k, block, m, 1.0)
-    rows = torch.softmax((q[0, 0, n - m:] @ k[0, 0].T), -1).view(m, n // block, block).sum(-1)
-    mean_only = rows.mean(0)
-    assert mean_only[4] > mean_only[2]  # the case discriminates
-    assert vert[0, 0, 2] > vert[0, 0, 4]
-    blocks = select_blocks(block_scores(torch.stack([vert[0, 0]]).unsqueeze(0), slash), 3, None, 1)
+    vert, slash, peak = last_queries_estimate(q, k, block, m, 1.0)
+    assert vert[0, 0, 4] > vert[0, 0, 2]  # the case discriminates: by mean mass alone block 4 comes first
+    scores, rank = score_blocks(q, k, block, ("estimate", m), 1.0)
+    assert rank[0, 0, -1, 2] > rank[0, 0, -1, 4]
+    blocks = select_blocks(scores, 3, None, 1, rank=rank)
     assert 2 in blocks[0, 0, -1].tolist()  # sink 0, local 6, then the needle's block
+    assert 2 not in select_blocks(scores, 3, None, 1)[0, 0, -1].tolist()
 
 
 def _antidiagonal_reference(q, k, block, stride, scale):

@@ -4,10 +4,11 @@ Two scorings of real q·k products give a block-score matrix [b, kv_heads, query
 
 - ``last_queries_estimate`` (selection "estimate"), as MInference's vertical-slash estimate: the
   last ``m`` queries of the input attend exactly (causally) to every key, and their attention mass
-  is pooled per key block, the mean over the rows of each KV group averaged with their maximum
-  (*vertical*: where the prompt's end looks, e.g. a needle, sinks); ``m`` queries spread over the
+  is pooled per key block over the rows of each KV group (*vertical*: where the prompt's end looks,
+  e.g. a needle, sinks); ``m`` queries spread over the
   sequence give the mass per block offset (*slash*: how far back attention looks, e.g. the local
-  diagonal). Query block i scores past block j as vertical[j] + slash[i - j]. It reads the whole
+  diagonal). Query block i scores past block j as vertical[j] + slash[i - j], and ranks it with the
+  vertical's mean averaged with its peak (the most one row puts there). It reads the whole
   prompt's last queries, so the *pattern* of an early query block depends on the prompt's end
   (selection is a prefill-time decision). Cost: 2 m x n products per query head.
 - ``antidiagonal_scores`` (selection "antidiagonal"), as XAttention: every (query tile, past key
@@ -83,14 +84,16 @@ def _pooled(p: torch.Tensor, nb: int, block: int) -> torch.Tensor:
 
 
 def last_queries_estimate(q, k, block: int, m: int, scale: float):
-    """(vertical [b, hk, nb], slash [b, hk, nb]) float32 block scores from exact attention mass, over
-    the scoring rows of each KV group (every query head's):
+    """(vertical, slash, peak), each [b, hk, nb] float32, from exact attention mass over the scoring
+    rows of each KV group (every query head's):
 
-    vertical[j]: the mass the last ``m`` queries put on key block j (where the prompt's end looks),
-    the rows' mean averaged with their maximum (so it sums to between 1/2 and (1 + g m)/2);
+    vertical[j]: the mean mass the last ``m`` queries put on key block j (where the prompt's end
+    looks; sums to 1); peak[j]: the most any one of them puts on it (a needle that only the final
+    queries read: its mean is diluted by the others, its peak is not);
     slash[o]: the mean mass that ``m`` queries spread evenly over the sequence put on keys o blocks
-    before their own block (how far back attention looks wherever it is; sums to 1). Spreading the slash rows keeps an
-    absolute position (a needle) from posing as an offset: it sits at a different offset from each."""
+    before their own block (how far back attention looks wherever it is; sums to 1). Spreading the
+    slash rows keeps an absolute position (a needle) from posing as an offset: it sits at a different
+    offset from each."""
     b, hq, n, d = q.shape
     hk = k.shape[1]
     g = hq // hk
@@ -99,17 +102,13 @@ def last_queries_estimate(q, k, block: int, m: int, scale: float):
     dev = q.device
     last = torch.arange(n - m, n, device=dev)
     per_row = _pooled(_mass(q, k, last, scale), nb, block)  # [b, hk, g * m, nb], each row sums to 1
-    # the mean over the rows, averaged with the most any one row puts on a block: a needle that only
-    # the prompt's final queries look at is not diluted by the others (mean alone ranked it last or
-    # dropped it, and decoding the answer lost it)
-    vertical = (per_row.mean(2) + per_row.amax(2)) / 2
     spread = torch.unique(torch.linspace(0, n - 1, m, device=dev).round().long())
     pb = _pooled(_mass(q, k, spread, scale), nb, block)  # [b, hk, rows, nb]
     off = (spread // block).repeat(g).view(-1, 1) - torch.arange(nb, device=dev).view(1, -1)
     off = off.clamp(min=0).expand(b, hk, -1, -1)  # a future block (offset < 0) has mass 0
     slash = torch.zeros(b, hk, nb, dtype=pb.dtype, device=dev)
     slash.scatter_add_(2, off.reshape(b, hk, -1), pb.reshape(b, hk, -1))
-    return vertical.float(), (slash / (g * len(spread))).float()
+    return per_row.mean(2).float(), (slash / (g * len(spread))).float(), per_row.amax(2).float()
 
 
 def block_scores(vertical: torch.Tensor, slash: torch.Tensor) -> torch.Tensor:
@@ -122,11 +121,12 @@ def block_scores(vertical: torch.Tensor, slash: torch.Tensor) -> torch.Tensor:
 
 
 def select_blocks(scores: torch.Tensor, max_blocks: int, mass: float | None, local_blocks: int = 1,
-                  sink_blocks: int = 1) -> torch.Tensor:
+                  sink_blocks: int = 1, rank: torch.Tensor | None = None) -> torch.Tensor:
     """Block lists [b, hk, nb, S] (int64, -1 pads, S <= max_blocks) of past blocks j < i per query
     block i, from ``block_scores``: forced blocks first (j < sink_blocks; i - local_blocks <= j < i),
-    then by score; ``mass`` None: up to ``max_blocks``; else the fewest blocks (forced ones included)
-    whose score, with the own block's, reaches ``mass`` of the row's visible total."""
+    then by ``rank`` (same shape; default: the scores); ``mass`` None: up to ``max_blocks``; else the
+    fewest blocks in that order (forced ones included) whose score, with the own block's, reaches
+    ``mass`` of the row's visible total."""
     b, hk, nb, _ = scores.shape
     S = min(max_blocks, max(nb - 1, 0))
     if S == 0:
@@ -136,10 +136,11 @@ def select_blocks(scores: torch.Tensor, max_blocks: int, mass: float | None, loc
     past = j < i
     forced = past & ((j < sink_blocks) | (j >= i - local_blocks))
     sc = scores.clamp(min=0).masked_fill(~past, 0.0)
+    rk = sc if rank is None else rank.clamp(min=0).masked_fill(~past, 0.0)
     own = torch.diagonal(scores.clamp(min=0), dim1=-2, dim2=-1)  # [b, hk, nb]
     total = sc.sum(-1) + own
-    # forced blocks rank first, then by score; not-visible blocks last
-    key = torch.where(forced, sc + 1e9, torch.where(past, sc, torch.full_like(sc, -1.0)))
+    # forced blocks rank first, then by rank; not-visible blocks last
+    key = torch.where(forced, rk + 1e9, torch.where(past, rk, torch.full_like(rk, -1.0)))
     top, idx = torch.topk(key, S, dim=-1)  # [b, hk, nb, S]
     valid = top >= 0
     if mass is not None:
@@ -191,18 +192,24 @@ def antidiagonal_scores(q, k, block: int, stride: int, scale: float) -> torch.Te
     return out.masked_fill(i.view(1, -1) > i.view(-1, 1), float("-inf"))
 
 
-def score_blocks(q, k, block: int, scoring: tuple[str, int], scale: float) -> torch.Tensor:
-    """[b, hk, nb, nb] block scores of a causal prefill by ``scoring`` (``scoring_of``)."""
+def score_blocks(q, k, block: int, scoring: tuple[str, int], scale: float):
+    """(scores, rank) [b, hk, nb, nb] of a causal prefill by ``scoring`` (``scoring_of``): the
+    estimated mass per (query block, key block), and the order to pick blocks in (None: by mass).
+    The last-queries estimate ranks by vertical (mean + peak) / 2 + slash, so a block that one final
+    query reads sharply (a needle) comes early, and counts the budget by mean mass, so the peaks,
+    which sum to far more than 1, do not inflate how many blocks ``mass`` takes."""
     kind, amount = scoring
     if kind == "antidiagonal":
-        return antidiagonal_scores(q, k, block, amount, scale)
-    return block_scores(*last_queries_estimate(q, k, block, amount, scale))
+        return antidiagonal_scores(q, k, block, amount, scale), None
+    vertical, slash, peak = last_queries_estimate(q, k, block, amount, scale)
+    return block_scores(vertical, slash), block_scores((vertical + peak) / 2, slash)
 
 
 def estimated_blocks(q, k, block: int, max_blocks: int, mass: float | None, scoring: tuple[str, int],
                      local_blocks: int, scale: float, sink_blocks: int = 1) -> torch.Tensor:
     """The block lists of a causal prefill (q_len == kv_len) by a query-aware ``scoring``."""
-    return select_blocks(score_blocks(q, k, block, scoring, scale), max_blocks, mass, local_blocks, sink_blocks)
+    scores, rank = score_blocks(q, k, block, scoring, scale)
+    return select_blocks(scores, max_blocks, mass, local_blocks, sink_blocks, rank)
 
 
 def prefill_blocks(state: dict | None, q, k, block: int, max_blocks: int, mass: float | None,
