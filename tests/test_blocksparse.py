@@ -206,12 +206,14 @@ def test_moba_estimate_rejects_bad_arguments():
         moba_attention(q, k, v, chunk_size=8, topk=2, selection="estimate", causal=False)
 
 
-def test_patched_model_generates_with_the_estimated_selection():
-    """Every layer replaced: prefill runs the executor, decode keeps the prefill's lists; the first
-    generated token's logits equal the prefill's last row."""
+@pytest.mark.parametrize("selection", ["estimate", "antidiagonal"])
+def test_patched_model_generates_with_the_query_aware_selections(selection):
+    """Every layer replaced (the model's q/k are strided views): prefill runs the executor, decode
+    keeps the prefill's lists; the first generated token's logits equal the prefill's last row."""
     model = tiny_model("llama")
     patch_model(model, {"method": "moba", "layers": "all",
-                        "params": {"chunk_size": 8, "topk": 3, "selection": "estimate", "mass": 0.9}})
+                        "params": {"chunk_size": 8, "topk": 3, "selection": selection, "mass": 0.9,
+                                   "score_stride": 4}})
     ids = torch.randint(0, 256, (1, 50))
     with torch.no_grad():
         gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False,
@@ -325,11 +327,16 @@ def _antidiagonal_reference(q, k, block, stride, scale):
     return out.masked_fill(i.view(1, -1) > i.view(-1, 1), float("-inf"))
 
 
+@pytest.mark.parametrize("strided", [False, True])
 @pytest.mark.parametrize("n", [64, 77])  # ragged: a partial last tile and block
-def test_antidiagonal_scores_equal_their_definition(n):
+def test_antidiagonal_scores_equal_their_definition(n, strided):
+    """Also on strided views (a model's q/k are transposes of its projections; 64 needs no padding)."""
     from longpatch.methods.selection import antidiagonal_scores
 
     q, k, _ = qkv(n)
+    if strided:
+        q, k = q.transpose(1, 2).contiguous().transpose(1, 2), k.transpose(1, 2).contiguous().transpose(1, 2)
+        assert not q.is_contiguous()
     got = antidiagonal_scores(q, k, 16, 4, 0.25)
     ref = _antidiagonal_reference(q, k, 16, 4, 0.25)
     torch.testing.assert_close(got.double(), ref, atol=1e-6, rtol=1e-5)

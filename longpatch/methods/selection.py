@@ -171,9 +171,10 @@ def antidiagonal_scores(q, k, block: int, stride: int, scale: float) -> torch.Te
     nt = nb * per
     acc = acc_dtype(q.dtype)
     pad = nt * stride - n
-    qt = torch.nn.functional.pad(q.to(acc), (0, 0, 0, pad)).view(b, hq, nt, stride * d)
+    # reshape, not view: a model's q/k are strided views of its projections
+    qt = torch.nn.functional.pad(q.to(acc), (0, 0, 0, pad)).reshape(b, hq, nt, stride * d)
     # each key tile's rows reversed, so a row of q tiles times a row of k tiles sums an antidiagonal
-    kt = torch.nn.functional.pad(k.to(acc), (0, 0, 0, pad)).view(b, hk, nt, stride, d).flip(3)
+    kt = torch.nn.functional.pad(k.to(acc), (0, 0, 0, pad)).reshape(b, hk, nt, stride, d).flip(3)
     kt = kt.reshape(b, hk, nt, stride * d)
     out = torch.zeros(b, hk, nb, nb, dtype=torch.float32, device=q.device)
     c = torch.arange(nt, device=q.device)
