@@ -204,6 +204,38 @@ def probe_positions(n: int) -> list[int]:
     return out
 
 
+def window_summaries(state: dict, names: tuple[str, ...], k, v, size: int, stride: int, summarize) -> tuple:
+    """Summaries of every complete window of a KV cache (window c: positions [c stride, c stride +
+    size)), kept in a layer's decode ``state`` under ``names`` and extended as windows complete, so
+    each window is summarised once: MoBA's chunk means, NSA's compressed K/V, the selections' key
+    bounds. The key row closing each window is its fingerprint, checked at ``probe_positions`` (O(log)
+    rows a step): if the cache no longer holds those rows (a new sequence, beam reordering, a cropped
+    cache) the summaries are rebuilt from the keys. ``summarize(k_part, v_part)`` returns a tuple of
+    [b, hk, windows, ...] tensors, one per name (v_part is None when ``v`` is)."""
+    n = k.shape[2]
+    count = (n - size) // stride + 1 if n >= size else 0
+    tag = names[0] + "_probe"
+    key = (size, stride, tuple(k.shape[:2]), k.shape[-1], k.device, k.dtype)
+    parts, probe = None, state.get(tag)
+    if probe is not None and state.get(tag + "_of") == key:
+        m = min(probe.shape[2], count)
+        pos = torch.tensor(probe_positions(m), dtype=torch.long, device=k.device)
+        if torch.equal(probe.index_select(2, pos), k.index_select(2, pos * stride + size - 1)):
+            parts, probe = tuple(state[nm][:, :, :m] for nm in names), probe[:, :, :m]
+    if parts is None:
+        probe = k[:, :, :0]
+        parts = summarize(k[:, :, :0], None if v is None else v[:, :, :0])
+    m = probe.shape[2]
+    if m < count:
+        lo, hi = m * stride, (count - 1) * stride + size
+        new = summarize(k[:, :, lo:hi], None if v is None else v[:, :, lo:hi])
+        parts = tuple(torch.cat([old, add], 2) for old, add in zip(parts, new))
+        probe = torch.cat([probe, k[:, :, lo + size - 1: hi: stride]], 2)
+    state.update(zip(names, parts))
+    state[tag], state[tag + "_of"] = probe, key
+    return parts
+
+
 def causal_mask(q_len: int, kv_len: int, device, q_offset: int | None = None) -> torch.Tensor:
     """Bool [q_len, kv_len], True = visible. Queries are the last q_len positions (bottom-right)."""
     off = kv_len - q_len if q_offset is None else q_offset

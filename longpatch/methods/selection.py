@@ -28,7 +28,7 @@ import math
 import torch
 
 from .base import Between, Param, nonneg_int, positive_int
-from .common import acc_dtype, check_int
+from .common import acc_dtype, check_int, window_summaries
 
 SCORINGS = ("estimate", "antidiagonal")  # the query-aware selections; a method's `selection` names one
 
@@ -254,28 +254,12 @@ def decode_kept(state: dict | None, q, k, block: int, max_blocks: int, local_blo
 
 def block_bounds(state: dict, k: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(mins, maxs) [b, hk, nf, d]: per full block of the cache ``k``, its keys' elementwise minimum
-    and maximum, kept in ``state`` and extended when a block fills (each block is read once). The
-    key row closing each block is kept as a fingerprint; if the cache no longer holds those rows (a
-    new sequence, a cropped or reordered cache) the bounds are rebuilt."""
-    b, hk, n, d = k.shape
-    nf = n // block
-    mins, maxs, probe = state.get("mins"), state.get("maxs"), state.get("bound_probe")
-    ok = mins is not None and state.get("bound_block") == block and mins.shape[:2] == (b, hk) \
-        and mins.shape[-1] == d and mins.device == k.device and mins.dtype == k.dtype
-    if ok:
-        m = min(mins.shape[2], nf)
-        ok = torch.equal(probe[:, :, :m], k[:, :, block - 1: m * block: block])
-        mins, maxs, probe = mins[:, :, :m], maxs[:, :, :m], probe[:, :, :m]
-    if not ok:
-        mins = maxs = probe = k[:, :, :0]
-    m = mins.shape[2]
-    if m < nf:
-        new = k[:, :, m * block: nf * block].reshape(b, hk, nf - m, block, d)
-        mins = torch.cat([mins, new.amin(3)], 2)
-        maxs = torch.cat([maxs, new.amax(3)], 2)
-        probe = torch.cat([probe, k[:, :, m * block + block - 1: nf * block: block]], 2)
-    state.update(mins=mins, maxs=maxs, bound_probe=probe, bound_block=block)
-    return mins, maxs
+    and maximum, kept in ``state`` and extended when a block fills (``common.window_summaries``:
+    each block is read once, rebuilt for another cache)."""
+    def bounds(kk, _):
+        parts = kk.reshape(kk.shape[0], kk.shape[1], -1, block, kk.shape[-1])
+        return parts.amin(3), parts.amax(3)
+    return window_summaries(state, ("mins", "maxs"), k, None, block, block, bounds)
 
 
 def bound_blocks(q, mins: torch.Tensor, maxs: torch.Tensor, count: int) -> torch.Tensor:

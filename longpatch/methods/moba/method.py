@@ -7,7 +7,7 @@ import torch
 
 from ...errors import ConfigError
 from ..base import Method, Param, nonneg_int, one_of, positive_int, register_method
-from ..common import default_scale
+from ..common import default_scale, window_summaries
 from ..selection import estimate_params, estimated_pairs, scoring_of
 from .cpu import DEFAULT_CHUNK_SIZE, DEFAULT_TOPK, moba_chunk_means
 from .op import SELECTIONS, moba_attention
@@ -16,25 +16,8 @@ from .op import SELECTIONS, moba_attention
 
 def _state_means(state: dict, k: torch.Tensor, C: int) -> torch.Tensor:
     """Means of every full chunk of the cache ``k``, kept in ``state`` and extended when a chunk
-    fills: each chunk mean is computed once. The key row closing each cached chunk is kept as a
-    fingerprint; if the cache no longer holds those rows (a new sequence, beam reordering, a
-    cropped cache) the means are rebuilt from the keys."""
-    nf = k.shape[2] // C
-    means, probe = state.get("means"), state.get("probe")
-    ok = (means is not None and state.get("chunk_size") == C and means.shape[:2] == k.shape[:2]
-          and means.shape[-1] == k.shape[-1] and means.device == k.device)
-    if ok:
-        m = min(means.shape[2], nf)
-        ok = m == 0 or torch.equal(probe[:, :, :m], k[:, :, C - 1: m * C: C])
-        means, probe = means[:, :, :m], probe[:, :, :m]
-    if not ok:
-        means, probe = moba_chunk_means(k[:, :, :0], C), k[:, :, :0]
-    m = means.shape[2]
-    if m < nf:
-        means = torch.cat([means, moba_chunk_means(k[:, :, m * C: nf * C], C)], dim=2)
-        probe = torch.cat([probe, k[:, :, m * C + C - 1: nf * C: C]], dim=2)
-    state.update(means=means, probe=probe, chunk_size=C)
-    return means
+    fills (``common.window_summaries``: each chunk mean is computed once, rebuilt for another cache)."""
+    return window_summaries(state, ("means",), k, None, C, C, lambda kk, _: (moba_chunk_means(kk, C),))[0]
 
 
 def init_state(k, v, *, chunk_size: int = DEFAULT_CHUNK_SIZE, **_) -> dict:

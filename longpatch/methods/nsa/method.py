@@ -4,45 +4,20 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from ...errors import ConfigError
 from ..base import Method, Param, nonneg_int, one_of, positive_int, register_method
-from ..common import (
-    probe_positions,
-)
+from ..common import window_summaries
 from ..selection import estimate_params
-from .blocks import DEFAULTS, TRAINING_FREE_GATES, _check_params, nsa_compress, num_compressed
+from .blocks import DEFAULTS, TRAINING_FREE_GATES, _check_params, nsa_compress
 from .op import SELECTIONS, nsa_attention
 
 # --------------------------------------------------------------------------- decode state and method
 
 def _state_compressed(state: dict, k, v, l: int, s: int):
     """Compressed K/V of every complete block of the cache, kept in ``state`` and extended as blocks
-    complete: each block is pooled once. The key row closing each block is a fingerprint, checked at
-    log2(blocks) + 1 blocks (``probe_positions``: the recent ones densely): if the cache no longer
-    holds those rows (new sequence, beam reordering, cropped cache) the state is rebuilt."""
-    nc = num_compressed(k.shape[2], l, s)
-    kc, vc, probe = state.get("k_cmp"), state.get("v_cmp"), state.get("probe")
-    ok = (kc is not None and state.get("blocks") == (l, s) and kc.shape[:2] == k.shape[:2]
-          and kc.shape[-1] == k.shape[-1] and kc.device == k.device and kc.dtype == k.dtype)
-    if ok:
-        m = min(kc.shape[2], nc)
-        if m:
-            blocks = torch.tensor(probe_positions(m), dtype=torch.long, device=k.device)
-            ok = torch.equal(probe.index_select(2, blocks), k.index_select(2, blocks * s + l - 1))
-        kc, vc, probe = kc[:, :, :m], vc[:, :, :m], probe[:, :, :m]
-    if not ok:
-        kc, vc = nsa_compress(k[:, :, :0], v[:, :, :0], compress_block=l, compress_stride=s)
-        probe = k[:, :, :0]
-    m = kc.shape[2]
-    if m < nc:
-        nk_, nv_ = nsa_compress(k[:, :, m * s: (nc - 1) * s + l], v[:, :, m * s: (nc - 1) * s + l],
-                                compress_block=l, compress_stride=s)
-        kc, vc = torch.cat([kc, nk_], 2), torch.cat([vc, nv_], 2)
-        probe = torch.cat([probe, k[:, :, m * s + l - 1: (nc - 1) * s + l: s]], 2)
-    state.update(k_cmp=kc, v_cmp=vc, probe=probe, blocks=(l, s))
-    return kc, vc
+    complete (``common.window_summaries``: each block is pooled once, rebuilt for another cache)."""
+    return window_summaries(state, ("k_cmp", "v_cmp"), k, v, l, s,
+                            lambda kk, vv: nsa_compress(kk, vv, compress_block=l, compress_stride=s))
 
 
 def init_state(k, v, *, compress_block: int = 32, compress_stride: int = 16, **_) -> dict:
