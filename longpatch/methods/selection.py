@@ -5,12 +5,12 @@ Two scorings of real q·k products give a block-score matrix [b, kv_heads, query
 - ``last_queries_estimate`` (selection "estimate"), as MInference's vertical-slash estimate: the
   last ``m`` queries of the input attend exactly (causally) to every key, and their attention mass
   is pooled per key block over the rows of each KV group (*vertical*: where the prompt's end looks,
-  e.g. a needle, sinks); ``m`` queries spread over the
-  sequence give the mass per block offset (*slash*: how far back attention looks, e.g. the local
-  diagonal). Query block i scores past block j as vertical[j] + slash[i - j], and ranks it with the
-  vertical's mean averaged with its peak (the most one row puts there). It reads the whole
-  prompt's last queries, so the *pattern* of an early query block depends on the prompt's end
-  (selection is a prefill-time decision). Cost: 2 m x n products per query head.
+  e.g. a needle, sinks); ``m`` queries spread over the sequence give the mass per block offset
+  (*slash*: how far back attention looks, e.g. the local diagonal). Query block i scores past
+  block j as vertical[j] + slash[i - j], and ranks it with the vertical's mean averaged with its
+  peak (the most one row puts there). It reads the whole prompt's last queries, so the *pattern*
+  of an early query block depends on the prompt's end (selection is a prefill-time decision).
+  Cost: 2 m x n products per query head.
 - ``antidiagonal_scores`` (selection "antidiagonal"), as XAttention: every (query tile, past key
   tile) of ``stride`` rows is scored by its antidiagonal, a softmax per query tile gives each
   query block its own estimated mass per key block. Cost: about n² / (2 stride) products per head.
@@ -27,6 +27,7 @@ import math
 
 import torch
 
+from ..errors import ConfigError
 from .base import Between, Param, nonneg_int, positive_int
 from .common import acc_dtype, check_int, window_summaries
 
@@ -44,9 +45,16 @@ def estimate_params(unit: str, budget: str) -> dict[str, Param]:
         "decode_topk": nonneg_int(f"estimate/antidiagonal only: per one-token step, this many more {unit}s "
                                   f"beside the prefill's, ranked by the step's own query (Quest's bound from each "
                                   f"{unit}'s key min/max); 0: the prefill's only", 8),
-        "score_stride": positive_int(f"antidiagonal only: the side of the score tiles whose antidiagonals score the "
-                               f"{unit}s (divides the {unit} size)", 16),
+        "score_stride": positive_int(f"antidiagonal only: the side of the score tiles whose antidiagonals score "
+                                     f"the {unit}s (divides the {unit} size)", 16),
     }
+
+
+def check_stride_config(method: str, params: dict, block_param: str) -> None:
+    """The config-time check that the antidiagonal scoring's tiles fit the method's blocks."""
+    if params["selection"] == "antidiagonal" and params[block_param] % params["score_stride"]:
+        raise ConfigError(f"params.score_stride of method '{method}': got {params['score_stride']}; allowed: a "
+                          f"divisor of {block_param} ({params[block_param]})")
 
 
 def scoring_of(selection: str, estimate_queries: int, stride: int) -> tuple[str, int]:

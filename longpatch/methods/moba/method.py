@@ -5,10 +5,9 @@ import math
 
 import torch
 
-from ...errors import ConfigError
 from ..base import Method, Param, nonneg_int, one_of, positive_int, register_method
 from ..common import default_scale, window_summaries
-from ..selection import estimate_params, estimated_pairs, scoring_of
+from ..selection import check_stride_config, estimate_params, estimated_pairs, scoring_of
 from .cpu import DEFAULT_CHUNK_SIZE, DEFAULT_TOPK, moba_chunk_means
 from .op import SELECTIONS, moba_attention
 
@@ -77,9 +76,7 @@ class _MoBAMethod(Method):
 
     def resolve_params(self, given):
         params = super().resolve_params(given)
-        if params["selection"] == "antidiagonal" and params["chunk_size"] % params["score_stride"]:
-            raise ConfigError(f"params.score_stride of method 'moba': got {params['score_stride']}; allowed: a "
-                              f"divisor of chunk_size ({params['chunk_size']})")
+        check_stride_config("moba", params, "chunk_size")
         return params
 
 

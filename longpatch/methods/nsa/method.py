@@ -7,7 +7,7 @@ import math
 from ...errors import ConfigError
 from ..base import Method, Param, nonneg_int, one_of, positive_int, register_method
 from ..common import window_summaries
-from ..selection import estimate_params
+from ..selection import check_stride_config, estimate_params
 from .blocks import DEFAULTS, TRAINING_FREE_GATES, _check_params, nsa_compress
 from .op import SELECTIONS, nsa_attention
 
@@ -76,9 +76,7 @@ class _NSAMethod(Method):
             raise ConfigError(f"params.gates of method 'nsa': got {params['gates']!r}; selection "
                               f"'{params['selection']}' has no compressed branch: allowed: g_cmp = 0, e.g. "
                               "[0.0, 0.75, 0.25]")
-        if params["selection"] == "antidiagonal" and params["select_block"] % params["score_stride"]:
-            raise ConfigError(f"params.score_stride of method 'nsa': got {params['score_stride']}; allowed: a "
-                              f"divisor of select_block ({params['select_block']})")
+        check_stride_config("nsa", params, "select_block")
         return params
 
 
