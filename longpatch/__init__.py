@@ -1,5 +1,6 @@
 """longpatch: patch the attention of pretrained transformers models with fast long-context methods."""
 from .assets import demo_model_path
+from .cache import GrowingCache
 from .config import PatchConfig, load_config
 from .errors import ConfigError, LongpatchError, UnsupportedModelError
 from .loading import from_pretrained, load_model
@@ -7,7 +8,7 @@ from .patching import PatchReport, patch_model, patched, patched_layers, redraw_
 
 __version__ = "0.1.0"
 __all__ = [
-    "ConfigError", "LongpatchError", "PatchConfig", "PatchReport", "UnsupportedModelError",
+    "ConfigError", "GrowingCache", "LongpatchError", "PatchConfig", "PatchReport", "UnsupportedModelError",
     "demo_model_path", "from_pretrained", "load_config", "load_model", "patch_model", "patched", "patched_layers",
     "redraw_buffers", "timing", "unpatch_model",
 ]

@@ -55,6 +55,7 @@ CSV_FILE = "results.csv"
 PLOT_FILE = "generate.png"
 UNPATCHED = "unpatched"
 COMMAND = "bench generate"  # marks its --out (outdir.claim_out)
+CACHES = ("growing", "dynamic")  # --cache: longpatch.cache.GrowingCache, transformers' DynamicCache
 CSV_COLUMNS = ["config", "method", "layers", "context", "new_tokens", "ttft_s", "decode_ms_per_token",
                "decode_tokens_per_s", "tokens_per_s", "total_s", "ttft_speedup", "decode_speedup", "peak_rss_mib",
                "rss_increase_mib", "peak_cuda_mib", "tokens_match_unpatched"]
@@ -153,11 +154,16 @@ def _next_and_cache(out) -> tuple[torch.Tensor, object]:
     return logits[:, -1].argmax(-1, keepdim=True), cache
 
 
-def greedy_generate(model, ids: torch.Tensor, new_tokens: int) -> dict:
+def greedy_generate(model, ids: torch.Tensor, new_tokens: int, cache: str = "dynamic") -> dict:
     """Greedy decoding with our own loop: one timed forward of the prompt (TTFT), then one timed
-    forward per further token with the KV cache. -> {"tokens", "ttft_s", "step_s": [...]}."""
+    forward per further token with the KV cache. cache: "growing" hands the prefill a
+    longpatch GrowingCache (where the model takes transformers' Cache objects), "dynamic" leaves
+    the model its default. -> {"tokens", "ttft_s", "step_s": [...]}."""
     device = ids.device
     keep, cache_arg = _forward_names(model)
+    if cache == "growing" and takes_cache_objects(model):
+        from .cache import GrowingCache
+        keep = {**keep, cache_arg: GrowingCache(reserve=new_tokens)}
     with torch.no_grad():
         _sync(device)
         t0 = time.perf_counter()
@@ -175,12 +181,19 @@ def greedy_generate(model, ids: torch.Tensor, new_tokens: int) -> dict:
     return {"tokens": torch.cat(tokens, 1)[0].tolist(), "ttft_s": ttft, "step_s": steps}
 
 
-def measure(model, ids: torch.Tensor, new_tokens: int, repeats: int) -> dict:
+def takes_cache_objects(model) -> bool:
+    """Whether the model keeps its KV cache in transformers' Cache classes: the library's own model
+    classes do (transformers >= 4.56); remote-code models (ChatGLM2) keep their own tuples."""
+    from .cache import DynamicLayer
+    return DynamicLayer is not None and type(model).__module__.startswith("transformers.models.")
+
+
+def measure(model, ids: torch.Tensor, new_tokens: int, repeats: int, cache: str = "dynamic") -> dict:
     """One row's numbers: medians over `repeats` generations (TTFT; the decode steps of all of them)."""
     runs, mem = [], None
     for _ in range(repeats):
         with PeakMemory(ids.device) as m:
-            runs.append(greedy_generate(model, ids, new_tokens))
+            runs.append(greedy_generate(model, ids, new_tokens, cache))
         mem = m if mem is None or m.peak_rss_mib > mem.peak_rss_mib else mem
     ttft = statistics.median(r["ttft_s"] for r in runs)
     step_ms = statistics.median(s for r in runs for s in r["step_s"]) * 1e3
@@ -223,7 +236,7 @@ def run_generate_bench(model: str, config=None, layers=None, contexts="8192,1638
                        out: "str | os.PathLike" = "runs/bench_generate", *, method: str | None = None,
                        sets: Sequence[str] = (), tokenizer=None, filler: str = "demo", repeats: int = 1,
                        warmup: int = 1, trust_remote_code: bool = False, progress: bool = True,
-                       plots: bool = True) -> dict:
+                       plots: bool = True, cache: str = "growing") -> dict:
     """Greedy generation after a prompt of each context length, unpatched and patched per each config
     and layer count, in one run. model: what --model takes; config: one config, 'a,b' or a list;
     layers: a sweep as eval ppl's (None: each config's layers). Every option is checked before the model
@@ -234,6 +247,8 @@ def run_generate_bench(model: str, config=None, layers=None, contexts="8192,1638
     check_int("new_tokens", new_tokens, 2)
     check_int("repeats", repeats, 1)
     check_int("warmup", warmup, 0)
+    if cache not in CACHES:
+        raise ConfigError(f"cache: got {cache!r}; allowed: {', '.join(CACHES)}")
     sweep = parse_layer_sweep(layers)
     out = check_out(Path(out).expanduser(), COMMAND)
     names = split_configs(config)
@@ -252,12 +267,17 @@ def run_generate_bench(model: str, config=None, layers=None, contexts="8192,1638
         label = name or (method or cfg.method)
         points += [(label, p) for p in make_points(cfg, sweep, n_layers, identity) if p.layers]
     say_if_exact(loaded, [p for _, p in points if p is not None], generation_shapes((n, new_tokens) for n in ctx))
-    records = _run(loaded, points, ids, ctx, new_tokens, repeats, warmup, device, progress)
+    if cache == "growing" and not takes_cache_objects(loaded):
+        log.warning("longpatch: %s keeps its own KV cache (not transformers' Cache classes): --cache growing "
+                    "does not apply, the model's own cache is timed", type(loaded).__name__)
+        cache = "model's own"
+    records = _run(loaded, points, ids, ctx, new_tokens, repeats, warmup, device, progress, cache)
     meta = machine_meta(model=str(model), filler=filler, contexts=ctx, new_tokens=new_tokens, repeats=repeats,
-                        warmup=warmup,
+                        warmup=warmup, cache=cache,
                         note="greedy, batch 1; ttft_s: the prompt's forward pass (it yields the first token); "
                              "decode_ms_per_token: median of the per-token forward passes with the KV cache; "
-                             "tokens_per_s: new_tokens / (ttft + decode time)")
+                             "tokens_per_s: new_tokens / (ttft + decode time); cache: the KV cache of the decode steps "
+                             "(growing: longpatch.cache.GrowingCache; dynamic: transformers' DynamicCache)")
     meta["device"] = str(device) if device.type == "cpu" else torch.cuda.get_device_name(device)
     with removed_on_failure(out, keep_if_existed=out.exists()):
         claim_out(out, COMMAND)
@@ -280,7 +300,7 @@ def _say_if_beyond_positions(model, longest: int) -> None:
 
 
 def _run(model, points, ids: list[int], contexts: list[int], new_tokens: int, repeats: int, warmup: int,
-         device, progress: bool) -> list[dict]:
+         device, progress: bool, cache: str) -> list[dict]:
     """Context by context, the unpatched model then each patched configuration: rows compared with each
     other are measured minutes apart at most, not a whole sweep apart (load drifts on shared machines)."""
     from tqdm.auto import tqdm
@@ -301,10 +321,10 @@ def _run(model, points, ids: list[int], contexts: list[int], new_tokens: int, re
                     patch_model(model, point.cfg)
                 try:
                     for _ in range(warmup):  # untimed: thread pools, allocator, lazily built buffers
-                        greedy_generate(model, warm, 2)
+                        greedy_generate(model, warm, 2, cache)
                     if point is not None:
                         model.longpatch.reset_stats()
-                    row = measure(model, prompt, new_tokens, repeats)
+                    row = measure(model, prompt, new_tokens, repeats, cache)
                     records.append(((i, n), _record(label, point, n, new_tokens, row, base, model)))
                 finally:
                     if point is not None:

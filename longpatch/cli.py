@@ -391,6 +391,9 @@ def bench_generate(
     new_tokens: int = typer.Option(64, help="greedy tokens per generation (the first comes from the prefill)"),
     repeats: int = typer.Option(1, help="generations per row (medians over them)"),
     warmup: int = typer.Option(1, help="untimed short generations per configuration"),
+    cache: str = typer.Option("growing", help="KV cache of the decode steps: growing (longpatch.cache.GrowingCache, "
+                                              "no per-token copy) or dynamic (transformers' DynamicCache, which "
+                                              "copies the whole cache every token)"),
     filler: str = typer.Option("demo", help="prompt text: demo, a .txt or .jsonl file, or longbench:<subsets>"),
     tokenizer: Optional[str] = typer.Option(None, help="name/path, or 'bytes' for tiny:* models"),
     threads: Optional[int] = typer.Option(None, help="torch.set_num_threads"),
@@ -406,7 +409,7 @@ def bench_generate(
     _set_threads(threads)
     results = run_generate_bench(model, config, layers, contexts, new_tokens, out, method=method, sets=set_,
                                  tokenizer=tokenizer, filler=filler, repeats=repeats, warmup=warmup,
-                                 trust_remote_code=trust_remote_code, progress=progress, plots=plots)
+                                 trust_remote_code=trust_remote_code, progress=progress, plots=plots, cache=cache)
     print_table(results)
     files = [RESULTS_FILE, results["files"]["csv"]] + [f for f in [results["files"]["plot"]] if f]
     console.print(f"written to {out}: {', '.join(files)}", markup=False)

@@ -92,6 +92,7 @@ def _one_line_error(r, *needles):
     (["--layers", "9"], ["layers: got 9", "4 layers"]),
     (["--filler", "missing.txt"], ["--filler", "missing.txt"]),
     (["--threads", "0"], ["--threads: got 0"]),
+    (["--cache", "static"], ["cache: got 'static'", "growing, dynamic"]),
     (["--tokenizer", None], ["tokenizer", "tiny:llama", "--tokenizer"]),
 ])
 def test_bad_options_fail_in_one_line_and_write_nothing(tmp_path, args, needles):

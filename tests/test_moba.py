@@ -177,9 +177,7 @@ def _decode(q, k, v, state, **params):
 
 
 @pytest.mark.parametrize("shared", [False, True])
-@pytest.mark.parametrize("view_calls", [32, 0])  # one-token path: per-chunk calls on views / one gather
-def test_stepwise_decode_equals_prefill_and_reuses_chunk_means(shared, view_calls, monkeypatch):
-    monkeypatch.setattr(moba_cpu, "_VIEW_CALLS", view_calls)
+def test_stepwise_decode_equals_prefill_and_reuses_chunk_means(shared, monkeypatch):
     params = dict(chunk_size=8, topk=3, shared_selection=shared)
     q, k, v = rand(2, 4, 2, 70, 70)
     full = moba_attention(q, k, v, **params)

@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from .common import acc_dtype, gather_rows, merge_lse
+from .common import acc_dtype, gather_blocks, merge_lse
 from .cpu_flash import flash_lse
 
 # Elements of gathered keys per call: large enough for few calls, small enough to stay in cache.
@@ -108,8 +108,7 @@ def block_sparse_decode(q, k, v, kept: torch.Tensor, block: int, local_blocks: i
     sel = torch.cat([local, kept], -1)  # [b, hk, L]
     tok = (sel.clamp(min=0).unsqueeze(-1) * block + torch.arange(block, device=q.device)).flatten(-2)
     valid = ((sel >= 0).unsqueeze(-1).expand(-1, -1, -1, block).flatten(-2)) & (tok <= t)
-    rows = tok.clamp(max=t)
-    ks, vs = gather_rows(k, rows), gather_rows(v, rows)  # [b, hk, L*block, d]
+    ks, vs = gather_blocks(k, sel, block), gather_blocks(v, sel, block)  # [b, hk, L*block, d]
     bias = torch.zeros(valid.shape, dtype=torch.float32, device=q.device).masked_fill(~valid, float("-inf"))
     out, lse = flash_lse(q.view(b, hk, g, d), ks, vs, scale, bias.unsqueeze(2))
     return out.reshape(b, hq, 1, d).to(q.dtype), lse.reshape(b, hq, 1)

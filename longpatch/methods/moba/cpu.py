@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from ..common import acc_dtype, gather_rows, ordered_int
+from ..common import acc_dtype, gather_blocks, ordered_int
 from ..cpu_flash import additive_mask
 from ..lse_attention import attend
 
@@ -20,9 +20,6 @@ _INT64_MIN = -(2 ** 63)
 _PAIR_ROWS = 1 << 19
 _GATE_ELEMS = 1 << 22
 _BWD_ELEMS = 1 << 23
-# One-token decode attends chunk by chunk on views of the cache when it makes at most this many
-# fused-kernel calls; beyond, it gathers the selected rows and makes one call.
-_VIEW_CALLS = 32
 
 
 # --------------------------------------------------------------------------- chunk means and gate
@@ -404,34 +401,6 @@ def _gate_one(q, means, scale: float, shared: bool, topk: int):
     return torch.topk(key, kk, dim=-1, sorted=True).indices
 
 
-def _decode_views(q, k, v, sel, own: int, C: int, scale: float):
-    """``_decode_one`` for few (batch, selection group) pairs: one fused attention call per selected
-    chunk on views of the cache (no copy; a one-row call runs on the calling thread), merged by LSE."""
-    b, hq, _, d = q.shape
-    hk = k.shape[1]
-    g = hq // hk
-    hs = sel.shape[2]
-    out = torch.empty_like(q)
-    lse = torch.empty((b, hq, 1), dtype=acc_dtype(q.dtype), device=q.device)
-    chunks = sel.tolist()
-    for bi in range(b):
-        for hi in range(hk):
-            kb, vb = k[bi:bi + 1, hi:hi + 1], v[bi:bi + 1, hi:hi + 1]
-            for si in range(hs):
-                heads = slice(hi * g + si, hi * g + si + 1) if hs == g else slice(hi * g, (hi + 1) * g)
-                qh = q[bi:bi + 1, heads]
-                spans = [(own * C, k.shape[2])] + [(c * C, c * C + C) for c in chunks[bi][hi][si]]
-                parts = [attend(qh, kb[:, :, s0:s1], vb[:, :, s0:s1], scale) for s0, s1 in spans]
-                ls = torch.stack([pl for _, pl in parts])  # [P, 1, gh, 1]
-                # softmax / log_softmax over the parts: exp(lse_part - lse_union) and the union's LSE
-                # without exp/log calls (those go through a threaded math library, costly for 3 numbers)
-                w = torch.softmax(ls, dim=0)
-                outs = torch.stack([po for po, _ in parts]).to(w.dtype)
-                out[bi:bi + 1, heads] = (w.unsqueeze(-1) * outs).sum(0).to(q.dtype)
-                lse[bi:bi + 1, heads] = ls[0] - torch.log_softmax(ls, dim=0)[0]
-    return out, lse
-
-
 def _decode_one(q, k, v, means, C: int, topk: int, scale: float, shared: bool):
     """One causal query per head (q_len = 1) against the cache, all heads at once: gather the rows of
     the selected chunks and of the own (partial) chunk, then one fused attention call. Reads
@@ -440,17 +409,17 @@ def _decode_one(q, k, v, means, C: int, topk: int, scale: float, shared: bool):
     hk, nk = k.shape[1], k.shape[2]
     g = hq // hk
     own = (nk - 1) // C
-    own_tok = torch.arange(own * C, nk, device=q.device)
     sel = _gate_one(q.view(b, hk, g, d), means[:, :, :own], scale, shared, topk)  # all own past chunks are valid
     if sel is None:
         ko, vo = k[:, :, own * C:], v[:, :, own * C:]
         out, lse = attend(q, ko, vo, scale)
         return out, lse
-    hs = sel.shape[2]
-    if b * hk * hs * (sel.shape[-1] + 1) <= _VIEW_CALLS:
-        return _decode_views(q, k, v, sel, own, C, scale)
-    tok = (sel.unsqueeze(-1) * C + torch.arange(C, device=q.device)).flatten(-2)  # [b, hk, hs, kk*C]
-    tok = torch.cat([tok, own_tok.expand(b, hk, hs, own_tok.numel())], dim=-1)
-    ks = gather_rows(k, tok).flatten(1, 2)  # [b, hk*hs, L, d]: per query head, or per KV head if shared
-    vs = gather_rows(v, tok).flatten(1, 2)
-    return attend(q, ks, vs, scale)
+    hs, kk = sel.shape[2], sel.shape[3]
+    # per selection group (query head, or KV head if shared): its own chunk first, then its picks
+    ids = torch.cat([torch.full_like(sel[..., :1], own), sel], -1).flatten(2)  # [b, hk, hs*(kk+1)]
+    ks = gather_blocks(k, ids, C).view(b, hk * hs, (kk + 1) * C, d)
+    vs = gather_blocks(v, ids, C).view(b, hk * hs, (kk + 1) * C, d)
+    seen = torch.ones((kk + 1) * C, dtype=torch.bool, device=q.device)
+    seen[nk - own * C:C] = False  # the own chunk's slot rows past the query
+    bias = additive_mask(seen, q.dtype).view(1, 1, 1, -1)
+    return attend(q, ks, vs, scale, mask=bias)

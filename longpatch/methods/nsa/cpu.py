@@ -9,7 +9,7 @@ import threading
 import torch
 
 from ..common import (
-    gather_rows,
+    gather_blocks,
     merge_lse,
     run_units,
 )
@@ -353,8 +353,7 @@ def _decode_one(q, k, v, k_cmp, v_cmp, cfg, gates):
     idx = topk_blocks(_force_and_mask(imp, pos, cfg.sb, cfg.init_blocks, cfg.local_blocks), cfg.num_selected)[:, :, 0]
     tok = (idx.clamp(min=0).unsqueeze(-1) * cfg.sb + torch.arange(cfg.sb, device=q.device)).flatten(-2)  # [b, hk, S*sb]
     seen = (idx.unsqueeze(-1) >= 0).expand(-1, -1, -1, cfg.sb).flatten(-2) & (tok <= t)
-    rows = tok.clamp(max=t)  # hidden rows past the query read a valid row; the bias masks them
-    ks, vs = gather_rows(k, rows), gather_rows(v, rows)
+    ks, vs = gather_blocks(k, idx, cfg.sb), gather_blocks(v, idx, cfg.sb)  # rows not seen: masked by the bias
     bias = additive_mask(seen, q.dtype).unsqueeze(2)
     o_s, l_s = flash_lse(qg, ks, vs, cfg.scale, bias)
     w0 = max(0, nk - cfg.window)

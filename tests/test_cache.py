@@ -1,0 +1,122 @@
+"""longpatch.cache.GrowingCache (a KV cache that does not copy itself every token) and the block
+gather a decode step reads it with (common.gather_blocks)."""
+import pytest
+import torch
+from transformers.cache_utils import DynamicCache
+
+from longpatch import patch_model
+from longpatch.bench_generate import greedy_generate, takes_cache_objects
+from longpatch.cache import GrowingCache, GrowingLayer
+from longpatch.methods.common import gather_blocks, gather_rows
+from longpatch.testing.tiny import tiny_model
+
+
+def _kv(t, b=2, h=3, d=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(b, h, t, d, generator=g), torch.randn(b, h, t, d, generator=g)
+
+
+def test_update_returns_what_a_dynamic_cache_returns_and_copies_only_on_growth():
+    grow, dyn = GrowingCache(), DynamicCache()
+    k, v = _kv(300)
+    grow.update(k[:, :, :40], v[:, :, :40], 0)
+    dyn.update(k[:, :, :40], v[:, :, :40], 0)
+    buffers = set()
+    for t in range(40, 300):
+        gk, gv = grow.update(k[:, :, t:t + 1], v[:, :, t:t + 1], 0)
+        dk, dv = dyn.update(k[:, :, t:t + 1], v[:, :, t:t + 1], 0)
+        assert torch.equal(gk, dk) and torch.equal(gv, dv)
+        buffers.add(gk.data_ptr())
+    assert grow.get_seq_length() == 300 and isinstance(grow.layers[0], GrowingLayer)
+    # 40 tokens -> capacity 40 + 256; one reallocation when it fills (at 297): no copy per token
+    assert len(buffers) == 2
+    assert not gk.is_contiguous()  # a view of a larger buffer: what the methods must read in place
+
+
+def test_reserve_allocates_the_generation_with_the_prompt():
+    cache = GrowingCache(reserve=1000)
+    k, v = _kv(1051)
+    cache.update(k[:, :, :50], v[:, :, :50], 0)
+    ptr = cache.layers[0].keys.data_ptr()
+    for t in range(50, 1050):  # 1000 tokens after the prompt: the same buffer
+        cache.update(k[:, :, t:t + 1], v[:, :, t:t + 1], 0)
+    assert cache.layers[0].keys.data_ptr() == ptr
+    cache.update(k[:, :, 1050:], v[:, :, 1050:], 0)  # one more: it grows
+    assert cache.layers[0].keys.data_ptr() != ptr and cache.get_seq_length() == 1051
+
+
+def test_crop_reorder_and_batch_select_are_adopted():
+    k, v = _kv(64)
+    cache = GrowingCache()
+    cache.update(k[:, :, :60], v[:, :, :60], 0)
+    cache.crop(-10)  # speculative decoding: drop the last 10
+    out_k, _ = cache.update(k[:, :, 60:61], v[:, :, 60:61], 0)
+    assert torch.equal(out_k, torch.cat([k[:, :, :50], k[:, :, 60:61]], 2))
+    cache.reorder_cache(torch.tensor([1, 0]))  # beam search
+    out_k, _ = cache.update(k[:, :, 61:62], v[:, :, 61:62], 0)
+    want = torch.cat([k[:, :, :50], k[:, :, 60:61]], 2)[[1, 0]]
+    assert torch.equal(out_k, torch.cat([want, k[:, :, 61:62]], 2))
+    cache.batch_select_indices(torch.tensor([1]))
+    out_k, out_v = cache.update(k[:1, :, 62:63], v[:1, :, 62:63], 0)
+    assert torch.equal(out_k, torch.cat([want[1:], k[:, :, 61:62][1:], k[:1, :, 62:63]], 2))
+    assert out_v.shape == out_k.shape
+    cache.reset()
+    out_k, _ = cache.update(k[:, :, :3], v[:, :, :3], 0)
+    assert torch.equal(out_k, k[:, :, :3])
+
+
+@pytest.mark.parametrize("config", [None, {"method": "moba", "params": {"chunk_size": 32, "topk": 2}, "layers": "all"},
+                                    {"method": "nsa", "params": {"compress_block": 16, "compress_stride": 8,
+                                                                 "select_block": 16, "num_selected": 4, "window": 32},
+                                     "layers": "all"}])
+def test_generation_with_a_growing_cache_equals_the_dynamic_cache(config, one_thread):
+    model = tiny_model("llama").eval()
+    if config is not None:
+        patch_model(model, config)
+    assert takes_cache_objects(model)
+    ids = torch.randint(0, 200, (1, 300), generator=torch.Generator().manual_seed(1))
+    grow = greedy_generate(model, ids, 12, cache="growing")
+    dyn = greedy_generate(model, ids, 12, cache="dynamic")
+    assert grow["tokens"] == dyn["tokens"]
+    if config is not None:  # the method's own decode path ran on the growing cache's views
+        assert model.longpatch.breakdown()["patched"]["decode"]["method"]["calls"] > 0
+
+
+# --------------------------------------------------------------------------- gather_blocks
+
+def _buffer_view(b, h, n, d, cap, seed=0):
+    """A [b, h, n, d] view of a [b, h, cap, d] buffer: what GrowingCache hands out."""
+    return torch.randn(b, h, cap, d, generator=torch.Generator().manual_seed(seed))[:, :, :n]
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "buffer", "transposed"])
+@pytest.mark.parametrize("n", [64, 70, 5])  # whole blocks, a partial last block, no complete block
+def test_gather_blocks_reads_the_listed_blocks(layout, n):
+    b, h, d, block = 2, 3, 4, 16
+    x = {"contiguous": lambda: torch.randn(b, h, n, d),
+         "buffer": lambda: _buffer_view(b, h, n, d, n + 37),
+         "transposed": lambda: torch.randn(b, n, h, d).transpose(1, 2)}[layout]()
+    nb_all = -(-n // block)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(-1, nb_all, (b, h, 5), generator=g)
+    ids[..., 0] = nb_all - 1  # the last (maybe partial) block is listed everywhere
+    got = gather_blocks(x, ids, block).view(b, h, 5, block, d)
+    for bi in range(b):
+        for hi in range(h):
+            for si, blk in enumerate(ids[bi, hi].tolist()):
+                if blk < 0:
+                    continue  # not a row of the result: callers mask it (only its finiteness matters)
+                rows = x[bi, hi, blk * block:min(n, (blk + 1) * block)]
+                torch.testing.assert_close(got[bi, hi, si, :rows.shape[0]], rows, rtol=0, atol=0)
+                assert torch.isfinite(got[bi, hi, si]).all()  # rows past n: zeros, maskable
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "buffer", "transposed"])
+def test_gather_rows_reads_any_layout(layout):
+    b, h, n, d = 2, 3, 50, 4
+    x = {"contiguous": lambda: torch.randn(b, h, n, d),
+         "buffer": lambda: _buffer_view(b, h, n, d, 80),
+         "transposed": lambda: torch.randn(b, n, h, d).transpose(1, 2)}[layout]()
+    tok = torch.randint(0, n, (b, h, 7, 2))
+    want = torch.stack([torch.stack([x[bi, hi][tok[bi, hi]] for hi in range(h)]) for bi in range(b)])
+    assert torch.equal(gather_rows(x, tok), want)
