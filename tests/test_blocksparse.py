@@ -260,15 +260,21 @@ def test_nsa_estimate_config_needs_g_cmp_zero():
         get_method("nsa").resolve_params({"selection": "estimate", "gates": [0.2, 0.5, 0.3]})
 
 
-def test_the_triton_kernel_runs_the_estimated_selection():
-    """backend='triton' feeds the executor's pairs (own chunk + listed chunks per query row) to the MoBA
-    kernel (interpreter on CPU): same output, LSE and gradients as the torch path."""
+@pytest.mark.parametrize("method", ["moba", "nsa"])
+def test_the_triton_kernel_runs_the_estimated_selection(method):
+    """backend='triton' runs the executor's Triton kernel (interpreter on CPU) on the estimated blocks:
+    same output, LSE and gradients as the torch path."""
     pytest.importorskip("triton")
+    from longpatch.ops import nsa_attention
+
     n, block = 40, 8
     q, k, v = qkv(n, 2, 1, d=16, dtype=torch.float32, grad=True)
-    kw = dict(chunk_size=block, topk=3, selection="estimate", estimate_queries=4, return_lse=True)
-    o_t, l_t = moba_attention(q, k, v, backend="triton", **kw)
-    o_c, l_c = moba_attention(q, k, v, backend="torch", **kw)
+    if method == "moba":
+        run, kw = moba_attention, dict(chunk_size=block, topk=3, selection="estimate", estimate_queries=4)
+    else:
+        run, kw = nsa_attention, {**NSA_EST, "select_block": block, "num_selected": 3, "window": 8}
+    o_t, l_t = run(q, k, v, backend="triton", return_lse=True, **kw)
+    o_c, l_c = run(q, k, v, backend="torch", return_lse=True, **kw)
     torch.testing.assert_close(o_t, o_c, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(l_t, l_c, atol=1e-5, rtol=1e-4)
     g_t = torch.autograd.grad(o_t.sum(), (q, k, v))
@@ -456,11 +462,16 @@ def test_block_bounds_extend_as_blocks_fill_and_rebuild_for_another_cache():
 
 
 @pytest.mark.parametrize("method", ["moba", "nsa"])
-def test_decode_adds_the_steps_own_bound_blocks(method):
+@pytest.mark.parametrize("views", [True, False])  # the step's two paths: fused calls on views / gather
+def test_decode_adds_the_steps_own_bound_blocks(method, views, monkeypatch):
     """A one-token step attends to the prefill's list joined with its own decode_topk bound blocks:
     equal to the dense reference of that union; a needle the prefill's last queries did not read is
     reached by a step whose query matches it."""
+    from longpatch.methods import blocksparse
     from longpatch.methods.selection import block_bounds, bound_blocks
+
+    if not views:
+        monkeypatch.setattr(blocksparse, "fused_ok", lambda *a: False)
     from longpatch.ops import nsa_attention
 
     n, block = 96, 16

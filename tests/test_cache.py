@@ -1,5 +1,5 @@
-"""longpatch.cache.GrowingCache (a KV cache that does not copy itself every token) and the block
-gather a decode step reads it with (common.gather_blocks)."""
+"""longpatch.cache.GrowingCache (a KV cache that does not copy itself every token) and the ways a
+decode step reads it in place (common.gather_blocks, cpu_flash.attend_spans)."""
 import pytest
 import torch
 from transformers.cache_utils import DynamicCache
@@ -120,3 +120,27 @@ def test_gather_rows_reads_any_layout(layout):
     tok = torch.randint(0, n, (b, h, 7, 2))
     want = torch.stack([torch.stack([x[bi, hi][tok[bi, hi]] for hi in range(h)]) for bi in range(b)])
     assert torch.equal(gather_rows(x, tok), want)
+
+
+def test_attend_spans_is_one_softmax_over_the_spans():
+    """The one-token decode's in-place attention: per group of query heads, one softmax over the
+    union of its spans of its KV head's rows (widths differ: the narrower group is padded)."""
+    from longpatch.methods.cpu_flash import attend_spans, merge_spans
+    from longpatch.methods.lse_attention import attention_lse_reference
+
+    assert merge_spans([(32, 48), (0, 16), (16, 20), (40, 50)]) == [(0, 20), (32, 50)]
+    b, hq, hk, n, d = 2, 4, 2, 60, 8
+    q = torch.randn(b, hq, 1, d, dtype=torch.float64)
+    k, v = _buffer_view(b, hk, n, d, 80).double(), _buffer_view(b, hk, n, d, 80, seed=1).double()
+    spans = {(0, 0): [(0, 16), (40, 60)], (0, 1): [(16, 32)], (1, 0): [(50, 60)], (1, 1): [(0, 8), (20, 30), (59, 60)]}
+    groups = [(bi, hi, spans[bi, hi]) for bi in range(b) for hi in range(hk)]
+    out, lse = attend_spans(q, k, v, groups, 0.3)
+    for (bi, hi), sp in spans.items():
+        mask = torch.zeros(n, dtype=torch.bool)
+        for s0, s1 in sp:
+            mask[s0:s1] = True
+        heads = slice(hi * 2, hi * 2 + 2)
+        ro, rl = attention_lse_reference(q[bi:bi + 1, heads], k[bi:bi + 1, hi:hi + 1], v[bi:bi + 1, hi:hi + 1], 0.3,
+                                         mask=mask.view(1, 1, 1, n))
+        torch.testing.assert_close(out[bi:bi + 1, heads], ro, atol=1e-12, rtol=1e-10)
+        torch.testing.assert_close(lse[bi:bi + 1, heads], rl, atol=1e-12, rtol=1e-10)

@@ -15,7 +15,9 @@ The torch path makes batched calls of torch's fused CPU attention kernel (which 
 one for every diagonal block at once (causal), then, for the query blocks that list the same number
 of blocks, one per chunk of them against their gathered blocks (no mask: the kernel's fastest form),
 merged by their LSEs. Its work is the attended pairs plus one copy of each listed block (whole
-blocks, one memcpy each): no n x n matrix, no per-row index lists.
+blocks, one memcpy each): no n x n matrix, no per-row index lists. ``backend="triton"`` runs the
+Triton twin instead (``kernels/blocksparse.py``). A one-token decode step attends its blocks on
+views of the cache (``cpu_flash.attend_spans``), without copying them.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import math
 import torch
 
 from .common import acc_dtype, gather_blocks, merge_lse
-from .cpu_flash import flash_lse
+from .cpu_flash import attend_spans, flash_lse, fused_ok, merge_spans
 
 # Elements of gathered keys per call: large enough for few calls, small enough to stay in cache.
 _CHUNK_ELEMS = 1 << 22
@@ -43,8 +45,13 @@ def _gather(x: torch.Tensor, idx: torch.Tensor, buf: torch.Tensor | None) -> tor
     return torch.index_select(x, 0, idx, out=buf[:len(idx) * x.shape[1]].view(len(idx), x.shape[1]))
 
 
-def block_sparse_prefill(q, k, v, blocks: torch.Tensor, block: int, scale: float):
-    """(out [b, hq, n, d], lse [b, hq, n] float32/float64) of causal prefill (q_len == kv_len = n)."""
+def block_sparse_prefill(q, k, v, blocks: torch.Tensor, block: int, scale: float, backend: str = "torch"):
+    """(out [b, hq, n, d], lse [b, hq, n] float32/float64) of causal prefill (q_len == kv_len = n).
+    backend "triton": the executor's Triton kernel (``kernels/blocksparse.py``, its twin), else the
+    torch path below."""
+    if backend == "triton":
+        from ..kernels.blocksparse import block_sparse_attention  # lazily: triton is optional
+        return block_sparse_attention(q, k, v, blocks, block, scale)
     b, hq, n, d = q.shape
     hk = k.shape[1]
     g = hq // hk
@@ -97,7 +104,9 @@ def block_sparse_prefill(q, k, v, blocks: torch.Tensor, block: int, scale: float
 def block_sparse_decode(q, k, v, kept: torch.Tensor, block: int, local_blocks: int, scale: float):
     """(out, lse) of one query per head at the last position t = kv_len - 1: its own (partial) block,
     the ``local_blocks`` blocks before it, and the past blocks ``kept`` [b, kv_heads, S] (-1 pads)
-    that are not among those. Reads only those rows of the cache."""
+    that are not among those. Reads only those rows of the cache: in place with fused calls on views
+    (``attend_spans``, touching blocks joined), or, without the fused kernel or under autograd, by
+    gathering them into one masked call."""
     b, hq, _, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     g, t = hq // hk, nk - 1
@@ -106,6 +115,10 @@ def block_sparse_decode(q, k, v, kept: torch.Tensor, block: int, local_blocks: i
     local = local.view(1, 1, -1).expand(b, hk, -1)
     kept = kept.masked_fill((kept >= own - local_blocks) | (kept > own), -1)  # listed once, and causal
     sel = torch.cat([local, kept], -1)  # [b, hk, L]
+    if fused_ok(q, k, v) and not (torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))):
+        groups = [(bi, hi, merge_spans([(j * block, min(nk, j * block + block)) for j in ids if j >= 0]))
+                  for bi, per_head in enumerate(sel.tolist()) for hi, ids in enumerate(per_head)]
+        return attend_spans(q, k, v, groups, scale)
     tok = (sel.clamp(min=0).unsqueeze(-1) * block + torch.arange(block, device=q.device)).flatten(-2)
     valid = ((sel >= 0).unsqueeze(-1).expand(-1, -1, -1, block).flatten(-2)) & (tok <= t)
     ks, vs = gather_blocks(k, sel, block), gather_blocks(v, sel, block)  # [b, hk, L*block, d]

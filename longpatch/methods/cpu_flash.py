@@ -92,3 +92,48 @@ class CpuFlashLSE(torch.autograd.Function):
                                      ctx.causal, attn_mask=bias, scale=ctx.scale)
             dq, dk, dv = dq[..., :-1], dk[..., :-1], dv[..., :-1]
         return dq, dk, dv, None, None, None
+
+
+def merge_spans(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted, with touching or overlapping [start, end) spans joined: fewer, longer kernel calls."""
+    out: list[list[int]] = []
+    for s0, s1 in sorted(spans):
+        if out and s0 <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], s1)
+        else:
+            out.append([s0, s1])
+    return [(s0, s1) for s0, s1 in out]
+
+
+def attend_spans(q, k, v, groups, scale: float):
+    """(out [b, hq, 1, d], lse [b, hq, 1]) of one query per head against row spans of the cache, read
+    in place. ``groups`` lists (batch row, KV head, spans) for consecutive equal slices of q's heads,
+    in order (batch row by batch row, then head by head; each slice hq / (b * len(groups)) heads
+    wide): each span a [start, end) range of that KV head's rows (disjoint, see ``merge_spans``),
+    at least one per group. One fused call per (group, span) on views, merged by their LSEs into one
+    softmax per head.
+
+    For a one-token decode step, which is memory-bound: the selected rows are read once, where
+    gathering them first reads, writes and reads them again (2x slower here with the cache out of
+    the CPU caches). Needs ``fused_ok`` inputs and no autograd."""
+    b, hq, _, d = q.shape
+    acc = acc_dtype(q.dtype)
+    per_row = len(groups) // b
+    gh = hq // per_row
+    width = max(len(spans) for *_, spans in groups)
+    zero = q.new_zeros(gh, d)
+    empty = torch.full((gh,), float("-inf"), dtype=acc, device=q.device)
+    outs, lses = [], []
+    for i, (bi, hi, spans) in enumerate(groups):
+        h0 = (i % per_row) * gh
+        qh, kb, vb = q[bi:bi + 1, h0:h0 + gh], k[bi:bi + 1, hi:hi + 1], v[bi:bi + 1, hi:hi + 1]
+        for s0, s1 in spans:
+            o, lse = FA_CPU(qh, kb[:, :, s0:s1], vb[:, :, s0:s1], 0.0, False, scale=scale)[:2]
+            outs.append(o.view(gh, d))
+            lses.append(lse.view(gh).to(acc))
+        outs += [zero] * (width - len(spans))  # fewer spans than the widest group: weight 0
+        lses += [empty] * (width - len(spans))
+    parts = torch.stack(outs).view(len(groups), width, gh, d).to(acc)
+    lse = torch.stack(lses).view(len(groups), width, gh)
+    out = (torch.softmax(lse, 1).unsqueeze(-1) * parts).sum(1)  # each part's weight exp(lse_part - lse_all)
+    return out.view(b, hq, 1, d).to(q.dtype), torch.logsumexp(lse, 1).view(b, hq, 1)

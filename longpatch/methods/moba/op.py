@@ -55,29 +55,6 @@ def selection_pairs(q, k, plan: _Plan):
     return _segments(row, slot, chunk, kv, C, plan.nk, nq, plan.off)
 
 
-def block_pairs(blocks: torch.Tensor, hq: int, n: int, C: int):
-    """The pairs of a block-sparse prefill (``blocksparse.py``'s definition; q_len == kv_len = n):
-    every query row with its own chunk (slot 0) and each chunk its query chunk lists (``blocks``
-    [b, hk, nb, S], -1 pads), in ``selection_pairs``' format, for the same Triton kernel."""
-    b, hk, nb, S = blocks.shape
-    g = hq // hk
-    dev = blocks.device
-    lists = torch.cat([torch.arange(nb, device=dev).view(1, 1, nb, 1).expand(b, hk, nb, 1), blocks], -1)
-    ent = torch.nonzero(lists >= 0)  # [E, 4]: bi, hi, i, slot
-    bi, hi, i, sl = ent.unbind(1)
-    ch = lists[bi, hi, i, sl]
-    h = torch.arange(g, device=dev).view(1, g, 1)
-    r = torch.arange(C, device=dev).view(1, 1, C)
-    t = (i * C).view(-1, 1, 1) + r  # [E, 1, C] query positions
-    row = ((bi * hq + hi * g).view(-1, 1, 1) + h) * n + t  # [E, g, C]
-    keep = (t < n).expand_as(row)
-    row = row[keep]
-    slot = sl.view(-1, 1, 1).expand(-1, g, C)[keep]
-    chunk = ch.view(-1, 1, 1).expand(-1, g, C)[keep]
-    kv = (bi * hk + hi).view(-1, 1, 1).expand(-1, g, C)[keep]
-    return _segments(row, slot, chunk, kv, C, n, n, 0)
-
-
 def _segments(row, slot, chunk, kv, C: int, nk: int, nq: int, off: int):
     """Pairs sorted by (KV head, chunk), with the segment arrays of the kernel's work list."""
     nchunks = math.ceil(nk / C)
@@ -144,12 +121,7 @@ def _estimated(q, k, v, causal, scale, C, topk, mass, scoring, local_blocks, kep
         out, lse = block_sparse_decode(q, k, v, kept, C, local_blocks, scale)
     else:
         blocks = prefill_blocks(state, q, k, C, topk - 1, mass, scoring, local_blocks, scale)
-        if backend == "triton":  # the MoBA kernel runs any (query row, chunk) list: fed the executor's pairs
-            with torch.no_grad():
-                pairs = block_pairs(blocks, hq, nk, C)
-            out, lse = _run_pairs(q, k, v, pairs, scale, True)
-        else:
-            out, lse = block_sparse_prefill(q, k, v, blocks, C, scale)
+        out, lse = block_sparse_prefill(q, k, v, blocks, C, scale, backend)
     return (out, lse.float()) if return_lse else out
 
 

@@ -28,7 +28,7 @@ SELECTIONS = ("compressed", *SCORINGS)
 
 
 def _estimated(q, k, v, scale, sb, num_selected, window, init_blocks, local_blocks, gates, mass, scoring,
-               decode_topk, state, return_lse):
+               decode_topk, state, return_lse, backend):
     """nsa_attention with a query-aware selection: g_slc * (own block + estimated blocks, on the
     block-sparse executor) + g_win * (sliding window)."""
     from ..sparse import band_attention
@@ -55,7 +55,7 @@ def _estimated(q, k, v, scale, sb, num_selected, window, init_blocks, local_bloc
         o_w, l_w = o_w.reshape(b, hq, 1, d), l_w.reshape(b, hq, 1)
     else:
         blocks = prefill_blocks(state, q, k, sb, num_selected - 1, mass, scoring, past, scale, init_blocks)
-        o_s, l_s = block_sparse_prefill(q, k, v, blocks, sb, scale)
+        o_s, l_s = block_sparse_prefill(q, k, v, blocks, sb, scale, backend)
         parts = [band_attention(q[bi], k[bi], v[bi], 0, window - 1, 0, 0, scale) for bi in range(b)]
         o_w, l_w = torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
     out = (gates[1] * o_s.to(acc) + gates[2] * o_w.to(acc)).to(q.dtype)
@@ -137,7 +137,7 @@ def nsa_attention(q, k, v, *, causal: bool = True, scale: float | None = None, c
     if selection != "compressed":
         return _estimated(q, k, v, scale, select_block, num_selected, window, init_blocks, local_blocks, gates,
                           mass, scoring_of(selection, estimate_queries, score_stride), decode_topk, state,
-                          return_lse)
+                          return_lse, backend)
     b, hq, nq, d = q.shape
     nk = k.shape[2]
     if nq == 0 or nk == 0:
