@@ -11,7 +11,7 @@ which every longpatch method and torch's SDPA accept.
 
 Use it wherever a ``DynamicCache`` goes::
 
-    model.generate(ids, past_key_values=GrowingCache(reserve=max_new_tokens))
+    model.generate(ids, cache=GrowingCache(reserve=max_new_tokens))  # past_key_values= in older transformers
 
 It needs transformers' per-layer cache classes (``DynamicLayer``, transformers >= 4.56); models
 that keep their own tuple cache (ChatGLM2's remote code) do not use it.

@@ -144,3 +144,15 @@ def test_attend_spans_is_one_softmax_over_the_spans():
                                          mask=mask.view(1, 1, 1, n))
         torch.testing.assert_close(out[bi:bi + 1, heads], ro, atol=1e-12, rtol=1e-10)
         torch.testing.assert_close(lse[bi:bi + 1, heads], rl, atol=1e-12, rtol=1e-10)
+
+
+def test_model_generate_takes_a_growing_cache(one_thread):
+    """The README's usage: transformers' generate with a GrowingCache gives its default cache's tokens."""
+    model = tiny_model("llama").eval()
+    patch_model(model, {"method": "moba", "params": {"chunk_size": 32, "topk": 2}, "layers": "all"})
+    ids = torch.randint(0, 200, (1, 300), generator=torch.Generator().manual_seed(2))
+    from longpatch.bench_generate import _forward_names
+
+    name = _forward_names(model)[1]  # `cache` in newer transformers, `past_key_values` before
+    grown = model.generate(ids, max_new_tokens=8, do_sample=False, **{name: GrowingCache(reserve=8)})
+    assert torch.equal(grown, model.generate(ids, max_new_tokens=8, do_sample=False))
