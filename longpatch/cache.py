@@ -51,8 +51,11 @@ if DynamicLayer is not None:
             self.reserve = reserve
             self._k = self._v = None
 
-        def lazy_initialization(self, key_states, value_states) -> None:
-            super().lazy_initialization(key_states, value_states)
+        def lazy_initialization(self, key_states, value_states=None) -> None:
+            try:  # transformers >= 5: (keys, values); 4.56-4.57: (keys)
+                super().lazy_initialization(key_states, value_states)
+            except TypeError:
+                super().lazy_initialization(key_states)
             self._k = self._v = None
 
         def _filled(self) -> int | None:
@@ -68,7 +71,7 @@ if DynamicLayer is not None:
             return k.shape[-2]
 
         def update(self, key_states, value_states, *args, **kwargs):
-            if not self.is_initialized:
+            if self.keys is None or not getattr(self, "is_initialized", True):  # first call, or after reset()
                 self.lazy_initialization(key_states, value_states)
             n = self._filled()
             fits = (n is not None and self._k.dtype == key_states.dtype
@@ -115,7 +118,7 @@ if DynamicLayer is not None:
         @staticmethod
         def _growing(layer, reserve: int) -> GrowingLayer:
             new = GrowingLayer(reserve=reserve)
-            if layer.is_initialized and layer.keys is not None and layer.keys.numel():
+            if getattr(layer, "keys", None) is not None and layer.keys.numel():
                 new.update(layer.keys, layer.values)  # data given to the constructor
             return new
 

@@ -21,7 +21,8 @@ def _llama(**kw):
 def _phi(**kw):
     from transformers import PhiConfig, PhiForCausalLM
     # partial rotary (0.5) and MHA, as in phi-1.5
-    return PhiForCausalLM(PhiConfig(**{**_COMMON, "partial_rotary_factor": 0.5, **kw}))
+    # pad_token_id given: transformers 5.0.0's PhiModel reads it and its PhiConfig does not set it
+    return PhiForCausalLM(PhiConfig(**{**_COMMON, "partial_rotary_factor": 0.5, "pad_token_id": None, **kw}))
 
 
 def _qwen2(**kw):
