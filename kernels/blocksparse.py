@@ -43,22 +43,27 @@ _MAX_D = 256
 
 
 @triton.jit
+def _tile(pid_bh, HQ, GROUP, N, BLK, TPB, D, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    # the program's tile, shared by the forward and backward kernels: query block i, the tile's first
+    # row t0 inside it, batch b, query head h and its KV head hk, the tile's rows and their masks
+    pid = tl.program_id(0)
+    i = pid // TPB
+    t0 = (pid % TPB) * BLOCK_M
+    b = pid_bh // HQ
+    h = pid_bh % HQ
+    loc_m = t0 + tl.arange(0, BLOCK_M)
+    offs_m = i * BLK + loc_m
+    offs_d = tl.arange(0, BLOCK_D)
+    return i, t0, b, h, h // GROUP, loc_m, offs_m, (loc_m < BLK) & (offs_m < N), offs_d, offs_d < D
+
+
+@triton.jit
 def _fwd_kernel(Q, K, V, Blocks, Counts, O, Lse,
                 sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
                 HQ, HK, GROUP, N, NB, S, BLK, TPB, D, qk_scale,
                 UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    pid = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    i = pid // TPB  # query block
-    t0 = (pid % TPB) * BLOCK_M  # first row of this tile, inside the block
-    b = pid_bh // HQ
-    h = pid_bh % HQ
-    hk = h // GROUP
-    loc_m = t0 + tl.arange(0, BLOCK_M)
-    offs_m = i * BLK + loc_m
-    m_ok = (loc_m < BLK) & (offs_m < N)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
+    i, t0, b, h, hk, loc_m, offs_m, m_ok, offs_d, d_ok = _tile(pid_bh, HQ, GROUP, N, BLK, TPB, D, BLOCK_M, BLOCK_D)
     q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :],
                 mask=m_ok[:, None] & d_ok[None, :], other=0.0)
     k_base = K + b * skb + hk * skh
@@ -127,18 +132,8 @@ def _bwd_kernel(Q, K, V, Blocks, Counts, DO, Lse, Delta, DQ, DK, DV,
                 UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     # DQ, DK, DV: float32 [b, h, n, d] buffers with a unit last stride (DQ with hq heads, DK/DV with
     # hk heads); (sqgb, sqgh, sqgm) are DQ's strides, (sgb, sgh, sgn) DK's and DV's
-    pid = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    i = pid // TPB
-    t0 = (pid % TPB) * BLOCK_M
-    b = pid_bh // HQ
-    h = pid_bh % HQ
-    hk = h // GROUP
-    loc_m = t0 + tl.arange(0, BLOCK_M)
-    offs_m = i * BLK + loc_m
-    m_ok = (loc_m < BLK) & (offs_m < N)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
+    i, t0, b, h, hk, loc_m, offs_m, m_ok, offs_d, d_ok = _tile(pid_bh, HQ, GROUP, N, BLK, TPB, D, BLOCK_M, BLOCK_D)
     qd_mask = m_ok[:, None] & d_ok[None, :]
     q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :], mask=qd_mask, other=0.0)
     do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdm + offs_d[None, :], mask=qd_mask, other=0.0)

@@ -183,9 +183,8 @@ def greedy_generate(model, ids: torch.Tensor, new_tokens: int, cache: str = "dyn
 
 def takes_cache_objects(model) -> bool:
     """Whether the model keeps its KV cache in transformers' Cache classes: the library's own model
-    classes do (transformers >= 4.56); remote-code models (ChatGLM2) keep their own tuples."""
-    from .cache import DynamicLayer
-    return DynamicLayer is not None and type(model).__module__.startswith("transformers.models.")
+    classes do; remote-code models (ChatGLM2) keep their own tuples."""
+    return type(model).__module__.startswith("transformers.models.")
 
 
 def measure(model, ids: torch.Tensor, new_tokens: int, repeats: int, cache: str = "dynamic") -> dict:

@@ -13,117 +13,98 @@ Use it wherever a ``DynamicCache`` goes::
 
     model.generate(ids, cache=GrowingCache(reserve=max_new_tokens))  # past_key_values= in older transformers
 
-It needs transformers' per-layer cache classes (``DynamicLayer``, transformers >= 4.56); models
+It extends transformers' per-layer cache classes (``DynamicLayer``, transformers >= 4.56); models
 that keep their own tuple cache (ChatGLM2's remote code) do not use it.
 """
 from __future__ import annotations
 
 import torch
-
-try:
-    from transformers.cache_utils import DynamicCache, DynamicLayer
-except ImportError:  # transformers < 4.56: no per-layer cache classes
-    DynamicCache = DynamicLayer = None
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 # The smallest growth step, in tokens: short prompts do not reallocate on every few tokens.
 MIN_GROWTH = 256
 
 
-def _available() -> None:
-    if DynamicLayer is None:
-        import transformers
+class GrowingLayer(DynamicLayer):
+    """A ``DynamicLayer`` whose ``keys``/``values`` are views of a buffer with spare capacity.
 
-        raise RuntimeError(f"GrowingCache needs transformers >= 4.56 (per-layer cache classes); "
-                           f"installed: {transformers.__version__}")
+    transformers' own layer operations (crop, beam reordering, batch selection, offloading)
+    replace ``keys``/``values`` with new tensors or shorter views; ``update`` notices that
+    and adopts what it finds, so none of them needs overriding."""
 
+    def __init__(self, reserve: int = 0, **kwargs):
+        super().__init__(**kwargs)
+        self.reserve = reserve
+        self._k = self._v = None
 
-if DynamicLayer is not None:
+    def lazy_initialization(self, key_states, value_states=None) -> None:
+        try:  # transformers >= 5: (keys, values); 4.56-4.57: (keys)
+            super().lazy_initialization(key_states, value_states)
+        except TypeError:
+            super().lazy_initialization(key_states)
+        self._k = self._v = None
 
-    class GrowingLayer(DynamicLayer):
-        """A ``DynamicLayer`` whose ``keys``/``values`` are views of a buffer with spare capacity.
+    def _filled(self, key_states, value_states) -> int | None:
+        """Rows of the buffer that ``keys`` shows, if the new rows can be appended to it; None if
+        ``keys`` is no longer a prefix view of the buffer (replaced by a crop copy, a reorder, an
+        offload, ...) or the new rows do not match it (batch, heads, head dim, dtype, device)."""
+        k, v, buf = self.keys, self.values, self._k
+        if buf is None or k is None or k.dim() != 4 or k.shape[:2] != buf.shape[:2]:
+            return None
+        if k.data_ptr() != buf.data_ptr() or k.stride() != buf.stride() or k.shape[-1] != buf.shape[-1]:
+            return None
+        if v.data_ptr() != self._v.data_ptr() or v.shape != k.shape:
+            return None
+        if (buf.dtype != key_states.dtype or buf.device != key_states.device
+                or buf.shape[:2] != key_states.shape[:2] or self._v.shape[-1] != value_states.shape[-1]):
+            return None
+        return k.shape[-2]
 
-        transformers' own layer operations (crop, beam reordering, batch selection, offloading)
-        replace ``keys``/``values`` with new tensors or shorter views; ``update`` notices that
-        and adopts what it finds, so none of them needs overriding."""
-
-        def __init__(self, reserve: int = 0, **kwargs):
-            super().__init__(**kwargs)
-            self.reserve = reserve
+    def update(self, key_states, value_states, *args, **kwargs):
+        if self.keys is None or not getattr(self, "is_initialized", True):  # first call, or after reset()
+            self.lazy_initialization(key_states, value_states)
+        n = self._filled(key_states, value_states)
+        if n is None:  # first call, or keys replaced from outside: adopt them as the filled part
+            n = self.keys.shape[-2] if self.keys is not None and self.keys.numel() else 0
+            old_k = self.keys if n else None
+            old_v = self.values if n else None
             self._k = self._v = None
+        else:
+            old_k, old_v = self._k[:, :, :n], self._v[:, :, :n]
+        need = n + key_states.shape[-2]
+        if self._k is None or need > self._k.shape[-2]:
+            cap = need + max(MIN_GROWTH, need // 4, self.reserve if self._k is None else 0)
+            self._k = self._grow(old_k, key_states, cap, n)
+            self._v = self._grow(old_v, value_states, cap, n)
+        self._k[:, :, n:need].copy_(key_states)
+        self._v[:, :, n:need].copy_(value_states)
+        self.keys, self.values = self._k[:, :, :need], self._v[:, :, :need]
+        return self.keys, self.values
 
-        def lazy_initialization(self, key_states, value_states=None) -> None:
-            try:  # transformers >= 5: (keys, values); 4.56-4.57: (keys)
-                super().lazy_initialization(key_states, value_states)
-            except TypeError:
-                super().lazy_initialization(key_states)
-            self._k = self._v = None
+    @staticmethod
+    def _grow(old, new, cap: int, n: int) -> torch.Tensor:
+        b, h, _, d = new.shape
+        buf = torch.empty(b, h, cap, d, dtype=new.dtype, device=new.device)
+        if n:
+            buf[:, :, :n].copy_(old)
+        return buf
 
-        def _filled(self) -> int | None:
-            """Rows of the buffer that ``keys`` shows, or None if ``keys`` is no longer a prefix view
-            of the buffer (replaced by a crop copy, a reorder, an offload, ...)."""
-            k, buf = self.keys, self._k
-            if buf is None or k is None or k.dim() != 4 or k.shape[:2] != buf.shape[:2]:
-                return None
-            if k.data_ptr() != buf.data_ptr() or k.stride() != buf.stride() or k.shape[-1] != buf.shape[-1]:
-                return None
-            if self.values.data_ptr() != self._v.data_ptr() or self.values.shape != k.shape:
-                return None
-            return k.shape[-2]
 
-        def update(self, key_states, value_states, *args, **kwargs):
-            if self.keys is None or not getattr(self, "is_initialized", True):  # first call, or after reset()
-                self.lazy_initialization(key_states, value_states)
-            n = self._filled()
-            fits = (n is not None and self._k.dtype == key_states.dtype
-                    and self._k.device == key_states.device
-                    and self._k.shape[:2] == key_states.shape[:2]
-                    and self._v.shape[-1] == value_states.shape[-1])
-            if not fits:  # first call, or keys replaced from outside: adopt them as the filled part
-                n = self.keys.shape[-2] if self.keys is not None and self.keys.numel() else 0
-                old_k = self.keys if n else None
-                old_v = self.values if n else None
-                self._k = self._v = None
-            else:
-                old_k, old_v = self._k[:, :, :n], self._v[:, :, :n]
-            need = n + key_states.shape[-2]
-            if self._k is None or need > self._k.shape[-2]:
-                cap = need + max(MIN_GROWTH, need // 4, self.reserve if self._k is None else 0)
-                self._k = self._grow(old_k, key_states, cap, n)
-                self._v = self._grow(old_v, value_states, cap, n)
-            self._k[:, :, n:need].copy_(key_states)
-            self._v[:, :, n:need].copy_(value_states)
-            self.keys, self.values = self._k[:, :, :need], self._v[:, :, :need]
-            return self.keys, self.values
+class GrowingCache(DynamicCache):
+    """``DynamicCache`` with ``GrowingLayer`` for its full-attention layers (sliding-window and
+    other special layers stay as transformers makes them). ``reserve``: tokens of spare capacity
+    allocated with the prompt (e.g. ``max_new_tokens``), so generation never reallocates."""
 
-        @staticmethod
-        def _grow(old, new, cap: int, n: int) -> torch.Tensor:
-            b, h, _, d = new.shape
-            buf = torch.empty(b, h, cap, d, dtype=new.dtype, device=new.device)
-            if n:
-                buf[:, :, :n].copy_(old)
-            return buf
+    def __init__(self, config=None, reserve: int = 0, **kwargs):
+        super().__init__(config=config, **kwargs)
+        if self.layer_class_to_replicate is DynamicLayer:
+            self.layer_class_to_replicate = lambda: GrowingLayer(reserve=reserve)
+        self.layers = [self._growing(layer, reserve) if type(layer) is DynamicLayer else layer
+                       for layer in self.layers]
 
-    class GrowingCache(DynamicCache):
-        """``DynamicCache`` with ``GrowingLayer`` for its full-attention layers (sliding-window and
-        other special layers stay as transformers makes them). ``reserve``: tokens of spare capacity
-        allocated with the prompt (e.g. ``max_new_tokens``), so generation never reallocates."""
-
-        def __init__(self, config=None, reserve: int = 0, **kwargs):
-            super().__init__(config=config, **kwargs)
-            if self.layer_class_to_replicate is DynamicLayer:
-                self.layer_class_to_replicate = lambda: GrowingLayer(reserve=reserve)
-            self.layers = [self._growing(layer, reserve) if type(layer) is DynamicLayer else layer
-                           for layer in self.layers]
-
-        @staticmethod
-        def _growing(layer, reserve: int) -> GrowingLayer:
-            new = GrowingLayer(reserve=reserve)
-            if getattr(layer, "keys", None) is not None and layer.keys.numel():
-                new.update(layer.keys, layer.values)  # data given to the constructor
-            return new
-
-else:
-
-    class GrowingCache:  # noqa: D101 - placeholder that explains what is missing
-        def __init__(self, *args, **kwargs):
-            _available()
+    @staticmethod
+    def _growing(layer, reserve: int) -> GrowingLayer:
+        new = GrowingLayer(reserve=reserve)
+        if getattr(layer, "keys", None) is not None and layer.keys.numel():
+            new.update(layer.keys, layer.values)  # data given to the constructor
+        return new

@@ -471,7 +471,7 @@ def test_decode_adds_the_steps_own_bound_blocks(method, views, monkeypatch):
     from longpatch.methods.selection import block_bounds, bound_blocks
 
     if not views:
-        monkeypatch.setattr(blocksparse, "fused_ok", lambda *a: False)
+        monkeypatch.setattr(blocksparse, "spans_ok", lambda *a: False)
     from longpatch.ops import nsa_attention
 
     n, block = 96, 16

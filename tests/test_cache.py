@@ -7,7 +7,7 @@ from transformers.cache_utils import DynamicCache
 from longpatch import patch_model
 from longpatch.bench_generate import greedy_generate, takes_cache_objects
 from longpatch.cache import GrowingCache, GrowingLayer
-from longpatch.methods.common import gather_blocks, gather_rows
+from longpatch.methods.common import gather_blocks
 from longpatch.testing.tiny import tiny_model
 
 
@@ -112,17 +112,6 @@ def test_gather_blocks_reads_the_listed_blocks(layout, n):
                 rows = x[bi, hi, blk * block:min(n, (blk + 1) * block)]
                 torch.testing.assert_close(got[bi, hi, si, :rows.shape[0]], rows, rtol=0, atol=0)
                 assert torch.isfinite(got[bi, hi, si]).all()  # rows past n: zeros, maskable
-
-
-@pytest.mark.parametrize("layout", ["contiguous", "buffer", "transposed"])
-def test_gather_rows_reads_any_layout(layout):
-    b, h, n, d = 2, 3, 50, 4
-    x = {"contiguous": lambda: torch.randn(b, h, n, d),
-         "buffer": lambda: _buffer_view(b, h, n, d, 80),
-         "transposed": lambda: torch.randn(b, n, h, d).transpose(1, 2)}[layout]()
-    tok = torch.randint(0, n, (b, h, 7, 2))
-    want = torch.stack([torch.stack([x[bi, hi][tok[bi, hi]] for hi in range(h)]) for bi in range(b)])
-    assert torch.equal(gather_rows(x, tok), want)
 
 
 def test_attend_spans_is_one_softmax_over_the_spans():

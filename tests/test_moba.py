@@ -180,7 +180,7 @@ def _decode(q, k, v, state, **params):
 @pytest.mark.parametrize("views", [True, False])  # one-token path: fused calls on views / the gather fallback
 def test_stepwise_decode_equals_prefill_and_reuses_chunk_means(shared, views, monkeypatch):
     if not views:
-        monkeypatch.setattr(moba_cpu, "fused_ok", lambda *a: False)
+        monkeypatch.setattr(moba_cpu, "spans_ok", lambda *a: False)
     params = dict(chunk_size=8, topk=3, shared_selection=shared)
     q, k, v = rand(2, 4, 2, 70, 70)
     full = moba_attention(q, k, v, **params)

@@ -26,7 +26,7 @@ import math
 import torch
 
 from .common import acc_dtype, gather_blocks, merge_lse
-from .cpu_flash import attend_spans, flash_lse, fused_ok, merge_spans
+from .cpu_flash import attend_spans, flash_lse, merge_spans, spans_ok
 
 # Elements of gathered keys per call: large enough for few calls, small enough to stay in cache.
 _CHUNK_ELEMS = 1 << 22
@@ -115,7 +115,7 @@ def block_sparse_decode(q, k, v, kept: torch.Tensor, block: int, local_blocks: i
     local = local.view(1, 1, -1).expand(b, hk, -1)
     kept = kept.masked_fill((kept >= own - local_blocks) | (kept > own), -1)  # listed once, and causal
     sel = torch.cat([local, kept], -1)  # [b, hk, L]
-    if fused_ok(q, k, v) and not (torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))):
+    if spans_ok(q, k, v):
         groups = [(bi, hi, merge_spans([(j * block, min(nk, j * block + block)) for j in ids if j >= 0]))
                   for bi, per_head in enumerate(sel.tolist()) for hi, ids in enumerate(per_head)]
         return attend_spans(q, k, v, groups, scale)

@@ -168,25 +168,6 @@ def ordered_int(x: torch.Tensor) -> torch.Tensor:
     return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
 
-def gather_rows(x: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
-    """x [b, hk, n, d], token ids tok [b, hk, ...] -> [b, hk, ..., d]: one index_select of whole rows
-    of a KV cache (never a copy of the whole cache), so a decode step reads only the rows it attends
-    to. A cache whose rows are contiguous but not the heads (a view of a buffer with spare capacity,
-    longpatch.cache.GrowingCache) is read through a flat row view of its storage."""
-    b, hk, n, d = x.shape
-    lead = (1,) * (tok.dim() - 2)
-    s0, s1, s2, s3 = x.stride()
-    if not (s3 == 1 and s2 == d and s0 % d == 0 and s1 % d == 0) or x.numel() == 0:
-        bi = torch.arange(b, device=x.device).view(b, 1, *lead)  # another layout: advanced indexing
-        hi = torch.arange(hk, device=x.device).view(1, hk, *lead)
-        return x[bi, hi, tok]
-    # row (bi, hi, t) of x is row bi*s0/d + hi*s1/d + t of the storage from x's first element on
-    base = (torch.arange(b, device=x.device).view(b, 1) * (s0 // d)
-            + torch.arange(hk, device=x.device).view(1, hk) * (s1 // d)).view(b, hk, *lead)
-    flat = x.as_strided(((b - 1) * (s0 // d) + (hk - 1) * (s1 // d) + n, d), (d, 1))
-    return flat.index_select(0, (tok + base).view(-1)).view(*tok.shape, d)
-
-
 def gather_blocks(x: torch.Tensor, ids: torch.Tensor, block: int) -> torch.Tensor:
     """x [b, hk, n, d], block ids [b, hk, S] -> [b, hk, S * block, d]: the rows of each listed block
     of ``block`` keys, in list order; what a decode step attends to, read without copying the rest of

@@ -105,6 +105,11 @@ def merge_spans(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return [(s0, s1) for s0, s1 in out]
 
 
+def spans_ok(q, k, v) -> bool:
+    """Whether ``attend_spans`` takes these inputs: ``fused_ok`` ones, outside autograd."""
+    return fused_ok(q, k, v) and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))
+
+
 def attend_spans(q, k, v, groups, scale: float):
     """(out [b, hq, 1, d], lse [b, hq, 1]) of one query per head against row spans of the cache, read
     in place. ``groups`` lists (batch row, KV head, spans) for consecutive equal slices of q's heads,
@@ -115,7 +120,7 @@ def attend_spans(q, k, v, groups, scale: float):
 
     For a one-token decode step, which is memory-bound: the selected rows are read once, where
     gathering them first reads, writes and reads them again (2x slower here with the cache out of
-    the CPU caches). Needs ``fused_ok`` inputs and no autograd."""
+    the CPU caches). Needs ``spans_ok`` inputs."""
     b, hq, _, d = q.shape
     acc = acc_dtype(q.dtype)
     per_row = len(groups) // b

@@ -8,7 +8,7 @@ import math
 import torch
 
 from ..common import acc_dtype, gather_blocks, ordered_int
-from ..cpu_flash import additive_mask, attend_spans, fused_ok, merge_spans
+from ..cpu_flash import additive_mask, attend_spans, merge_spans, spans_ok
 from ..lse_attention import attend
 
 DEFAULT_CHUNK_SIZE = 2048
@@ -414,7 +414,7 @@ def _decode_one(q, k, v, means, C: int, topk: int, scale: float, shared: bool):
         ko, vo = k[:, :, own * C:], v[:, :, own * C:]
         out, lse = attend(q, ko, vo, scale)
         return out, lse
-    if fused_ok(q, k, v) and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
+    if spans_ok(q, k, v):
         return _decode_views(q, k, v, sel, own, C, scale)
     hs, kk = sel.shape[2], sel.shape[3]
     # per selection group (query head, or KV head if shared): its own chunk first, then its picks
