@@ -8,8 +8,9 @@ one forward pass of the prompt (it yields the first token: its wall time is the 
 TTFT), then one forward pass per further token against the growing KV cache, each
 timed on its own; the row's decode latency is the median of those steps. On CUDA the timed regions
 are bracketed by synchronisations. For each context the unpatched model (no patch at all) runs
-first, then the model patched per each (config, layer count), each after an untimed short warm-up
-generation; speedups are against the unpatched row of the same context.
+first, then the model patched per each (config, layer count), the first time after an untimed short
+warm-up generation; with repeats, the rows take turns (one generation each per round), so that the
+machine's drift reaches them alike. Speedups are against the unpatched row of the same context.
 
 Peak memory: the process's peak resident set (VmHWM, reset before each generation through
 /proc/self/clear_refs; without it getrusage's ru_maxrss, the peak of the whole process so far), as
@@ -187,16 +188,21 @@ def takes_cache_objects(model) -> bool:
     return type(model).__module__.startswith("transformers.models.")
 
 
-def measure(model, ids: torch.Tensor, new_tokens: int, repeats: int, cache: str = "dynamic") -> dict:
-    """One row's numbers: medians over `repeats` generations (TTFT; the decode steps of all of them)."""
-    runs, mem = [], None
-    for _ in range(repeats):
-        with PeakMemory(ids.device) as m:
-            runs.append(greedy_generate(model, ids, new_tokens, cache))
-        mem = m if mem is None or m.peak_rss_mib > mem.peak_rss_mib else mem
+def generate_once(model, ids: torch.Tensor, new_tokens: int, cache: str) -> dict:
+    """greedy_generate's result with the generation's PeakMemory under "memory"."""
+    with PeakMemory(ids.device) as m:
+        run = greedy_generate(model, ids, new_tokens, cache)
+    return {**run, "memory": m}
+
+
+def summarize(runs: list[dict]) -> dict:
+    """A row's numbers from its generations: medians (TTFT; the decode steps of all of them), the
+    peak memory of the generation that peaked highest."""
+    mem = max((r["memory"] for r in runs), key=lambda m: m.peak_rss_mib)
     ttft = statistics.median(r["ttft_s"] for r in runs)
     step_ms = statistics.median(s for r in runs for s in r["step_s"]) * 1e3
     total = statistics.median(r["ttft_s"] + sum(r["step_s"]) for r in runs)
+    new_tokens = len(runs[0]["tokens"])
     return {"ttft_s": ttft, "decode_ms_per_token": step_ms, "decode_tokens_per_s": 1e3 / step_ms,
             "tokens_per_s": new_tokens / total, "total_s": total, "peak_rss_mib": mem.peak_rss_mib,
             "rss_increase_mib": mem.rss_increase_mib, "peak_cuda_mib": mem.peak_cuda_mib,
@@ -309,41 +315,66 @@ def _run(model, points, ids: list[int], contexts: list[int], new_tokens: int, re
     records: list[tuple[tuple[int, int], dict]] = []
     base: dict[int, dict] = {}
     warm = torch.tensor([ids[:min(contexts[0], 256)]], device=device)
-    bar = tqdm(total=len(points) * len(contexts), desc="bench generate", unit="row", disable=not progress,
-               dynamic_ncols=True)
+    bar = tqdm(total=len(points) * len(contexts) * repeats, desc="bench generate", unit="generation",
+               disable=not progress, dynamic_ncols=True)
     try:
         for n in contexts:
             prompt = torch.tensor([ids[:n]], device=device)
+            runs: dict[int, list[dict]] = {i: [] for i in range(len(points))}
+            # round by round, every row once per round: drift in the machine's speed (shared hosts
+            # move by tens of percent over minutes) reaches every row alike instead of one row
+            for rep in range(repeats):
+                for i, (label, point) in enumerate(points):
+                    bar.set_description(f"{label} {point.label if point else ''} {n}".replace("  ", " "))
+                    if point is not None:
+                        patch_model(model, point.cfg)
+                    try:
+                        if rep == 0:
+                            for _ in range(warmup):  # untimed: thread pools, allocator, lazily built buffers
+                                greedy_generate(model, warm, 2, cache)
+                        if point is not None:
+                            model.longpatch.reset_stats()
+                        run = generate_once(model, prompt, new_tokens, cache)
+                        run["paths"] = _paths(model) if point is not None else None
+                        runs[i].append(run)
+                    finally:
+                        if point is not None:
+                            unpatch_model(model)
+                    bar.update(1)
             for i, (label, point) in enumerate(points):
-                bar.set_description(f"{label} {point.label if point else ''} {n}".replace("  ", " "))
-                if point is not None:
-                    patch_model(model, point.cfg)
-                try:
-                    for _ in range(warmup):  # untimed: thread pools, allocator, lazily built buffers
-                        greedy_generate(model, warm, 2, cache)
-                    if point is not None:
-                        model.longpatch.reset_stats()
-                    row = measure(model, prompt, new_tokens, repeats, cache)
-                    records.append(((i, n), _record(label, point, n, new_tokens, row, base, model)))
-                finally:
-                    if point is not None:
-                        unpatch_model(model)
-                bar.update(1)
+                records.append(((i, n), _record(label, point, n, new_tokens, summarize(runs[i]), base,
+                                                   _summed_paths(runs[i]) if point is not None else None)))
     finally:
         bar.close()
     return [rec for _, rec in sorted(records, key=lambda x: x[0])]  # by configuration, then context
 
 
-def _record(label: str, point: Point | None, n: int, new_tokens: int, row: dict, base: dict, model) -> dict:
+def _paths(model) -> dict:
+    """What served the patched layers' calls, per phase (calls per path): shows that the method's
+    decode really ran."""
+    return {phase: {path: s["calls"] for path, s in paths.items()}
+            for phase, paths in model.longpatch.breakdown()["patched"].items()}
+
+
+def _summed_paths(runs: list[dict]) -> dict:
+    total: dict = {}
+    for run in runs:
+        for phase, paths in run["paths"].items():
+            for path, calls in paths.items():
+                total.setdefault(phase, {}).setdefault(path, 0)
+                total[phase][path] += calls
+    return total
+
+
+def _record(label: str, point: Point | None, n: int, new_tokens: int, row: dict, base: dict,
+            paths: dict | None) -> dict:
     rec = {"config": label, "method": point.cfg.method if point else None, "layers": point.layers if point else 0,
            "indices": point.indices if point else [], "context": n, "new_tokens": new_tokens, **row}
     if point is None:
         base[n] = rec
         rec.update(paths=None, ttft_speedup=1.0, decode_speedup=1.0, tokens_match_unpatched=None)
         return rec
-    # what served the patched layers' calls, per phase: shows that the method's decode really ran
-    rec["paths"] = {phase: {path: s["calls"] for path, s in paths.items()}
-                    for phase, paths in model.longpatch.breakdown()["patched"].items()}
+    rec["paths"] = paths
     ref = base[n]
     rec["ttft_speedup"] = ref["ttft_s"] / rec["ttft_s"]
     rec["decode_speedup"] = ref["decode_ms_per_token"] / rec["decode_ms_per_token"]

@@ -7,7 +7,8 @@ import torch
 from helpers import dense_attention
 
 from longpatch import patch_model
-from longpatch.methods.blocksparse import block_mask_reference, block_sparse_prefill
+from longpatch.methods import blocksparse
+from longpatch.methods.blocksparse import block_mask_reference, block_sparse_prefill, row_sparse_attention
 from longpatch.methods.selection import (
     block_scores,
     estimated_blocks,
@@ -501,3 +502,80 @@ def test_decode_adds_the_steps_own_bound_blocks(method, views, monkeypatch):
     else:
         win = dense_attention(q[:, :, -1:], k[:, :, -8:], v[:, :, -8:], causal=False)[0]
         torch.testing.assert_close(step, 0.75 * sel + 0.25 * win, atol=1e-12, rtol=1e-10)
+
+
+# ---- the row form (per-query lists: the papers' gates run on it) ----------------------------------
+
+def random_row_lists(pos, block, n, S, hs, causal, seed=0, skip_first=False):
+    """[hs, m, S] random lists per (head, row) of the blocks a row may list (causal: up to its own),
+    at least one each, -1 pads; block 0 left out with skip_first."""
+    g = torch.Generator().manual_seed(seed)
+    nb = math.ceil(n / block)
+    out = torch.full((hs, len(pos), S), -1, dtype=torch.long)
+    first = 1 if skip_first else 0
+    for h in range(hs):
+        for r, p in enumerate(pos.tolist()):
+            top = p // block + 1 if causal else nb
+            pick = first + torch.randperm(top - first, generator=g)[:S]
+            keep = max(1, int((torch.rand(len(pick), generator=g) < 0.7).sum()))
+            out[h, r, :keep] = pick[:keep]
+    return out
+
+
+def row_mask(lists, pos, block, n, g, causal):
+    """Bool [g, m, n] of the row form's definition, written densely: a row sees the keys of its
+    listed blocks (causal: none after its position)."""
+    hs, m, _ = lists.shape
+    mask = torch.zeros(g, m, n, dtype=torch.bool)
+    for h in range(g):
+        for r in range(m):
+            for j in lists[h if hs > 1 else 0, r].tolist():
+                if j >= 0:
+                    mask[h, r, j * block:min(n, (j + 1) * block)] = True
+    if causal:
+        mask &= torch.arange(n)[None, None, :] <= pos[None, :, None]
+    return mask
+
+
+@pytest.mark.parametrize("strategy", ["small", "view"])
+@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("n", [64, 75])
+def test_row_form_equals_its_dense_definition(monkeypatch, strategy, shared, causal, n):
+    """Each row (and head) attends to the keys of its own list, own blocks causally, the partial
+    last block without its padding; both strategies (batched small blocks, views of large ones)."""
+    monkeypatch.setattr(blocksparse, "_VIEW_BLOCK", 1 if strategy == "view" else 1 << 30)
+    monkeypatch.setattr(blocksparse, "_TILE_ROWS", 4)  # several item sizes
+    block, g, d, m = 8, 3, 16, 23
+    q, k, v = qkv(n, g, 1, d, dtype=torch.float32)
+    pos = torch.arange(n - m, n)
+    lists = random_row_lists(pos, block, n, 4, 1 if shared else g, causal)
+    out, lse = row_sparse_attention(q[0, :, n - m:], k[0, 0], v[0, 0], lists, pos, block, d ** -0.5, causal=causal)
+    mask = row_mask(lists, pos, block, n, g, causal)
+    ref, ref_lse = dense_attention(q[:, :, n - m:], k, v, causal=False, mask=mask.unsqueeze(0))
+    torch.testing.assert_close(out.double(), ref[0], atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse[0], atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("strategy", ["small", "view"])
+def test_row_form_merges_the_callers_part(monkeypatch, strategy):
+    """``extra`` (keys the caller attended itself: here block 0) joins the same softmax; a row with
+    no listed block and no extra part gets lse -inf and a zero output."""
+    monkeypatch.setattr(blocksparse, "_VIEW_BLOCK", 1 if strategy == "view" else 1 << 30)
+    block, g, d, n, m = 8, 2, 16, 64, 30
+    q, k, v = qkv(n, g, 1, d, dtype=torch.float32, seed=3)
+    pos = torch.arange(n - m, n)
+    lists = random_row_lists(pos, block, n, 3, 1, True, seed=3, skip_first=True)
+    qw = q[0, :, n - m:]
+    first = torch.zeros(g, m, n, dtype=torch.bool)
+    first[..., :block] = True
+    extra = dense_attention(q[:, :, n - m:], k, v, causal=False, mask=first.unsqueeze(0))
+    out, lse = row_sparse_attention(qw, k[0, 0], v[0, 0], lists, pos, block, d ** -0.5,
+                                    extra=(extra[0][0].float(), extra[1][0].float()))
+    mask = row_mask(lists, pos, block, n, g, True) | first
+    ref, ref_lse = dense_attention(q[:, :, n - m:], k, v, causal=False, mask=mask.unsqueeze(0))
+    torch.testing.assert_close(out.double(), ref[0], atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse[0], atol=2e-6, rtol=1e-5)
+    lists[0, 5] = -1
+    out, lse = row_sparse_attention(qw, k[0, 0], v[0, 0], lists, pos, block, d ** -0.5)
+    assert torch.isinf(lse[:, 5]).all() and (lse[:, 5] < 0).all() and (out[:, 5] == 0).all()

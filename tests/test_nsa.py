@@ -9,7 +9,7 @@ from helpers import logits
 
 from longpatch import patch_model
 from longpatch.errors import ConfigError
-from longpatch.methods import get_method
+from longpatch.methods import blocksparse, get_method
 from longpatch.methods import nsa as nsa_mod
 from longpatch.methods.exact import exact_attention
 from longpatch.methods.nsa import (
@@ -114,7 +114,7 @@ def test_fast_path_small_windows(monkeypatch):
     monkeypatch.setattr(nsa_cpu, "_PAIR_ELEMS", 1)
     monkeypatch.setattr(nsa_cpu, "_WIN_CHUNK", 8)
     monkeypatch.setattr(nsa_cpu, "_CMP_ELEMS", 64)
-    monkeypatch.setattr(nsa_cpu, "_TILE_ROWS", 4)
+    monkeypatch.setattr(blocksparse, "_TILE_ROWS", 4)
     q, k, v = rand(1, 4, 2, 70, 90)
     out, lse = nsa_attention(q, k, v, return_lse=True, **SMALL)
     ref, ref_lse = nsa_attention(q.double(), k.double(), v.double(), return_lse=True, **SMALL)

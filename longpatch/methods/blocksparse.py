@@ -18,6 +18,9 @@ merged by their LSEs. Its work is the attended pairs plus one copy of each liste
 blocks, one memcpy each): no n x n matrix, no per-row index lists. ``backend="triton"`` runs the
 Triton twin instead (``kernels/blocksparse.py``). A one-token decode step attends its blocks on
 views of the cache (``cpu_flash.attend_spans``), without copying them.
+
+The row form (``row_sparse_attention``, at the end) takes a list per query row instead of per query
+block: the papers' gates (MoBA's, NSA's compressed ranking) run on it.
 """
 from __future__ import annotations
 
@@ -26,7 +29,8 @@ import math
 import torch
 
 from .common import acc_dtype, gather_blocks, merge_lse
-from .cpu_flash import attend_spans, flash_lse, merge_spans, spans_ok
+from .cpu_flash import additive_mask, attend_spans, flash_lse, fused_ok, merge_spans, spans_ok
+from .lse_attention import attend
 
 # Elements of gathered keys per call: large enough for few calls, small enough to stay in cache.
 _CHUNK_ELEMS = 1 << 22
@@ -143,3 +147,232 @@ def block_mask_reference(blocks: torch.Tensor, n: int, block: int) -> torch.Tens
                         rows = slice(i * block, min(n, (i + 1) * block))
                         mask[bi, hi, rows, j * block:min(n, (j + 1) * block)] = True
     return mask
+
+
+# --------------------------------------------------------------------------- the row form
+# The papers' gates choose per query row, not per query block: MoBA's gate (each query its top-k
+# chunks) and NSA's compressed-attention ranking (each query its blocks, shared by the KV group).
+# The row form takes such lists and runs them key-major: the (row, block) pairs sorted by block,
+# so each block's K/V is read once for all the rows that chose it.
+
+# Blocks of at least this many keys are attended on views of the cache, one call per block with
+# all the rows that chose it (MoBA's chunks); smaller ones are gathered and batched (NSA's blocks).
+_VIEW_BLOCK = 256
+# Query rows (times heads) per batched item of the small-block strategy.
+_TILE_ROWS = 64
+
+
+def pairs_by_block(lists: torch.Tensor, g: int, m: int):
+    """Sort (head, row, slot) entries by listed block. lists [hs, m, slots] (hs = 1: the g heads
+    share a row's list). Returns entries [P] (flat index into the [g, m, slots] slot grid), rows [P]
+    (flat index into [g * m]) and block ids [P], sorted by block (stable)."""
+    slots = lists.shape[-1]
+    flat = lists.expand(g, m, slots).reshape(-1)
+    ent = torch.nonzero(flat >= 0).squeeze(1)
+    ch, order = torch.sort(flat[ent], stable=True)
+    ent = ent[order]
+    return ent, torch.div(ent, slots, rounding_mode="floor"), ch
+
+
+def block_runs(ch: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(block, start, end) runs of a sorted block-id vector."""
+    if ch.numel() == 0:
+        return []
+    uniq, counts = torch.unique_consecutive(ch, return_counts=True)
+    ends = torch.cumsum(counts, 0).tolist()
+    return list(zip(uniq.tolist(), [0] + ends[:-1], ends))
+
+
+def row_sparse_attention(qw, k1, v1, lists, pos, block: int, scale: float, extra=None, ws=None,
+                         causal: bool = True):
+    """Attention of each query row to the keys of its own list of blocks, for one KV group.
+
+    qw [g, m, d]: the g query heads of the group, rows at positions ``pos`` [m]; k1/v1 [n, d]: its
+    KV head; lists [hs, m, S]: block ids (block j holds keys [j*block, (j+1)*block)), -1 = empty
+    slot, no duplicates in a row; hs = 1: the group's heads share each row's list (NSA), hs = g:
+    each head has its own (MoBA). causal: a row lists no block after its own, and a listed block
+    holding keys after the row's position (its own block) is attended causally; else every listed
+    block is attended whole. ``extra`` (out [g, m, d], lse [g, m]): keys the caller attended
+    itself, disjoint from the listed ones, joined into the same softmax. ``ws``: a workspace dict
+    for reused gather buffers. Returns (out [g, m, d] in qw's dtype, lse [g, m] float32 (float64
+    for float64)), lse = -inf where a row saw no key.
+
+    Blocks of ``_VIEW_BLOCK`` keys or more: one call per block on a view of the cache with the rows
+    that chose it. Smaller blocks: each (row, block) pair carries its row's heads, pairs are sorted
+    by block, the rows of one block are cut into items of T * 2^j rows (T * heads ~ _TILE_ROWS), and
+    the items of one size are one batched fused call (a block's K/V read once per item). The
+    parts merge by LSE per (row, head)."""
+    g, m, d = qw.shape
+    hs = lists.shape[0]
+    # rows R of G heads each: a shared list serves the g heads of a row; per-head lists make every
+    # (head, row) a row of one head
+    if hs == 1:
+        qt, rows_pos, lst = qw.transpose(0, 1), pos, lists[0]
+    else:
+        qt, rows_pos, lst = qw.reshape(g * m, 1, d), pos.repeat(g), lists.reshape(g * m, -1)
+    ext = None
+    if extra is not None:
+        eo, el = extra
+        ext = (eo.transpose(0, 1), el.t()) if hs == 1 else (eo.reshape(g * m, 1, d), el.reshape(g * m, 1))
+    small = block < _VIEW_BLOCK and fused_ok(qw, k1, v1) and qw.dtype != torch.float64
+    parts = (_small_block_parts if small else _view_parts)(qt, k1, v1, lst, rows_pos, block, scale, ws, causal)
+    out, lse = _merge_parts(parts, ext, qt)
+    if hs == 1:
+        return out.transpose(0, 1).to(qw.dtype), lse.t()
+    return out.reshape(g, m, d).to(qw.dtype), lse.reshape(g, m)
+
+
+def _row_pairs(lst: torch.Tensor, pos: torch.Tensor, block: int, causal: bool):
+    """(row [P], block [P], own [P]) of the listed (row, block) pairs, sorted by block; own: causal
+    and the block holds keys after the row's position."""
+    ent, row, blk = pairs_by_block(lst.unsqueeze(0), 1, lst.shape[0])
+    own = ((blk + 1) * block - 1 > pos[row]) & causal
+    return row, blk, own
+
+
+def _view_parts(qt, k1, v1, lst, pos, block: int, scale: float, ws=None, causal: bool = True):
+    """Parts (out [P, G, d], lse [P, G], row [P]) for large blocks: per block, one call on a view of
+    its keys for the rows that chose it (a masked one for the rows it is the own block of)."""
+    R, G, d = qt.shape
+    n = k1.shape[0]
+    row, blk, own = _row_pairs(lst, pos, block, causal)
+    parts = []
+    for j, s, e in block_runs(blk):
+        ks, ke = j * block, min((j + 1) * block, n)
+        for is_own in (False, True):
+            r = row[s:e][own[s:e] == is_own]
+            if r.numel() == 0:
+                continue
+            mask = None
+            if is_own:  # keys after each row's position hidden
+                kpos = torch.arange(ks, ke, device=qt.device)
+                mask = additive_mask(kpos[None, :] <= pos[r][:, None], qt.dtype).unsqueeze(0)
+            qp = qt.index_select(0, r).transpose(0, 1).unsqueeze(0)  # [1, G, rows, d]
+            o, l = attend(qp, k1[None, None, ks:ke], v1[None, None, ks:ke], scale, mask=mask)
+            parts.append((o[0].transpose(0, 1), l[0].t(), r))
+    return parts
+
+
+def _small_block_parts(qt, k1, v1, lst, pos, block: int, scale: float, ws=None, causal: bool = True):
+    """Parts (out [P, G, d], lse [P, G], row [P]) for small blocks, batched into items (see
+    ``row_sparse_attention``)."""
+    R, G, d = qt.shape
+    dev, n = qt.device, k1.shape[0]
+    kb, vb = blocks_of(k1, block), blocks_of(v1, block)
+    nb = kb[0].shape[0] + kb[1].shape[0]
+    T = max(1, _TILE_ROWS // G)
+    row, blk, own = _row_pairs(lst, pos, block, causal)
+    # pairs that need a mask (own blocks: causal; the zero-padded partial block: its padding) form
+    # their own items: sort by (masked, block)
+    masked = own | (blk == kb[0].shape[0]) if kb[1].shape[0] else own
+    key, order = torch.sort(blk + masked.long() * nb, stable=True)
+    row = row[order]
+    seg_key, counts = torch.unique_consecutive(key, return_counts=True)
+    seg = torch.repeat_interleave(torch.arange(counts.numel(), device=dev), counts)
+    rank = torch.arange(row.numel(), device=dev) - (torch.cumsum(counts, 0) - counts)[seg]
+    # a segment of c rows (m = ceil(c / T) units of T rows) is cut into items of T * 2^j rows, one
+    # per set bit j of m, largest first: padding only inside the last unit. The item holding unit u
+    # is the highest bit in which u and m differ. Items of one size (and own-ness) are one call.
+    m = torch.div(counts + T - 1, T, rounding_mode="floor")[seg]
+    bit = torch.floor(torch.log2((torch.div(rank, T, rounding_mode="floor") ^ m).double())).long()
+    within = rank - ((m >> (bit + 1)) << (bit + 1)) * T  # row offset inside its item
+    group = bit * 2 + (seg_key >= nb).long()[seg]
+    qflat = qt.reshape(R, G * d)
+    parts = []
+    for gk in torch.unique(group).tolist():
+        B, is_masked = T << (gk // 2), gk % 2 == 1
+        pick = torch.nonzero(group == gk).squeeze(1)
+        segs, item = torch.unique_consecutive(seg[pick], return_inverse=True)  # pairs are sorted by segment
+        slot = item * B + within[pick]
+        slot_row = torch.zeros(segs.numel() * B, dtype=torch.long, device=dev)
+        slot_row[slot] = row[pick]
+        real = torch.zeros(segs.numel() * B, dtype=torch.bool, device=dev)
+        real[slot] = True
+        blocks = seg_key[segs] % nb
+        qq = _take(qflat, slot_row, ws, "q").view(segs.numel(), 1, B * G, d)
+        kk, vv = _gather_split(kb, blocks, ws, "k"), _gather_split(vb, blocks, ws, "v")
+        bias = None
+        if is_masked:  # keys past the cache or (causal) after the row's position are hidden
+            kpos = blocks[:, None] * block + torch.arange(block, device=dev)
+            visible = (kpos < n)[:, None, :]
+            if causal:  # padding slots (not real rows) see every key, so that no row is empty
+                ppos = torch.where(real, pos[slot_row], torch.full_like(slot_row, 1 << 62)).view(-1, B, 1)
+                visible = visible & (kpos[:, None, :] <= ppos)
+            bias = additive_mask(visible.expand(-1, B, -1), qt.dtype)  # [segs, B, block]
+            bias = bias.unsqueeze(2).expand(-1, B, G, block).reshape(-1, 1, B * G, block)
+        o, l = flash_lse(qq, kk, vv, scale, bias)
+        parts.append((o.view(-1, G, d), l.view(-1, G).masked_fill_(~real[:, None], float("-inf")), slot_row))
+    return parts
+
+
+def _merge_parts(parts, extra, qt):
+    """Merge the parts (out [P, G, d], lse [P, G], row [P]) and ``extra`` (out [R, G, d], lse [R, G])
+    by LSE per (row, head): out [R, G, d] and lse [R, G] (-inf where a row saw no key)."""
+    R, G, d = qt.shape
+    acc = acc_dtype(qt.dtype)
+    dev = qt.device
+    if extra is not None:
+        mx = extra[1].to(acc).clone(memory_format=torch.contiguous_format)  # a copy: scatter_reduce_ writes it
+    else:
+        mx = torch.full((R, G), float("-inf"), dtype=acc, device=dev)
+    for _, l, rows in parts:
+        mx.scatter_reduce_(0, rows[:, None].expand(-1, G), l.to(acc), "amax")
+    mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
+    if extra is not None:
+        den = torch.exp(extra[1].to(acc) - mx).contiguous()
+        out = (extra[0].to(acc) * den.unsqueeze(-1)).contiguous()  # index_add_ wants it dense
+    else:
+        den = torch.zeros((R, G), dtype=acc, device=dev)
+        out = torch.zeros((R, G, d), dtype=acc, device=dev)
+    for o, l, rows in parts:
+        w = torch.exp(l.to(acc) - mx.index_select(0, rows))
+        den.index_add_(0, rows, w)
+        out.index_add_(0, rows, o.to(acc) * w.unsqueeze(-1))
+    lse = mx + torch.log(den)  # -inf where a (row, head) has no key
+    return out * torch.where(den > 0, 1.0 / den, torch.zeros_like(den)).unsqueeze(-1), lse
+
+
+def blocks_of(x1: torch.Tensor, block: int):
+    """x1 [n, d] as blocks: (a view [n // block, block, d] of the full blocks, the partial last
+    block zero-padded to ``block`` rows [0 or 1, block, d]). No copy of the cache."""
+    nf = x1.shape[0] // block
+    full = x1[: nf * block].view(nf, block, x1.shape[1])
+    tail = x1[nf * block:]
+    last = torch.nn.functional.pad(tail, (0, 0, 0, block - tail.shape[0])).unsqueeze(0) if tail.shape[0] else full[:0]
+    return full, last
+
+
+def workspace_buffer(ws: dict | None, key: str, shape, like: torch.Tensor) -> torch.Tensor | None:
+    """A tensor of ``shape`` (dtype/device of ``like``) from the workspace ``ws`` of the calling
+    thread, reused from call to call, or None without a workspace. On the CPU, writing a GEMM or a
+    gather into a warm buffer is 1.3x (GEMM) to 3-5x (index_select) faster than into a fresh tensor
+    (measured for the MB-sized temporaries here). Valid until the next request of the same key."""
+    if ws is None:
+        return None
+    n = math.prod(shape)
+    buf = ws.get(key)
+    if buf is None or buf.numel() < n or buf.dtype != like.dtype:
+        buf = ws[key] = torch.empty(n + n // 4, dtype=like.dtype, device=like.device)
+    return buf[:n].view(shape)
+
+
+def _take(x: torch.Tensor, index: torch.Tensor, ws: dict | None, key: str) -> torch.Tensor:
+    """x.index_select(0, index), into the workspace buffer ``key`` when there is a workspace."""
+    out = workspace_buffer(ws, key, (index.numel(), *x.shape[1:]), x)
+    return x.index_select(0, index) if out is None else torch.index_select(x, 0, index, out=out)
+
+
+def _gather_split(xb, blocks: torch.Tensor, ws: dict | None = None, key: str = "") -> torch.Tensor:
+    """[len(blocks), 1, block, d]: the blocks of ``blocks_of`` (the padded tail is block nf)."""
+    full, last = xb
+    nf = full.shape[0]
+    if last.shape[0] == 0:
+        return _take(full, blocks, ws, key).unsqueeze(1)
+    if nf:
+        out = _take(full, torch.clamp(blocks, max=nf - 1), ws, key)
+    else:
+        out = last.expand(blocks.numel(), -1, -1).clone()
+    is_tail = blocks == nf
+    if bool(is_tail.any()):
+        out[is_tail] = last[0]
+    return out.unsqueeze(1)

@@ -1,12 +1,14 @@
-"""MoBA's fast CPU path (the ``torch`` backend): chunk means and the gate, own-chunk squares,
-past chunks grouped by chunk ("varlen"), the LSE merge, the recomputing backward and the one-token
-decode. The algorithm and its costs: the package docstring (``longpatch.methods.moba``)."""
+"""MoBA's fast CPU path (the ``torch`` backend): chunk means and the gate, own-chunk squares, the
+past chunks each query chose on the executor's row form (``blocksparse.row_sparse_attention``:
+grouped by chunk, "varlen", merged by LSE with the own chunk), the recomputing backward and the
+one-token decode. The algorithm and its costs: the package docstring (``longpatch.methods.moba``)."""
 from __future__ import annotations
 
 import math
 
 import torch
 
+from ..blocksparse import block_runs, pairs_by_block, row_sparse_attention
 from ..common import acc_dtype, gather_blocks, ordered_int
 from ..cpu_flash import additive_mask, attend_spans, merge_spans, spans_ok
 from ..lse_attention import attend
@@ -189,65 +191,6 @@ def _own_tiles(p0: int, p1: int, nk: int, C: int, causal: bool, heads: int, devi
                 yield t0, t1, k0, kend, _piece_mask(t0, t1, k0, kend, causal, device)
 
 
-# --------------------------------------------------------------------------- past chunks (varlen)
-
-def _pairs(other: torch.Tensor, g: int, m: int):
-    """Sort (head, row, slot) entries by selected chunk. other [hs, m, slots] (hs = 1: shared, the
-    group's heads share it). Returns entries [P] (flat index into the [g, m, slots] slot grid),
-    row [P] (flat index into [g*m]) and chunk ids [P], sorted by chunk."""
-    slots = other.shape[-1]
-    other = other.expand(g, m, slots).reshape(-1)
-    ent = torch.nonzero(other >= 0).squeeze(1)
-    ch = other[ent]
-    ch, order = torch.sort(ch, stable=True)
-    ent = ent[order]
-    return ent, torch.div(ent, slots, rounding_mode="floor"), ch
-
-
-def _segments(ch: torch.Tensor) -> list[tuple[int, int, int]]:
-    """(chunk, start, end) runs of a sorted chunk-id vector."""
-    if ch.numel() == 0:
-        return []
-    uniq, counts = torch.unique_consecutive(ch, return_counts=True)
-    ends = torch.cumsum(counts, 0).tolist()
-    starts = [0] + ends[:-1]
-    return list(zip(uniq.tolist(), starts, ends))
-
-
-def _past_attention(qw, k1, v1, other, C: int, scale: float):
-    """Attention of every (head, row) to each of its selected non-own chunks. Returns the parts on
-    the slot grid: out [g, m, slots, d], lse [g, m, slots] (-inf in empty slots)."""
-    g, m, d = qw.shape
-    slots = other.shape[-1]
-    nk = k1.shape[0]
-    out = qw.new_zeros((g * m * slots, d))
-    lse = torch.full((g * m * slots,), float("-inf"), dtype=acc_dtype(qw.dtype), device=qw.device)
-    ent, row, ch = _pairs(other, g, m)
-    if ent.numel() == 0:
-        return out.view(g, m, slots, d), lse.view(g, m, slots)
-    qp = qw.reshape(g * m, d).index_select(0, row)
-    op = torch.empty_like(qp)
-    lp = torch.empty(qp.shape[0], dtype=lse.dtype, device=qw.device)
-    for c, s, e in _segments(ch):
-        ks, ke = c * C, min((c + 1) * C, nk)
-        o, l = attend(qp[None, None, s:e], k1[None, None, ks:ke], v1[None, None, ks:ke], scale)
-        op[s:e] = o[0, 0]
-        lp[s:e] = l[0, 0]
-    out.index_copy_(0, ent, op)
-    lse.index_copy_(0, ent, lp)
-    return out.view(g, m, slots, d), lse.view(g, m, slots)
-
-
-def _merge(o_own, l_own, o_past, l_past):
-    """Exact softmax over the union: o_own [g, m, d], l_own [g, m], o_past [g, m, s, d], l_past [g, m, s]."""
-    lall = torch.cat([l_own.unsqueeze(-1), l_past], dim=-1)
-    lse = torch.logsumexp(lall, dim=-1)
-    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    w = torch.exp(lall - safe.unsqueeze(-1))
-    out = w[..., 0:1] * o_own.to(w.dtype) + torch.einsum("gms,gmsd->gmd", w[..., 1:], o_past.to(w.dtype))
-    return out, lse
-
-
 # --------------------------------------------------------------------------- the torch path
 
 class _Plan:
@@ -292,9 +235,9 @@ def _torch_forward(q, k, v, plan: _Plan):
                 pos = torch.arange(a + plan.off, e + plan.off, device=q.device)
                 own, other = _select(qw, means, pos, C, plan.topk, plan.scale, plan.causal, plan.shared)
                 o_own, l_own = _own_attention(qw, k1, v1, a + plan.off, C, plan.causal, plan.scale)
-                o_past, l_past = _past_attention(qw, k1, v1, other, C, plan.scale)
-                o, l = _merge(o_own, l_own, o_past, l_past)
-                out[bi, heads, a:e] = o.to(q.dtype)
+                o, l = row_sparse_attention(qw, k1, v1, other, pos, C, plan.scale, extra=(o_own, l_own),
+                                            causal=plan.causal)
+                out[bi, heads, a:e] = o
                 lse[bi, heads, a:e] = l
     return out, lse
 
@@ -346,7 +289,7 @@ def _torch_backward(q, k, v, out, lse, dout, dlse, plan: _Plan):
                     dk1[k0:kend] += gk.sum(0)
                     dv1[k0:kend] += gv.sum(0)
                 # past chunks, by segment, in row tiles
-                ent, row, ch = _pairs(other, g, e - a)
+                ent, row, ch = pairs_by_block(other, g, e - a)
                 if ent.numel() == 0:
                     continue
                 qp = qw.reshape(-1, plan.d).index_select(0, row)
@@ -354,7 +297,7 @@ def _torch_backward(q, k, v, out, lse, dout, dlse, plan: _Plan):
                 lp = lw.reshape(-1).index_select(0, row)
                 dp = dw.reshape(-1).index_select(0, row)
                 dqp = torch.zeros_like(qp)
-                for c, s, t in _segments(ch):
+                for c, s, t in block_runs(ch):
                     ks, ke = c * C, min((c + 1) * C, plan.nk)
                     tile = max(1, _BWD_ELEMS // max(1, ke - ks))
                     for r0 in range(s, t, tile):

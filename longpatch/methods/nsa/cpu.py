@@ -3,11 +3,13 @@ over torch's threads as single-threaded workers; the steps and their costs: the 
 (``longpatch.methods.nsa``)."""
 from __future__ import annotations
 
+import functools
 import math
 import threading
 
 import torch
 
+from ..blocksparse import row_sparse_attention, workspace_buffer
 from ..common import (
     gather_blocks,
     merge_lse,
@@ -18,12 +20,11 @@ from .blocks import _force_and_mask, _visible_cmp, topk_blocks
 
 # Bounds of temporaries: score elements per block of rows of the compressed GEMM,
 # (row, block) pair elements and (row, selection block) scores per window of rows, rows per window
-# chunk, query rows per tile.
+# chunk.
 _CMP_ELEMS = 1 << 19
 _PAIR_ELEMS = 1 << 22
 _IMP_ELEMS = 1 << 21
 _WIN_CHUNK = 128
-_TILE_ROWS = 64
 
 
 # --------------------------------------------------------------------------- fast CPU path
@@ -100,6 +101,16 @@ def _window_part(qw, k1, v1, p0: int, cfg, local):
     return merge_lse(o, l, *local)
 
 
+@functools.lru_cache(maxsize=64)
+def _overlap_cols(ns: int, nv: int, sb: int, l: int, s: int, device: torch.device):
+    """(lo, hi) [ns] int64: the prefix-sum columns that bound each selection block's overlapping
+    compressed blocks (see ``_overlap_sum``); cached, as a decode step asks the same ones each time."""
+    j = torch.arange(ns, device=device)
+    lo = torch.clamp(torch.div(j * sb - l, s, rounding_mode="floor") + 1, min=0, max=nv)
+    hi = torch.clamp(torch.div((j + 1) * sb - 1, s, rounding_mode="floor") + 1, min=0, max=nv)
+    return lo, hi
+
+
 def _overlap_sum(grp: torch.Tensor, ns: int, cfg) -> torch.Tensor:
     """Importance [r, ns] float32 of each selection block: grp [r, nv] (compressed probabilities
     summed over the group) summed over the compressed blocks overlapping the block. A float64
@@ -108,9 +119,7 @@ def _overlap_sum(grp: torch.Tensor, ns: int, cfg) -> torch.Tensor:
     r, nv = grp.shape
     csum = torch.zeros((r, nv + 1), dtype=torch.float64, device=grp.device)
     torch.cumsum(grp, -1, dtype=torch.float64, out=csum[:, 1:])
-    j = torch.arange(ns, device=grp.device)
-    lo = torch.clamp(torch.div(j * cfg.sb - cfg.l, cfg.s, rounding_mode="floor") + 1, min=0, max=nv)
-    hi = torch.clamp(torch.div((j + 1) * cfg.sb - 1, cfg.s, rounding_mode="floor") + 1, min=0, max=nv)
+    lo, hi = _overlap_cols(ns, nv, cfg.sb, cfg.l, cfg.s, grp.device)
     return (csum.index_select(1, hi) - csum.index_select(1, lo)).float()
 
 
@@ -132,7 +141,7 @@ def _compressed_select(qw, kc, vc, pos, cfg, ws=None):
         if nv == 0:
             continue
         qs = (qw[:, a:e] * cfg.scale).reshape(-1, d)
-        sc = torch.matmul(qs, kc[:nv].transpose(0, 1), out=_buffer(ws, "scores", (qs.shape[0], nv), qs))
+        sc = torch.matmul(qs, kc[:nv].transpose(0, 1), out=workspace_buffer(ws, "scores", (qs.shape[0], nv), qs))
         sc = sc.view(g, e - a, nv)  # scaled scores
         lo = int(nvis[a])
         if lo < nv:  # only the columns some row of the chunk cannot see need the causal mask
@@ -148,136 +157,6 @@ def _compressed_select(qw, kc, vc, pos, cfg, ws=None):
         imp[a:e] = _overlap_sum(p.sum(0, dtype=torch.float32), ns, cfg)
     imp = _force_and_mask(imp, pos, cfg.sb, cfg.init_blocks, cfg.local_blocks)
     return out, lse, topk_blocks(imp, cfg.num_selected)
-
-
-def _blocks_of(x1: torch.Tensor, sb: int):
-    """x1 [n, d] as selection blocks: (a view [n // sb, sb, d] of the full blocks, the partial last
-    block zero-padded to sb rows [0 or 1, sb, d]). No copy of the cache (decoding reads O(selected))."""
-    nf = x1.shape[0] // sb
-    full = x1[: nf * sb].view(nf, sb, x1.shape[1])
-    tail = x1[nf * sb:]
-    last = torch.nn.functional.pad(tail, (0, 0, 0, sb - tail.shape[0])).unsqueeze(0) if tail.shape[0] else full[:0]
-    return full, last
-
-
-def _buffer(ws: dict | None, key: str, shape, like: torch.Tensor) -> torch.Tensor | None:
-    """A tensor of ``shape`` (dtype/device of ``like``) from the workspace ``ws`` of the calling
-    thread, reused from call to call, or None without a workspace. On the CPU, writing a GEMM or a
-    gather into a warm buffer is 1.3x (GEMM) to 3-5x (index_select) faster than into a fresh tensor
-    (measured for the MB-sized temporaries here). Valid until the next request of the same key."""
-    if ws is None:
-        return None
-    n = math.prod(shape)
-    buf = ws.get(key)
-    if buf is None or buf.numel() < n or buf.dtype != like.dtype:
-        buf = ws[key] = torch.empty(n + n // 4, dtype=like.dtype, device=like.device)
-    return buf[:n].view(shape)
-
-
-def _take(x: torch.Tensor, index: torch.Tensor, ws: dict | None, key: str) -> torch.Tensor:
-    """x.index_select(0, index), into the workspace buffer ``key`` when there is a workspace."""
-    out = _buffer(ws, key, (index.numel(), *x.shape[1:]), x)
-    return x.index_select(0, index) if out is None else torch.index_select(x, 0, index, out=out)
-
-
-def _gather_blocks(xb, blocks: torch.Tensor, ws: dict | None = None, key: str = "") -> torch.Tensor:
-    """[len(blocks), 1, sb, d]: the selection blocks of ``_blocks_of`` (the padded tail is block nf)."""
-    full, last = xb
-    nf = full.shape[0]
-    if last.shape[0] == 0:
-        return _take(full, blocks, ws, key).unsqueeze(1)
-    if nf:
-        out = _take(full, torch.clamp(blocks, max=nf - 1), ws, key)
-    else:
-        out = last.expand(blocks.numel(), -1, -1).clone()
-    is_tail = blocks == nf
-    if bool(is_tail.any()):
-        out[is_tail] = last[0]
-    return out.unsqueeze(1)
-
-
-def _selected_fast(qw, kb, vb, idx, pos, cfg, shared=None, ws=None):
-    """Selected branch for one window of rows of one KV group, group-centric. qw [g, r, d] at
-    positions pos [r]; kb/vb the keys/values cut into selection blocks (``_blocks_of``).
-
-    Every (row, selected block) pair carries the g query heads of its row. Pairs are sorted by
-    block; the rows of one block form a segment, cut into items of T * 2^j rows (T * g ~
-    _TILE_ROWS query rows), and the items of one size are ONE batched fused call: a block's K/V is
-    read once per item for all heads and rows in it. Own blocks (the only ones that can reach past a
-    query) form their own buckets with a causal mask. With ``shared`` (out, lse of the local blocks,
-    see ``_local_part``) the local blocks are left out of the pairs and that part joins the merge
-    instead. The parts merge by LSE per (row, head).
-    ``ws``: a workspace dict of the calling thread for the gathers (``_take``)."""
-    g, r, d = qw.shape
-    S = idx.shape[-1]
-    sb = cfg.sb
-    nb = kb[0].shape[0] + kb[1].shape[0]
-    dev = qw.device
-    T = max(1, _TILE_ROWS // g)
-    flat = idx.reshape(-1)
-    keep = flat >= 0
-    if shared is not None:  # blocks after (own - local_blocks) are in the local part
-        own_blk = torch.div(pos, sb, rounding_mode="floor")
-        keep &= (idx <= (own_blk - cfg.local_blocks)[:, None]).reshape(-1)
-    ent = torch.nonzero(keep).squeeze(1)  # pair = (row, slot)
-    row = torch.div(ent, S, rounding_mode="floor")
-    blk = flat[ent]
-    own = blk == torch.div(pos[row], sb, rounding_mode="floor")
-    key, order = torch.sort(blk + own.long() * nb, stable=True)
-    row = row[order]
-    seg_key, counts = torch.unique_consecutive(key, return_counts=True)
-    seg = torch.repeat_interleave(torch.arange(counts.numel(), device=dev), counts)
-    rank = torch.arange(row.numel(), device=dev) - (torch.cumsum(counts, 0) - counts)[seg]
-    # a segment of c rows (m = ceil(c / T) units of T rows) is cut into items of T * 2^j rows, one
-    # per set bit j of m, largest first: padding only inside the last unit. The item holding unit u
-    # is the highest bit in which u and m differ. Items of one size (and own-ness) are one call.
-    m = torch.div(counts + T - 1, T, rounding_mode="floor")[seg]
-    bit = torch.floor(torch.log2((torch.div(rank, T, rounding_mode="floor") ^ m).double())).long()
-    within = rank - ((m >> (bit + 1)) << (bit + 1)) * T  # row offset inside its item
-    group = bit * 2 + (seg_key >= nb).long()[seg]
-    qt = qw.transpose(0, 1).reshape(r, g * d)
-    parts = []
-    for gk in torch.unique(group).tolist():
-        B, is_own = T << (gk // 2), gk % 2 == 1
-        pick = torch.nonzero(group == gk).squeeze(1)
-        segs, item = torch.unique_consecutive(seg[pick], return_inverse=True)  # pairs are sorted by segment
-        slot = item * B + within[pick]
-        slot_row = torch.zeros(segs.numel() * B, dtype=torch.long, device=dev)
-        slot_row[slot] = row[pick]
-        real = torch.zeros(segs.numel() * B, dtype=torch.bool, device=dev)
-        real[slot] = True
-        blocks = seg_key[segs] % nb
-        qq = _take(qt, slot_row, ws, "q").view(segs.numel(), 1, B * g, d)
-        kk, vv = _gather_blocks(kb, blocks, ws, "k"), _gather_blocks(vb, blocks, ws, "v")
-        bias = None
-        if is_own:  # keys after the row's position are hidden; padding rows see everything
-            kpos = blocks[:, None] * sb + torch.arange(sb, device=dev)
-            ppos = torch.where(real, pos[slot_row], torch.full_like(slot_row, 1 << 62)).view(-1, B, 1)
-            bias = additive_mask(kpos[:, None, :] <= ppos, qw.dtype)  # [segs, B, l']
-            bias = bias.unsqueeze(2).expand(-1, B, g, sb).reshape(-1, 1, B * g, sb)
-        o, l = flash_lse(qq, kk, vv, cfg.scale, bias)
-        parts.append((o.view(-1, g, d), l.view(-1, g).masked_fill_(~real[:, None], float("-inf")), slot_row))
-    # merge the parts of each (row, head) by LSE; padding rows weigh 0
-    if shared is not None:
-        mx = shared[1].t().clone(memory_format=torch.contiguous_format)  # a copy: scatter_reduce_ writes it
-    else:
-        mx = torch.full((r, g), float("-inf"), dtype=torch.float32, device=dev)
-    for _, l, rows_ in parts:
-        mx.scatter_reduce_(0, rows_[:, None].expand(-1, g), l, "amax")
-    mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
-    if shared is not None:
-        den = torch.exp(shared[1].t() - mx).contiguous()
-        acc = (shared[0].transpose(0, 1) * den.unsqueeze(-1)).contiguous()  # index_add_ wants it dense
-    else:
-        den = torch.zeros((r, g), dtype=torch.float32, device=dev)
-        acc = torch.zeros((r, g, d), dtype=torch.float32, device=dev)
-    for o, l, rows_ in parts:
-        w = torch.exp(l - mx.index_select(0, rows_))
-        den.index_add_(0, rows_, w)
-        acc.index_add_(0, rows_, o.mul_(w.unsqueeze(-1).to(o.dtype)).float())
-    lse = mx + torch.log(den)  # -inf where a (row, head) has no selected key
-    out = acc * torch.where(den > 0, 1.0 / den, torch.zeros_like(den)).unsqueeze(-1)
-    return out.transpose(0, 1).to(qw.dtype), lse.t()
 
 
 def _fast_forward(q, k, v, k_cmp, v_cmp, cfg, gates):
@@ -298,29 +177,27 @@ def _fast_forward(q, k, v, k_cmp, v_cmp, cfg, gates):
     rows = min(_PAIR_ELEMS // (cfg.num_selected * g * d), _IMP_ELEMS // -(-nk // cfg.sb))
     rows = max(align, rows // align * align)
     cuts = [0, *range(rows - off % rows, nq, rows), nq] if off % rows else [*range(0, nq, rows), nq]
-    blocks = {}
     per_thread = threading.local()  # each worker's gather workspace, dropped with this call
 
     def window(unit):  # one window of rows of one (batch, KV head); writes its slice of out / lse
         bi, hi, a, e = unit
         heads = slice(hi * g, (hi + 1) * g)
         k1, v1 = k[bi, hi], v[bi, hi]
-        kb, vb = blocks[bi, hi]
         pos = torch.arange(off + a, off + e, device=q.device)
         qw = q[bi, heads, a:e]
         if not hasattr(per_thread, "ws"):
             per_thread.ws = {}
         o_c, l_c, idx = _compressed_select(qw, kc_all[bi, hi], vc_all[bi, hi], pos, cfg, per_thread.ws)
         local = _local_part(qw, k1, v1, off + a, cfg) if _shares_local(cfg) else None
-        o_s, l_s = _selected_fast(qw, kb, vb, idx, pos, cfg, local, per_thread.ws)
+        if local is not None:  # blocks after (own - local_blocks) are in the local part
+            own_blk = torch.div(pos, cfg.sb, rounding_mode="floor")
+            idx = idx.masked_fill(idx > (own_blk - cfg.local_blocks)[:, None], -1)
+        o_s, l_s = row_sparse_attention(qw, k1, v1, idx.unsqueeze(0), pos, cfg.sb, cfg.scale, local, per_thread.ws)
         o_w, l_w = _window_part(qw, k1, v1, off + a, cfg, local)
         out[bi, heads, a:e] = _gated_sum((o_c, o_s, o_w), _gate_slice(gates, bi, heads, a, e)).to(q.dtype)
         if lse is not None:
             lse[bi, heads, a:e] = torch.stack([l_c, l_s, l_w], -1)
 
-    for bi in range(b):
-        for hi in range(hk):
-            blocks[bi, hi] = (_blocks_of(k[bi, hi], cfg.sb), _blocks_of(v[bi, hi], cfg.sb))
     # the costliest windows (last rows: most compressed and selectable blocks) first, so the
     # workers of run_units finish together
     run_units(window, [(bi, hi, a, e) for a, e in reversed(list(zip(cuts[:-1], cuts[1:])))
@@ -331,35 +208,57 @@ def _fast_forward(q, k, v, k_cmp, v_cmp, cfg, gates):
 def _decode_one(q, k, v, k_cmp, v_cmp, cfg, gates):
     """``_fast_forward`` for one query per head (q_len = 1, the last position), every batch and KV
     head at once: a handful of batched calls instead of the windowed machinery, so a decode step is
-    O(compressed + selected + window) tensor work with a fixed, small number of ops. The g query
-    heads of a KV group are the rows of one attention call (they share the selection and K/V)."""
+    O(compressed + selected + window) tensor work with a fixed, small number of ops (each op costs
+    microseconds, about what the step's arithmetic does, so the count matters). The g query heads
+    of a KV group are the rows of one attention call (they share the selection and K/V)."""
     b, hq, _, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     g, t = hq // hk, nk - 1
     qg = q.view(b, hk, g, d)
     nc = k_cmp.shape[2]
-    ns = t // cfg.sb + 1
-    o_c = torch.zeros_like(qg)
-    l_c = torch.full((b, hk, g), float("-inf"), dtype=torch.float32, device=q.device)
+    own = t // cfg.sb
+    ns = own + 1
+    o_c = l_c = None
     imp = torch.zeros((b, hk, 1, ns), dtype=torch.float32, device=q.device)
     if nc:  # every complete block ends at or before the last position: all are visible
         sc = torch.matmul(qg * cfg.scale, k_cmp.to(q.dtype).transpose(-1, -2)).float()  # [b, hk, g, nc]
-        l_c = torch.logsumexp(sc, -1)
-        p = torch.exp(sc - l_c.unsqueeze(-1))
+        if cfg.need_lse or cfg.cmp_out:
+            l_c = torch.logsumexp(sc, -1)
+            p = torch.exp(sc - l_c.unsqueeze(-1))
+        else:  # the training-free default: the branch only ranks the blocks
+            p = torch.softmax(sc, -1)
         if cfg.cmp_out:
             o_c = torch.matmul(p.to(q.dtype), v_cmp.to(q.dtype))
         imp[:, :, 0] = _overlap_sum(p.sum(2).view(b * hk, nc), ns, cfg).view(b, hk, ns)
-    pos = torch.full((1,), t, dtype=torch.long, device=q.device)
-    idx = topk_blocks(_force_and_mask(imp, pos, cfg.sb, cfg.init_blocks, cfg.local_blocks), cfg.num_selected)[:, :, 0]
-    tok = (idx.clamp(min=0).unsqueeze(-1) * cfg.sb + torch.arange(cfg.sb, device=q.device)).flatten(-2)  # [b, hk, S*sb]
-    seen = (idx.unsqueeze(-1) >= 0).expand(-1, -1, -1, cfg.sb).flatten(-2) & (tok <= t)
-    ks, vs = gather_blocks(k, idx, cfg.sb), gather_blocks(v, idx, cfg.sb)  # rows not seen: masked by the bias
-    bias = additive_mask(seen, q.dtype).unsqueeze(2)
-    o_s, l_s = flash_lse(qg, ks, vs, cfg.scale, bias)
+    # forced blocks (as _force_and_mask for the last position: no block starts after it)
+    imp[..., :cfg.init_blocks] = float("inf")
+    imp[..., max(0, own - cfg.local_blocks + 1):] = float("inf")
+    idx = topk_blocks(imp, cfg.num_selected)[:, :, 0]  # ascending, -1 pads at the end
+    if bool((idx >= 0).all()):
+        # every slot holds a block and the last is the own one (forced, the largest): the full
+        # past blocks and the own block's rows up to t are exactly the keys, no mask needed
+        ks, vs = (torch.cat([gather_blocks(x[:, :, :own * cfg.sb], idx[..., :-1], cfg.sb),
+                             x[:, :, own * cfg.sb:]], 2) for x in (k, v))
+        o_s, l_s = flash_lse(qg, ks, vs, cfg.scale)
+    else:  # fewer blocks than slots (a short cache, or blocks scored -inf): mask the empty slots
+        tok = (idx.clamp(min=0).unsqueeze(-1) * cfg.sb + torch.arange(cfg.sb, device=q.device)).flatten(-2)
+        seen = (idx.unsqueeze(-1) >= 0).expand(-1, -1, -1, cfg.sb).flatten(-2) & (tok <= t)
+        ks, vs = gather_blocks(k, idx, cfg.sb), gather_blocks(v, idx, cfg.sb)  # rows not seen: masked
+        o_s, l_s = flash_lse(qg, ks, vs, cfg.scale, additive_mask(seen, q.dtype).unsqueeze(2))
     w0 = max(0, nk - cfg.window)
     o_w, l_w = flash_lse(qg, k[:, :, w0:], v[:, :, w0:], cfg.scale)
     gw = gates if not isinstance(gates, torch.Tensor) else gates.expand(b, hq, 1, 3).reshape(b, hk, g, 3)
-    out = _gated_sum((o_c, o_s, o_w), gw).to(q.dtype).reshape(b, hq, 1, d)
+    if o_c is None:  # no compressed output: its gate is 0 (fixed gates) or multiplies zeros
+        o_c = torch.zeros_like(qg) if isinstance(gates, torch.Tensor) else None
+    if o_c is None:
+        out = float(gw[1]) * o_s + float(gw[2]) * o_w
+    else:
+        out = _gated_sum((o_c, o_s, o_w), gw)
+    out = out.to(q.dtype).reshape(b, hq, 1, d)
+    if not cfg.need_lse:
+        return out, None
+    if l_c is None:
+        l_c = torch.full((b, hk, g), float("-inf"), dtype=torch.float32, device=q.device)
     lse = torch.stack([l_c, l_s, l_w], -1).reshape(b, hq, 1, 3)
     return out, lse
 
