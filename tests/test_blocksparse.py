@@ -579,3 +579,37 @@ def test_row_form_merges_the_callers_part(monkeypatch, strategy):
     lists[0, 5] = -1
     out, lse = row_sparse_attention(qw, k[0, 0], v[0, 0], lists, pos, block, d ** -0.5)
     assert torch.isinf(lse[:, 5]).all() and (lse[:, 5] < 0).all() and (out[:, 5] == 0).all()
+
+
+@pytest.mark.parametrize("strategy", ["small", "view"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_row_form_cuts_partial_pairs_key_by_key(monkeypatch, strategy, causal):
+    """``visible`` hides keys only on the pairs ``partial`` flags (static sparse: its window and
+    global keys); a row left with no key at all gets lse -inf."""
+    monkeypatch.setattr(blocksparse, "_VIEW_BLOCK", 1 if strategy == "view" else 1 << 30)
+    block, g, d, n, m = 8, 2, 16, 75, 40
+    q, k, v = qkv(n, g, 1, d, dtype=torch.float32, seed=5)
+    pos = torch.arange(n - m, n)
+    lists = random_row_lists(pos, block, n, 3, 1, causal, seed=5)
+    lists[0, 0] = -1
+    lists[0, 0, 0] = 0  # row 0 lists block 0 alone, all of whose keys get hidden
+
+    def partial(qpos, blk):
+        return (blk % 2 == 0) | (qpos % 5 == 0)
+
+    def visible(qpos, kpos):
+        return (kpos % 3 != 0) & (kpos >= 8)
+
+    out, lse = row_sparse_attention(q[0, :, n - m:], k[0, 0], v[0, 0], lists, pos, block, d ** -0.5,
+                                    causal=causal, visible=visible, partial=partial)
+    mask = row_mask(lists, pos, block, n, g, causal)
+    kpos = torch.arange(n)
+    blk = kpos // block
+    cut = partial(pos[:, None], blk[None, :]) & ~visible(pos[:, None], kpos[None, :])
+    mask &= ~cut
+    empty = ~mask.any(-1)  # [g, m]
+    assert empty[:, 0].all()
+    assert torch.isinf(lse[empty]).all() and (lse[empty] < 0).all() and (out[empty] == 0).all()
+    ref, ref_lse = dense_attention(q[:, :, n - m:], k, v, causal=False, mask=mask.unsqueeze(0))
+    torch.testing.assert_close(out[~empty].double(), ref[0][~empty], atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(lse[~empty].double(), ref_lse[0][~empty], atol=2e-6, rtol=1e-5)

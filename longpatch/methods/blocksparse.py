@@ -29,7 +29,7 @@ import math
 import torch
 
 from .common import acc_dtype, gather_blocks, merge_lse
-from .cpu_flash import additive_mask, attend_spans, flash_lse, fused_ok, merge_spans, spans_ok
+from .cpu_flash import additive_mask, attend_spans, flash_lse, fused_ok, hide_empty, merge_spans, spans_ok
 from .lse_attention import attend
 
 # Elements of gathered keys per call: large enough for few calls, small enough to stay in cache.
@@ -184,7 +184,7 @@ def block_runs(ch: torch.Tensor) -> list[tuple[int, int, int]]:
 
 
 def row_sparse_attention(qw, k1, v1, lists, pos, block: int, scale: float, extra=None, ws=None,
-                         causal: bool = True):
+                         causal: bool = True, visible=None, partial=None):
     """Attention of each query row to the keys of its own list of blocks, for one KV group.
 
     qw [g, m, d]: the g query heads of the group, rows at positions ``pos`` [m]; k1/v1 [n, d]: its
@@ -192,7 +192,11 @@ def row_sparse_attention(qw, k1, v1, lists, pos, block: int, scale: float, extra
     slot, no duplicates in a row; hs = 1: the group's heads share each row's list (NSA), hs = g:
     each head has its own (MoBA). causal: a row lists no block after its own, and a listed block
     holding keys after the row's position (its own block) is attended causally; else every listed
-    block is attended whole. ``extra`` (out [g, m, d], lse [g, m]): keys the caller attended
+    block is attended whole. ``visible`` (qpos [..., 1], kpos [..., block]) -> bool cuts listed
+    blocks further, key by key (static sparse hides its window and global keys, which it attends
+    itself), on the pairs ``partial`` (qpos [P], block [P]) -> bool [P] flags; the other pairs are
+    attended whole, without a mask (FlexAttention's split of full and partial blocks).
+    ``extra`` (out [g, m, d], lse [g, m]): keys the caller attended
     itself, disjoint from the listed ones, joined into the same softmax. ``ws``: a workspace dict
     for reused gather buffers. Returns (out [g, m, d] in qw's dtype, lse [g, m] float32 (float64
     for float64)), lse = -inf where a row saw no key.
@@ -215,45 +219,65 @@ def row_sparse_attention(qw, k1, v1, lists, pos, block: int, scale: float, extra
         eo, el = extra
         ext = (eo.transpose(0, 1), el.t()) if hs == 1 else (eo.reshape(g * m, 1, d), el.reshape(g * m, 1))
     small = block < _VIEW_BLOCK and fused_ok(qw, k1, v1) and qw.dtype != torch.float64
-    parts = (_small_block_parts if small else _view_parts)(qt, k1, v1, lst, rows_pos, block, scale, ws, causal)
+    rule = (causal, visible, partial)
+    parts = (_small_block_parts if small else _view_parts)(qt, k1, v1, lst, rows_pos, block, scale, ws, rule)
     out, lse = _merge_parts(parts, ext, qt)
     if hs == 1:
         return out.transpose(0, 1).to(qw.dtype), lse.t()
     return out.reshape(g, m, d).to(qw.dtype), lse.reshape(g, m)
 
 
-def _row_pairs(lst: torch.Tensor, pos: torch.Tensor, block: int, causal: bool):
-    """(row [P], block [P], own [P]) of the listed (row, block) pairs, sorted by block; own: causal
-    and the block holds keys after the row's position."""
+def _row_pairs(lst: torch.Tensor, pos: torch.Tensor, block: int, rule):
+    """(row [P], block [P], masked [P], cut [P]) of the listed (row, block) pairs, sorted by block;
+    cut: the rule's ``partial`` flags the pair (its keys pass ``visible``); masked: the pair needs a
+    key mask (cut, or causal and the block holds keys after the row's position)."""
+    causal, _, partial = rule
     ent, row, blk = pairs_by_block(lst.unsqueeze(0), 1, lst.shape[0])
-    own = ((blk + 1) * block - 1 > pos[row]) & causal
-    return row, blk, own
+    masked = ((blk + 1) * block - 1 > pos[row]) & causal
+    cut = partial(pos[row], blk) if partial is not None else torch.zeros_like(masked)
+    return row, blk, masked | cut, cut
 
 
-def _view_parts(qt, k1, v1, lst, pos, block: int, scale: float, ws=None, causal: bool = True):
+def _visible_keys(qpos: torch.Tensor, kpos: torch.Tensor, cut: torch.Tensor, n: int, rule) -> torch.Tensor:
+    """Bool [..., keys]: which keys kpos a row at qpos [..., 1] sees of a masked pair (cut [..., 1]:
+    the pair's keys pass the rule's ``visible``)."""
+    causal, visible, _ = rule
+    vis = kpos < n
+    if causal:
+        vis = vis & (kpos <= qpos)
+    if visible is not None:
+        vis = vis & (visible(qpos, kpos) | ~cut)
+    return vis
+
+
+def _view_parts(qt, k1, v1, lst, pos, block: int, scale: float, ws, rule):
     """Parts (out [P, G, d], lse [P, G], row [P]) for large blocks: per block, one call on a view of
-    its keys for the rows that chose it (a masked one for the rows it is the own block of)."""
+    its keys for the rows that chose it (a masked one for the rows whose pair is masked)."""
     R, G, d = qt.shape
     n = k1.shape[0]
-    row, blk, own = _row_pairs(lst, pos, block, causal)
+    row, blk, masked, cut = _row_pairs(lst, pos, block, rule)
     parts = []
     for j, s, e in block_runs(blk):
         ks, ke = j * block, min((j + 1) * block, n)
-        for is_own in (False, True):
-            r = row[s:e][own[s:e] == is_own]
+        for is_masked in (False, True):
+            sel = masked[s:e] == is_masked
+            r = row[s:e][sel]
             if r.numel() == 0:
                 continue
-            mask = None
-            if is_own:  # keys after each row's position hidden
-                kpos = torch.arange(ks, ke, device=qt.device)
-                mask = additive_mask(kpos[None, :] <= pos[r][:, None], qt.dtype).unsqueeze(0)
             qp = qt.index_select(0, r).transpose(0, 1).unsqueeze(0)  # [1, G, rows, d]
-            o, l = attend(qp, k1[None, None, ks:ke], v1[None, None, ks:ke], scale, mask=mask)
+            if not is_masked:
+                o, l = attend(qp, k1[None, None, ks:ke], v1[None, None, ks:ke], scale)
+            else:
+                vis = _visible_keys(pos[r][:, None], torch.arange(ks, ke, device=qt.device), cut[s:e][sel][:, None],
+                                    n, rule)
+                o, l = attend(qp, k1[None, None, ks:ke], v1[None, None, ks:ke], scale,
+                              mask=additive_mask(vis, qt.dtype).unsqueeze(0))
+                o, l = hide_empty(o, l, vis.any(-1)[None, None])
             parts.append((o[0].transpose(0, 1), l[0].t(), r))
     return parts
 
 
-def _small_block_parts(qt, k1, v1, lst, pos, block: int, scale: float, ws=None, causal: bool = True):
+def _small_block_parts(qt, k1, v1, lst, pos, block: int, scale: float, ws, rule):
     """Parts (out [P, G, d], lse [P, G], row [P]) for small blocks, batched into items (see
     ``row_sparse_attention``)."""
     R, G, d = qt.shape
@@ -261,12 +285,13 @@ def _small_block_parts(qt, k1, v1, lst, pos, block: int, scale: float, ws=None, 
     kb, vb = blocks_of(k1, block), blocks_of(v1, block)
     nb = kb[0].shape[0] + kb[1].shape[0]
     T = max(1, _TILE_ROWS // G)
-    row, blk, own = _row_pairs(lst, pos, block, causal)
-    # pairs that need a mask (own blocks: causal; the zero-padded partial block: its padding) form
-    # their own items: sort by (masked, block)
-    masked = own | (blk == kb[0].shape[0]) if kb[1].shape[0] else own
+    row, blk, masked, cut = _row_pairs(lst, pos, block, rule)
+    # pairs that need a mask (and those of the zero-padded partial block: its padding) form their
+    # own items: sort by (masked, block)
+    if kb[1].shape[0]:
+        masked = masked | (blk == kb[0].shape[0])
     key, order = torch.sort(blk + masked.long() * nb, stable=True)
-    row = row[order]
+    row, cut = row[order], cut[order]
     seg_key, counts = torch.unique_consecutive(key, return_counts=True)
     seg = torch.repeat_interleave(torch.arange(counts.numel(), device=dev), counts)
     rank = torch.arange(row.numel(), device=dev) - (torch.cumsum(counts, 0) - counts)[seg]
@@ -288,36 +313,39 @@ def _small_block_parts(qt, k1, v1, lst, pos, block: int, scale: float, ws=None, 
         slot_row[slot] = row[pick]
         real = torch.zeros(segs.numel() * B, dtype=torch.bool, device=dev)
         real[slot] = True
+        slot_cut = torch.zeros(segs.numel() * B, dtype=torch.bool, device=dev)
+        slot_cut[slot] = cut[pick]
         blocks = seg_key[segs] % nb
         qq = _take(qflat, slot_row, ws, "q").view(segs.numel(), 1, B * G, d)
         kk, vv = _gather_split(kb, blocks, ws, "k"), _gather_split(vb, blocks, ws, "v")
+        lsel_ok = real
         bias = None
-        if is_masked:  # keys past the cache or (causal) after the row's position are hidden
-            kpos = blocks[:, None] * block + torch.arange(block, device=dev)
-            visible = (kpos < n)[:, None, :]
-            if causal:  # padding slots (not real rows) see every key, so that no row is empty
-                ppos = torch.where(real, pos[slot_row], torch.full_like(slot_row, 1 << 62)).view(-1, B, 1)
-                visible = visible & (kpos[:, None, :] <= ppos)
-            bias = additive_mask(visible.expand(-1, B, -1), qt.dtype)  # [segs, B, block]
+        if is_masked:  # padding slots (not real rows) stand at the row of slot 0: dropped below
+            kpos = blocks[:, None] * block + torch.arange(block, device=dev)  # [segs, block]
+            vis = _visible_keys(pos[slot_row].view(-1, B, 1), kpos[:, None, :], slot_cut.view(-1, B, 1), n,
+                                rule)  # [segs, B, block]
+            lsel_ok = real & vis.any(-1).reshape(-1)  # a real row may see none of a pair's keys
+            bias = additive_mask(vis, qt.dtype)
             bias = bias.unsqueeze(2).expand(-1, B, G, block).reshape(-1, 1, B * G, block)
         o, l = flash_lse(qq, kk, vv, scale, bias)
-        parts.append((o.view(-1, G, d), l.view(-1, G).masked_fill_(~real[:, None], float("-inf")), slot_row))
+        parts.append((o.view(-1, G, d), l.view(-1, G).masked_fill(~lsel_ok[:, None], float("-inf")), slot_row))
     return parts
 
 
 def _merge_parts(parts, extra, qt):
     """Merge the parts (out [P, G, d], lse [P, G], row [P]) and ``extra`` (out [R, G, d], lse [R, G])
-    by LSE per (row, head): out [R, G, d] and lse [R, G] (-inf where a row saw no key)."""
+    by LSE per (row, head): out [R, G, d] and lse [R, G] (-inf where a row saw no key). Accumulates
+    in place without autograd, out of place under it (the inputs of exp must stay as recorded)."""
     R, G, d = qt.shape
     acc = acc_dtype(qt.dtype)
     dev = qt.device
+    grad = torch.is_grad_enabled()
+    mx = torch.full((R, G), float("-inf"), dtype=acc, device=dev)
     if extra is not None:
-        mx = extra[1].to(acc).clone(memory_format=torch.contiguous_format)  # a copy: scatter_reduce_ writes it
-    else:
-        mx = torch.full((R, G), float("-inf"), dtype=acc, device=dev)
+        mx = torch.maximum(mx, extra[1].to(acc))
     for _, l, rows in parts:
-        mx.scatter_reduce_(0, rows[:, None].expand(-1, G), l.to(acc), "amax")
-    mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
+        mx = mx.scatter_reduce(0, rows[:, None].expand(-1, G), l.to(acc), "amax")
+    mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx)).detach()  # a shift: no gradient
     if extra is not None:
         den = torch.exp(extra[1].to(acc) - mx).contiguous()
         out = (extra[0].to(acc) * den.unsqueeze(-1)).contiguous()  # index_add_ wants it dense
@@ -326,8 +354,11 @@ def _merge_parts(parts, extra, qt):
         out = torch.zeros((R, G, d), dtype=acc, device=dev)
     for o, l, rows in parts:
         w = torch.exp(l.to(acc) - mx.index_select(0, rows))
-        den.index_add_(0, rows, w)
-        out.index_add_(0, rows, o.to(acc) * w.unsqueeze(-1))
+        if grad:
+            den, out = den.index_add(0, rows, w), out.index_add(0, rows, o.to(acc) * w.unsqueeze(-1))
+        else:
+            den.index_add_(0, rows, w)
+            out.index_add_(0, rows, o.to(acc) * w.unsqueeze(-1))
     lse = mx + torch.log(den)  # -inf where a (row, head) has no key
     return out * torch.where(den > 0, 1.0 / den, torch.zeros_like(den)).unsqueeze(-1), lse
 

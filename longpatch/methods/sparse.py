@@ -29,10 +29,11 @@ gives (out, lse) and the parts are merged by their LSEs (exact softmax over the 
    tile: the regular tiles are batched calls (tiles in the batch dim) of torch's fused CPU
    flash-attention kernel on strided views of K/V (``unfold``: no copy by us), the few tiles
    clipped at the sequence ends or at G are separate calls with a slice of the same bias;
-3. random: per query block, the keys of its random blocks are gathered and attended with a bias
-   that hides keys < G and keys already in the window (causal: the blocks are strictly past, so
-   no key is in the future); only the few query blocks whose windows reach a random block need a
-   row-level bias, the others share one key-level bias;
+3. random: on the block-sparse executor's row form (``blocksparse.row_sparse_attention``), every
+   row listing its query block's random blocks, with keys < G and keys already in the window
+   hidden (causal: the blocks are strictly past, so no key is in the future); only the pairs whose
+   block reaches the global keys or the row's window are masked, key by key, the others (most)
+   are attended whole;
 4. non-causal only: the rows of the global queries are replaced by exact attention over all keys.
 
 No n x n mask or score matrix exists anywhere: temporaries are bounded by tile / group sizes and
@@ -55,6 +56,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import Method, nonneg_int, optional_int, positive_int, register_method
+from .blocksparse import row_sparse_attention
 from .common import (
     acc_dtype,
     check_int,
@@ -74,10 +76,8 @@ DEFAULT_DILATION = 1
 DEFAULT_RANDOM_BLOCKS = 0
 DEFAULT_BLOCK = 64
 
-# Bounds of temporaries (elements): gathered/strided K rows per batched band call and gathered
-# random-block keys per group of query blocks.
+# Bound of temporaries (elements): gathered/strided K rows per batched band call.
 _BAND_KEY_ELEMS = 1 << 24
-_RANDOM_KEY_ELEMS = 1 << 22
 # One-token decode attends to views of the cache when the union has at most this many contiguous
 # runs of keys; beyond (dilated windows, random blocks) it gathers the union's rows once.
 _VIEW_RUNS = 8
@@ -273,73 +273,30 @@ def _window_part(q1, k1, v1, off: int, pat: SparsePattern, scale: float):
 
 # --------------------------------------------------------------------------- part 3: random blocks
 
-def _near_window(qbs, sel, pat: SparsePattern) -> torch.Tensor:
-    """Bool [nb]: query block qb has a random block within reach of its rows' windows (positions
-    [qb*B - lo*r, qb*B + B - 1 + hi*r]); only those need the per-key window test."""
-    B = pat.block
-    lo, hi = pat.band
-    first, last = qbs * B - lo * pat.dilation, qbs * B + B - 1 + hi * pat.dilation
-    blk0, blk1 = sel * B, sel * B + B - 1
-    return ((sel >= 0) & (blk1 >= first[:, None]) & (blk0 <= last[:, None])).any(-1)
-
-
 def _random_part(q1, k1, v1, off: int, pat: SparsePattern, scale: float):
-    """Keys of each query block's random blocks that are >= G and outside the window (causal: the
-    blocks are strictly past, so no key is in the future). Works in groups of query blocks; the
-    rows of a partial first/last block are padded by gathering and dropped afterwards."""
+    """Keys of each query block's random blocks that are >= G and outside the window, on the
+    executor's row form (``blocksparse.row_sparse_attention``): every row lists its query block's
+    random blocks; a pair whose block reaches the global keys or the row's window is cut key by key
+    (``visible``), the others (most: random blocks lie far from the window) are attended whole.
+    Causal: the blocks are strictly past, so no key is in the future."""
     hq, nq, d = q1.shape
     hk, nk = k1.shape[0], k1.shape[1]
-    B, R = pat.block, pat.random_blocks
-    dev = q1.device
-    out = q1.new_zeros((hq, nq, d))
-    lse = torch.full((hq, nq), float("-inf"), dtype=acc_dtype(q1.dtype), device=dev)
-    qb_first, qb_last = math.floor(off / B), math.floor((off + nq - 1) / B)
-    per_group = max(1, _RANDOM_KEY_ELEMS // max(1, hk * R * B * d))
-    nkb = -(-nk // B)
-    for g0 in range(qb_first, qb_last + 1, per_group):
-        qbs = torch.arange(g0, min(g0 + per_group, qb_last + 1), device=dev)
-        nb = len(qbs)
-        sel = random_key_blocks(qbs, nkb, R, pat.seed, pat.causal)  # [nb, R]
-        r0 = g0 * B - off  # query row of the group's first position (may lie outside [0, nq))
-        r1 = r0 + nb * B
-        kpos = (sel[:, :, None] * B + torch.arange(B, device=dev)).reshape(nb, R * B)
-        key_ok = (sel.repeat_interleave(B, dim=1) >= 0) & (kpos < nk) & (kpos >= pat.global_tokens)
-        if not bool(key_ok.any()):
-            continue
-        if r0 >= 0 and r1 <= nq:  # whole blocks of real rows: a view
-            qt = q1[:, r0:r1].unflatten(1, (nb, B)).transpose(0, 1)  # [nb, Hq, B, d]
-        else:
-            qt = q1[:, torch.arange(r0, r1, device=dev).clamp(0, nq - 1)].unflatten(1, (nb, B)).transpose(0, 1)
-        kidx = kpos.clamp(0, nk - 1).reshape(-1)
-        kt = k1[:, kidx].unflatten(1, (nb, R * B)).transpose(0, 1)  # [nb, Hk, R*B, d]
-        vt = v1[:, kidx].unflatten(1, (nb, R * B)).transpose(0, 1)
-        o, l = _random_blocks_attention(qt, kt, vt, qbs, sel, kpos, key_ok, pat, scale)
-        o, l = o.transpose(0, 1).flatten(1, 2), l.transpose(0, 1).flatten(1, 2)  # [Hq, nb*B, ...]
-        a, e = max(r0, 0), min(r1, nq)
-        out[:, a:e], lse[:, a:e] = o[:, a - r0: e - r0], l[:, a - r0: e - r0]
-    return out, lse
+    g, B = hq // hk, pat.block
+    lo, hi = pat.band
+    pos = torch.arange(off, off + nq, device=q1.device)
+    qbs = torch.div(pos, B, rounding_mode="floor")
+    lists = random_key_blocks(qbs, -(-nk // B), pat.random_blocks, pat.seed, pat.causal).unsqueeze(0)
 
+    def partial(qpos, blk):  # the block holds global keys, or reaches the row's window
+        return (blk * B < pat.global_tokens) | ((blk * B + B - 1 >= qpos - lo * pat.dilation)
+                                                & (blk * B <= qpos + hi * pat.dilation))
 
-def _random_blocks_attention(qt, kt, vt, qbs, sel, kpos, key_ok, pat: SparsePattern, scale: float):
-    """Attention of query blocks qt [nb, Hq, B, d] to their gathered random keys kt/vt [nb, Hk, R*B, d]
-    (sel [nb, R] block ids, kpos/key_ok [nb, R*B] positions and validity of the gathered keys).
+    def visible(qpos, kpos):
+        return (kpos >= pat.global_tokens) & ~pat.in_window(qpos, kpos)
 
-    Most query blocks are far from their random blocks: no key can be in a window, so one key-level
-    bias [nb, 1, 1, R*B] serves all their rows. Only the blocks whose windows may reach a random
-    block ("near") are recomputed with a row-level [B, R*B] bias that hides the window keys."""
-    nb, hq, B, d = qt.shape
-    vis = key_ok[:, None, :]  # [nb, 1, R*B]: every row of a far block sees the same keys
-    out, lse = attend(qt, kt, vt, scale, mask=additive_mask(vis, qt.dtype)[:, None])
-    out, lse = hide_empty(out, lse, vis.any(-1)[:, None])
-    near = _near_window(qbs, sel, pat)
-    if bool(near.any()):  # redo the few near blocks with the window keys hidden row by row
-        p = (qbs[near][:, None] * B + torch.arange(B, device=qt.device)).unsqueeze(-1)  # [n, B, 1]
-        vis = key_ok[near][:, None, :] & ~pat.in_window(p, kpos[near][:, None, :])  # [n, B, R*B]
-        o, l = attend(qt[near], kt[near], vt[near], scale, mask=additive_mask(vis, qt.dtype)[:, None])
-        o, l = hide_empty(o, l, vis.any(-1)[:, None])
-        idx = (torch.nonzero(near).flatten(),)
-        out, lse = out.index_put(idx, o), lse.index_put(idx, l)  # out of place: `out` may be saved for backward
-    return out, lse
+    parts = [row_sparse_attention(q1[h * g:(h + 1) * g], k1[h], v1[h], lists, pos, B, scale, causal=False,
+                                  visible=visible, partial=partial) for h in range(hk)]
+    return torch.cat([o for o, _ in parts]), torch.cat([l for _, l in parts])
 
 
 # --------------------------------------------------------------------------- the torch path
