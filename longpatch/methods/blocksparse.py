@@ -29,7 +29,7 @@ import math
 import torch
 
 from .common import acc_dtype, gather_blocks, merge_lse
-from .cpu_flash import additive_mask, attend_spans, flash_lse, fused_ok, hide_empty, merge_spans, spans_ok
+from .cpu_flash import additive_mask, attend_spans, flash_lse, fused_ok, merge_spans, spans_ok
 from .lse_attention import attend
 
 # Elements of gathered keys per call: large enough for few calls, small enough to stay in cache.
@@ -264,15 +264,17 @@ def _view_parts(qt, k1, v1, lst, pos, block: int, scale: float, ws, rule):
             r = row[s:e][sel]
             if r.numel() == 0:
                 continue
-            qp = qt.index_select(0, r).transpose(0, 1).unsqueeze(0)  # [1, G, rows, d]
-            if not is_masked:
-                o, l = attend(qp, k1[None, None, ks:ke], v1[None, None, ks:ke], scale)
-            else:
+            mask = None
+            if is_masked:
                 vis = _visible_keys(pos[r][:, None], torch.arange(ks, ke, device=qt.device), cut[s:e][sel][:, None],
                                     n, rule)
-                o, l = attend(qp, k1[None, None, ks:ke], v1[None, None, ks:ke], scale,
-                              mask=additive_mask(vis, qt.dtype).unsqueeze(0))
-                o, l = hide_empty(o, l, vis.any(-1)[None, None])
+                some = vis.any(-1)  # rows that see none of the block's keys skip it (no -inf rows in autograd)
+                r, vis = r[some], vis[some]
+                if r.numel() == 0:
+                    continue
+                mask = additive_mask(vis, qt.dtype).unsqueeze(0)
+            qp = qt.index_select(0, r).transpose(0, 1).unsqueeze(0)  # [1, G, rows, d]
+            o, l = attend(qp, k1[None, None, ks:ke], v1[None, None, ks:ke], scale, mask=mask)
             parts.append((o[0].transpose(0, 1), l[0].t(), r))
     return parts
 
@@ -359,8 +361,11 @@ def _merge_parts(parts, extra, qt):
         else:
             den.index_add_(0, rows, w)
             out.index_add_(0, rows, o.to(acc) * w.unsqueeze(-1))
-    lse = mx + torch.log(den)  # -inf where a (row, head) has no key
-    return out * torch.where(den > 0, 1.0 / den, torch.zeros_like(den)).unsqueeze(-1), lse
+    # rows with no key (den 0): out 0, lse -inf; divided by a safe 1 so that no inf enters autograd
+    seen = den > 0
+    safe = torch.where(seen, den, torch.ones_like(den))
+    lse = torch.where(seen, mx + torch.log(safe), torch.full_like(mx, float("-inf")))
+    return out / safe.unsqueeze(-1), lse
 
 
 def blocks_of(x1: torch.Tensor, block: int):

@@ -126,19 +126,21 @@ def attend_spans(q, k, v, groups, scale: float):
     per_row = len(groups) // b
     gh = hq // per_row
     width = max(len(spans) for *_, spans in groups)
-    zero = q.new_zeros(gh, d)
-    empty = torch.full((gh,), float("-inf"), dtype=acc, device=q.device)
+    # the kernel's own output shapes ([1, gh, 1, d] and [1, gh, 1]), stacked once: a step makes a
+    # dozen calls per layer, so per-call reshapes cost as much as the small calls themselves
+    zero = q.new_zeros(1, gh, 1, d)
+    empty = torch.full((1, gh, 1), float("-inf"), dtype=torch.float32, device=q.device)
     outs, lses = [], []
     for i, (bi, hi, spans) in enumerate(groups):
         h0 = (i % per_row) * gh
         qh, kb, vb = q[bi:bi + 1, h0:h0 + gh], k[bi:bi + 1, hi:hi + 1], v[bi:bi + 1, hi:hi + 1]
         for s0, s1 in spans:
-            o, lse = FA_CPU(qh, kb[:, :, s0:s1], vb[:, :, s0:s1], 0.0, False, scale=scale)[:2]
-            outs.append(o.view(gh, d))
-            lses.append(lse.view(gh).to(acc))
+            o, lse = FA_CPU(qh, kb.narrow(2, s0, s1 - s0), vb.narrow(2, s0, s1 - s0), 0.0, False, scale=scale)[:2]
+            outs.append(o)
+            lses.append(lse)
         outs += [zero] * (width - len(spans))  # fewer spans than the widest group: weight 0
         lses += [empty] * (width - len(spans))
     parts = torch.stack(outs).view(len(groups), width, gh, d).to(acc)
-    lse = torch.stack(lses).view(len(groups), width, gh)
+    lse = torch.stack(lses).view(len(groups), width, gh).to(acc)
     out = (torch.softmax(lse, 1).unsqueeze(-1) * parts).sum(1)  # each part's weight exp(lse_part - lse_all)
     return out.view(b, hq, 1, d).to(q.dtype), torch.logsumexp(lse, 1).view(b, hq, 1)

@@ -25,8 +25,9 @@ query positions, so temporary memory is bounded by a few window-sized buffers:
 3. past chunks ("varlen" grouping): every (query head, position, selected chunk) triple is a pair;
    pairs are sorted by chunk, the query rows gathered once, and each chunk gets ONE fused attention
    call over all rows of the KV group (any query head) that selected it, so a K/V chunk is read once
-   per window whatever the number of heads or queries routing to it;
-4. merge by LSE (one logsumexp over the topk parts of each row).
+   per window whatever the number of heads or queries routing to it (the block-sparse executor's
+   row form, ``blocksparse.row_sparse_attention``);
+4. merge by LSE per (row, head), the own chunk's part included.
 
 Gradients: a custom autograd function recomputes the blocks in plain PyTorch with the final LSE
 (dS = P * (dP - D + dLSE)), so the output and the returned LSE are both differentiable. The gate

@@ -37,7 +37,8 @@ as single-threaded workers (``run_units``), each with its own warm workspace for
 3. selected, group-centric "varlen" grouping: the other (position, block) pairs are sorted by
    block; the rows of one block are cut into items of T * 2^j rows, and all items of one size are
    one batched fused call over all g heads of their rows, so a block is read once per item
-   whatever the group size; parts merge by LSE;
+   whatever the group size; parts merge by LSE (the block-sparse executor's row form,
+   ``blocksparse.row_sparse_attention``);
 4. window: the keys of the window before the local blocks (or the whole window when it does not
    contain them), per chunk of rows as one batched fused call with a shared band mask (strided
    views of the cache, no copy), merged with the local part.
