@@ -463,3 +463,23 @@ def test_one_token_decode_path_equals_the_windowed_path(g, hk, nk, gates):
     g64 = gt.double() if isinstance(gt, torch.Tensor) else gt
     ref64 = nsa_attention(q.double(), k.double(), v.double(), gates=g64, **blocks)
     torch.testing.assert_close(out.double(), ref64, atol=1e-5, rtol=1e-5)
+
+
+def test_attended_pairs_counts_each_branch_per_query():
+    """``attended_pairs`` (bench attention's pairs / ideal columns), counted row by row from the
+    branches' definitions: compressed blocks seen, selected keys (the own block up to the query),
+    window keys, minus the local blocks' keys computed once for both when the window holds them."""
+    n, l, s, sb, S, W, lb = 300, 16, 8, 16, 5, 40, 2
+    params = dict(get_method("nsa").resolve_params({}), compress_block=l, compress_stride=s, select_block=sb,
+                  num_selected=S, window=W, local_blocks=lb)
+    q, k = torch.zeros(1, 3, n, 8), torch.zeros(1, 1, n, 8)
+    want = 0
+    for t in range(n):
+        cmp = sum(1 for i in range(n) if i * s + l - 1 <= t)
+        own = t // sb
+        blocks = list(range(own + 1))[-S:] if own + 1 > S else list(range(own + 1))
+        selected = sum(min(sb, t + 1 - j * sb) for j in blocks)
+        shared = t + 1 - max(0, (own - lb + 1) * sb) if W >= sb * lb else 0
+        want += cmp + selected + min(W, t + 1) - shared
+    assert get_method("nsa").attended_pairs(q, k, True, params) == 3 * want
+    assert get_method("nsa").attended_pairs(q, k, False, params) is None

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from ...errors import ConfigError
 from ..base import Method, Param, nonneg_int, one_of, positive_int, register_method
-from ..common import window_summaries
-from ..selection import check_stride_config, estimate_params
-from .blocks import DEFAULTS, TRAINING_FREE_GATES, _check_params, nsa_compress
+from ..common import default_scale, window_summaries
+from ..selection import check_stride_config, estimate_params, estimated_pairs, scoring_of
+from .blocks import DEFAULTS, TRAINING_FREE_GATES, _check_params, _visible_cmp, nsa_compress
 from .op import SELECTIONS, nsa_attention
 
 # --------------------------------------------------------------------------- decode state and method
@@ -61,6 +63,30 @@ def _exact_params(n: int, params: dict) -> dict:
             "window": max(params["window"], n), "gates": list(TRAINING_FREE_GATES)}
 
 
+def _pairs(q, k, causal: bool, params: dict) -> int | None:
+    """Query-key products of a causal prefill (None otherwise), per query head summed. The paper's
+    selection: per query t, the compressed blocks it sees (scored to rank the blocks, whatever the
+    compressed gate), its selected blocks (num_selected, the own one up to t; all keys up to t when
+    fewer blocks exist) and its window; where the window holds the local blocks, their keys are
+    computed once for both branches (the fast path's sharing) and counted once. A query-aware
+    selection: its estimate and executor pairs (``selection.estimated_pairs``) plus the window."""
+    n = q.shape[2]
+    if not causal or k.shape[2] != n:
+        return None
+    heads = q.shape[0] * q.shape[1]
+    t = torch.arange(n)
+    sb, S, W, lb = params["select_block"], params["num_selected"], params["window"], params["local_blocks"]
+    window = torch.clamp(t + 1, max=W)
+    if params["selection"] != "compressed":
+        scoring = scoring_of(params["selection"], params["estimate_queries"], params["score_stride"])
+        return estimated_pairs(q, k, sb, S - 1, params["mass"], scoring, max(0, lb - 1),
+                               default_scale(None, q.shape[-1]), params["init_blocks"]) + heads * int(window.sum())
+    cmp = _visible_cmp(t, params["compress_block"], params["compress_stride"])
+    selected = torch.where(t // sb + 1 <= S, t + 1, (S - 1) * sb + t % sb + 1)
+    shared = torch.clamp(t + 1, max=(lb - 1) * sb + t % sb + 1) if lb > 0 and W >= sb * lb else torch.zeros_like(t)
+    return heads * int((cmp + selected + window - shared).sum())
+
+
 class _NSAMethod(Method):
     """Checks the relations between parameters (stride <= block, forced blocks fit) at config time."""
 
@@ -106,4 +132,5 @@ NSA = register_method(_NSAMethod(
     stateful=True,
     init_state=init_state,
     exact_params=_exact_params,
+    attended_pairs=_pairs,
 ))
