@@ -7,7 +7,7 @@ from longpatch import patch_model, patched
 from longpatch.errors import ConfigError
 from longpatch.methods import get_method
 from longpatch.methods import sparse as sp
-from longpatch.methods.sparse import random_key_blocks, sparse_attention
+from longpatch.methods.sparse import SparsePattern, random_key_blocks, sparse_attention, union_key_positions
 from longpatch.testing.tiny import tiny_model
 
 SPARSE = get_method("sparse")
@@ -262,3 +262,19 @@ def test_each_patched_layer_draws_its_own_random_blocks():
         before = model(ids).logits
         bufs[0].fill_(12345)
         assert not torch.equal(before, model(ids).logits)
+
+
+@pytest.mark.parametrize("params", [dict(window=7, global_tokens=5, dilation=1, random_blocks=2, block=4),
+                                    dict(window=5, global_tokens=0, dilation=3, random_blocks=3, block=6),
+                                    dict(window=64, global_tokens=9, dilation=2, random_blocks=0, block=8)])
+def test_attended_pairs_count_each_querys_union(params):
+    """``attended_pairs`` (bench attention's pairs / ideal columns) equals the sizes of the key sets
+    ``union_key_positions`` builds query by query (the decode path's own construction)."""
+    n = 90
+    full = dict(get_method("sparse").resolve_params({}), **params, seed=3)
+    pat = SparsePattern(window=full["window"], global_tokens=full["global_tokens"], dilation=full["dilation"],
+                        random_blocks=full["random_blocks"], block=full["block"], seed=3, causal=True)
+    want = sum(len(union_key_positions(p, n, pat)) for p in range(n))
+    q, k = torch.zeros(1, 2, n, 4), torch.zeros(1, 1, n, 4)
+    assert get_method("sparse").attended_pairs(q, k, True, full) == 2 * want
+    assert get_method("sparse").attended_pairs(q, k, False, full) is None

@@ -476,6 +476,30 @@ def _exact_params(n: int, params: dict) -> dict:
     return {"window": max(params["window"], 2 * n), "dilation": 1}
 
 
+def _pairs(q, k, causal: bool, params: dict) -> int | None:
+    """Query-key products of a causal prefill (None otherwise), per query head summed: each query's
+    union of keys (global, window, random blocks; a key in two sets counts once), as
+    ``union_key_positions`` lists them, counted for all queries at once."""
+    n = q.shape[2]
+    if not causal or k.shape[2] != n:
+        return None
+    G, W, r, R, B = (params[x] for x in ("global_tokens", "window", "dilation", "random_blocks", "block"))
+    t = torch.arange(n)
+    total = torch.clamp(t + 1, max=G)  # global keys
+    total += torch.where(t >= G, torch.clamp(torch.div(t - G, r, rounding_mode="floor") + 1, max=W), 0)  # window >= G
+    if R:
+        sel = random_key_blocks(torch.div(t, B, rounding_mode="floor"), -(-n // B), R, params["seed"] or 0, True)
+        lo = torch.clamp(sel * B, min=G)  # a random block's keys >= G (all strictly before the query)
+        hi = sel * B + B - 1
+        # window keys t - i*r (0 <= i < W) inside [lo, hi]: i from ceil((t - hi) / r) to floor((t - lo) / r)
+        i0 = torch.clamp(-torch.div(hi - t[:, None], r, rounding_mode="floor"), min=0)
+        i1 = torch.clamp(torch.div(t[:, None] - lo, r, rounding_mode="floor"), max=W - 1)
+        in_window = torch.clamp(i1 - i0 + 1, min=0)
+        keys = torch.clamp(hi - lo + 1, min=0) - in_window
+        total += torch.where(sel >= 0, keys, 0).sum(-1)
+    return q.shape[0] * q.shape[1] * int(total.sum())
+
+
 SPARSE = register_method(Method(
     name="sparse",
     summary="position-based sparse attention: global tokens + (dilated) sliding window + BigBird random blocks",
@@ -494,4 +518,5 @@ SPARSE = register_method(Method(
     },
     make_buffers=_make_buffers,
     exact_params=_exact_params,
+    attended_pairs=_pairs,
 ))
