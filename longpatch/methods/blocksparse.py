@@ -284,14 +284,14 @@ def _small_block_parts(qt, k1, v1, lst, pos, block: int, scale: float, ws, rule)
     ``row_sparse_attention``)."""
     R, G, d = qt.shape
     dev, n = qt.device, k1.shape[0]
-    kb, vb = blocks_of(k1, block), blocks_of(v1, block)
-    nb = kb[0].shape[0] + kb[1].shape[0]
+    nf = n // block  # full blocks
+    nb = -(-n // block)
     T = max(1, _TILE_ROWS // G)
     row, blk, masked, cut = _row_pairs(lst, pos, block, rule)
-    # pairs that need a mask (and those of the zero-padded partial block: its padding) form their
-    # own items: sort by (masked, block)
-    if kb[1].shape[0]:
-        masked = masked | (blk == kb[0].shape[0])
+    # pairs that need a mask (and those of the partial last block: the slot rows past n - 1) form
+    # their own items: sort by (masked, block)
+    if nf < nb:
+        masked = masked | (blk == nf)
     key, order = torch.sort(blk + masked.long() * nb, stable=True)
     row, cut = row[order], cut[order]
     seg_key, counts = torch.unique_consecutive(key, return_counts=True)
@@ -319,7 +319,10 @@ def _small_block_parts(qt, k1, v1, lst, pos, block: int, scale: float, ws, rule)
         slot_cut[slot] = cut[pick]
         blocks = seg_key[segs] % nb
         qq = _take(qflat, slot_row, ws, "q").view(segs.numel(), 1, B * G, d)
-        kk, vv = _gather_split(kb, blocks, ws, "k"), _gather_split(vb, blocks, ws, "v")
+        # unmasked items list full blocks only: their keys read from the full-block prefix
+        kk, vv = (gather_blocks((x if is_masked else x[:nf * block])[None, None], blocks[None, None], block,
+                                workspace_buffer(ws, name, (segs.numel(), block * d), x)).view(-1, 1, block, d)
+                  for x, name in ((k1, "k"), (v1, "v")))
         lsel_ok = real
         bias = None
         if is_masked:  # padding slots (not real rows) stand at the row of slot 0: dropped below
@@ -368,16 +371,6 @@ def _merge_parts(parts, extra, qt):
     return out / safe.unsqueeze(-1), lse
 
 
-def blocks_of(x1: torch.Tensor, block: int):
-    """x1 [n, d] as blocks: (a view [n // block, block, d] of the full blocks, the partial last
-    block zero-padded to ``block`` rows [0 or 1, block, d]). No copy of the cache."""
-    nf = x1.shape[0] // block
-    full = x1[: nf * block].view(nf, block, x1.shape[1])
-    tail = x1[nf * block:]
-    last = torch.nn.functional.pad(tail, (0, 0, 0, block - tail.shape[0])).unsqueeze(0) if tail.shape[0] else full[:0]
-    return full, last
-
-
 def workspace_buffer(ws: dict | None, key: str, shape, like: torch.Tensor) -> torch.Tensor | None:
     """A tensor of ``shape`` (dtype/device of ``like``) from the workspace ``ws`` of the calling
     thread, reused from call to call, or None without a workspace. On the CPU, writing a GEMM or a
@@ -396,19 +389,3 @@ def _take(x: torch.Tensor, index: torch.Tensor, ws: dict | None, key: str) -> to
     """x.index_select(0, index), into the workspace buffer ``key`` when there is a workspace."""
     out = workspace_buffer(ws, key, (index.numel(), *x.shape[1:]), x)
     return x.index_select(0, index) if out is None else torch.index_select(x, 0, index, out=out)
-
-
-def _gather_split(xb, blocks: torch.Tensor, ws: dict | None = None, key: str = "") -> torch.Tensor:
-    """[len(blocks), 1, block, d]: the blocks of ``blocks_of`` (the padded tail is block nf)."""
-    full, last = xb
-    nf = full.shape[0]
-    if last.shape[0] == 0:
-        return _take(full, blocks, ws, key).unsqueeze(1)
-    if nf:
-        out = _take(full, torch.clamp(blocks, max=nf - 1), ws, key)
-    else:
-        out = last.expand(blocks.numel(), -1, -1).clone()
-    is_tail = blocks == nf
-    if bool(is_tail.any()):
-        out[is_tail] = last[0]
-    return out.unsqueeze(1)

@@ -168,29 +168,42 @@ def ordered_int(x: torch.Tensor) -> torch.Tensor:
     return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
 
-def gather_blocks(x: torch.Tensor, ids: torch.Tensor, block: int) -> torch.Tensor:
+def gather_blocks(x: torch.Tensor, ids: torch.Tensor, block: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [b, hk, n, d], block ids [b, hk, S] -> [b, hk, S * block, d]: the rows of each listed block
     of ``block`` keys, in list order; what a decode step attends to, read without copying the rest of
     the cache. Slot rows that do not exist (an id of -1, rows of the last, partial block past n - 1)
     hold another row of x: callers mask them. One block-sized copy per listed block (an index_select
     per batch row and head over a [blocks, block * d] view), several times faster here than
     gathering the same rows one by one, and any layout whose rows are contiguous is read in place
-    (a GrowingCache's views included)."""
+    (a GrowingCache's views included). ``out``: a buffer of b * hk * S * block * d elements to
+    write into (a reused workspace is several times faster to write than a fresh tensor)."""
     b, hk, n, d = x.shape
     S = ids.shape[-1]
     nb = n // block  # complete blocks
     partial = nb * block < n
-    # zeros where no row is copied (the partial block's slot past n - 1; every slot when nb == 0):
-    # masked rows must still be finite, or 0 * garbage turns an output into NaN
-    out = x.new_zeros(b, hk, S, block * d) if partial else x.new_empty(b, hk, S, block * d)
-    if nb:
-        whole = ids.clamp(0, nb - 1)  # -1 and the partial block read block 0 / nb-1, masked by callers
-        rows = x[:, :, :nb * block]
-        if x.stride(-1) != 1 or x.stride(-2) != d:
-            rows = rows.contiguous()  # only layouts with scattered rows (none of the KV caches we know)
-        for bi in range(b):
+    dense = x.stride(-1) == 1 and x.stride(-2) == d  # a block is one run of block * d elements
+    whole = ids.clamp(0, max(nb - 1, 0))  # -1 and the partial block read block 0 / nb-1, masked by callers
+
+    def source(bi, hi):  # the complete blocks of one head, viewed in place
+        rows = x[bi, hi, :nb * block]
+        return rows.view(nb, block * d) if dense else rows.view(nb, block, d)
+
+    if nb and torch.is_grad_enabled() and x.requires_grad:  # out= records no gradient: gather out of place
+        out = torch.stack([source(bi, hi).index_select(0, whole[bi, hi]).reshape(S, block * d)
+                           for bi in range(b) for hi in range(hk)]).view(b, hk, S, block * d)
+    else:
+        # zeros where no row is copied (the partial block's slot past n - 1 when nb == 0): masked
+        # rows must still be finite, or 0 * garbage turns an output into NaN
+        if out is None:
+            out = x.new_zeros(b, hk, S, block * d) if partial else x.new_empty(b, hk, S, block * d)
+        else:
+            out = out.view(b, hk, S, block * d)
+            if partial and not nb:
+                out.zero_()
+        for bi in range(b if nb else 0):
             for hi in range(hk):
-                torch.index_select(rows[bi, hi].view(nb, block * d), 0, whole[bi, hi], out=out[bi, hi])
+                torch.index_select(source(bi, hi), 0, whole[bi, hi],
+                                   out=out[bi, hi] if dense else out[bi, hi].view(S, block, d))
     if partial:  # the partial last block: its rows where listed (no host sync, no Python loop)
         tail = x[:, :, nb * block:].reshape(b, hk, 1, -1)
         head = out[..., :tail.shape[-1]]

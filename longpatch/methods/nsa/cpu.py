@@ -247,13 +247,13 @@ def _decode_one(q, k, v, k_cmp, v_cmp, cfg, gates):
         o_s, l_s = flash_lse(qg, ks, vs, cfg.scale, additive_mask(seen, q.dtype).unsqueeze(2))
     w0 = max(0, nk - cfg.window)
     o_w, l_w = flash_lse(qg, k[:, :, w0:], v[:, :, w0:], cfg.scale)
-    gw = gates if not isinstance(gates, torch.Tensor) else gates.expand(b, hq, 1, 3).reshape(b, hk, g, 3)
-    if o_c is None:  # no compressed output: its gate is 0 (fixed gates) or multiplies zeros
-        o_c = torch.zeros_like(qg) if isinstance(gates, torch.Tensor) else None
-    if o_c is None:
-        out = float(gw[1]) * o_s + float(gw[2]) * o_w
+    if isinstance(gates, torch.Tensor):
+        o_c = torch.zeros_like(qg) if o_c is None else o_c
+        out = _gated_sum((o_c, o_s, o_w), gates.expand(b, hq, 1, 3).reshape(b, hk, g, 3))
+    elif o_c is None:  # no compressed output (a zero gate, or no complete block): g_cmp * 0 left out
+        out = float(gates[1]) * o_s + float(gates[2]) * o_w
     else:
-        out = _gated_sum((o_c, o_s, o_w), gw)
+        out = _gated_sum((o_c, o_s, o_w), gates)
     out = out.to(q.dtype).reshape(b, hq, 1, d)
     if not cfg.need_lse:
         return out, None
