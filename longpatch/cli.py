@@ -227,7 +227,7 @@ def bench_attention(
     threads: Optional[int] = typer.Option(None, help="torch.set_num_threads"),
 ):
     """Time each method against exact attention in the same run; writes JSON + a PNG plot."""
-    from .bench import run_attention_bench
+    from .bench.attention import run_attention_bench
 
     modes = {"causal": (True,), "non-causal": (False,), "both": (True, False)}
     if mode not in modes:
@@ -369,7 +369,7 @@ def bench_decode(
     errors: bool = typer.Option(True, "--errors/--no-errors", help="error columns vs exact attention"),
 ):
     """Time one decode step against caches of each length (decode state given) vs exact decode."""
-    from .bench_decode import run_decode_bench
+    from .bench.decode import run_decode_bench
 
     _set_threads(threads)
     run_decode_bench(methods=_names(methods), cache_lens=tuple(_ints("--cache-lens", cache_lens)), heads=heads,
@@ -404,7 +404,7 @@ def bench_generate(
 ):
     """Greedy generation after a prompt of each length, unpatched and patched in one run: time to first
     token, per-token decode latency, tokens/s and peak memory."""
-    from .bench_generate import RESULTS_FILE, print_table, run_generate_bench
+    from .bench.generate import RESULTS_FILE, print_table, run_generate_bench
 
     _set_threads(threads)
     results = run_generate_bench(model, config, layers, contexts, new_tokens, out, method=method, sets=set_,

@@ -65,3 +65,51 @@ def claim_out(path: "str | os.PathLike", command: str) -> Path:
         tmp.write_text(command + "\n")
         os.replace(tmp, out / MARKER)
     return out
+
+
+def write_json(path: "str | os.PathLike", data: dict) -> None:
+    """The one JSON writer of every result file: atomic (a temporary sibling renamed into place, so a
+    reader never sees half a file) and strict JSON: a non-finite float (an error column of a method
+    that overflowed, a skipped timing) is written as null, since NaN and Infinity are not JSON."""
+    import json
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(_finite(data), indent=1, sort_keys=False, allow_nan=False, default=_not_json) + "\n")
+    os.replace(tmp, path)
+
+
+def write_csv(path: "str | os.PathLike", columns: list[str], rows) -> None:
+    """Rows (dicts) as CSV with the given columns (None as empty; a dict or list as JSON), written atomically
+    like write_json."""
+    import csv
+    import json
+
+    def cell(x):
+        if x is None:
+            return ""
+        return json.dumps(_finite(x), allow_nan=False) if isinstance(x, (dict, list, tuple)) else x
+
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(columns)
+        for row in rows:
+            w.writerow([cell(row.get(k)) for k in columns])
+    os.replace(tmp, path)
+
+
+def _finite(x):
+    if isinstance(x, float):
+        return x if x == x and x not in (float("inf"), float("-inf")) else None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
+def _not_json(x):
+    raise TypeError(f"not JSON serializable: {type(x).__name__}")

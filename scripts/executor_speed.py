@@ -23,10 +23,11 @@ from pathlib import Path
 
 import torch
 
-from longpatch.bench_common import figure, machine_meta, save_figure, show_table, speedup_axis, write_json
+from longpatch.bench.common import figure, machine_meta, save_figure, show_table, speedup_axis
 from longpatch.methods.blocksparse import block_sparse_prefill
 from longpatch.methods.selection import attended_cost, estimate_cost, estimated_blocks
 from longpatch.ops import exact_attention
+from longpatch.outdir import write_json
 
 DENSITIES = (1 / 16, 1 / 8, 1 / 4, 1 / 2)
 
@@ -133,7 +134,7 @@ def main(argv=None) -> int:
         if r["flex_error"]:
             print(f"flex at {r['past_blocks']} blocks: {r['flex_error']}")
     out = Path(a.out)
-    write_json(out / "results.json", machine_meta(repeats=a.repeats, n=a.n, block=a.block), rows)
+    write_json(out / "results.json", {"meta": machine_meta(repeats=a.repeats, n=a.n, block=a.block), "rows": rows})
     fig, ax = figure(1, 1, (5.5, 4))
     ax = ax[0][0]
     ax.plot([r["density"] for r in rows], [r["ideal_speedup"] for r in rows], "k--", label="ideal")

@@ -18,8 +18,9 @@ import json
 import sys
 from pathlib import Path
 
-from longpatch.bench_common import figure, save_figure, show_table, write_json
+from longpatch.bench.common import figure, save_figure, show_table
 from longpatch.eval.records import read_records
+from longpatch.outdir import write_json
 from longpatch.plotting import method_color
 
 

@@ -18,8 +18,9 @@ from pathlib import Path
 import torch
 
 from longpatch import load_model, patch_model, unpatch_model
-from longpatch.bench_common import machine_meta, show_table, write_json
+from longpatch.bench.common import machine_meta, show_table
 from longpatch.config import PatchConfig
+from longpatch.outdir import write_json
 
 
 def main(argv=None) -> int:
@@ -58,8 +59,9 @@ def main(argv=None) -> int:
     show_table(f"{a.model}: forward at {a.n} tokens, median of {a.repeats} interleaved repeats",
                ["model", "forward ms", "vs unpatched"],
                [[side, f"{v:.1f}", f"{v / ms['unpatched'] - 1:+.1%}"] for side, v in ms.items()], left=("model",))
-    write_json(Path(a.out) / "results.json", machine_meta(repeats=a.repeats, model=a.model, n=a.n),
-               [{"side": side, "forward_ms": v, "times_ms": [t * 1e3 for t in times[side]]} for side, v in ms.items()])
+    rows = [{"side": side, "forward_ms": v, "times_ms": [t * 1e3 for t in times[side]]} for side, v in ms.items()]
+    write_json(Path(a.out) / "results.json", {"meta": machine_meta(repeats=a.repeats, model=a.model, n=a.n),
+                                              "rows": rows})
     print(f"routing overhead: {overhead:+.2%} (goal: <= +2%)")
     return 0
 

@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from longpatch.bench import run_attention_bench
-from longpatch.bench_decode import run_decode_bench
+from longpatch.bench.attention import run_attention_bench
+from longpatch.bench.decode import run_decode_bench
 from longpatch.methods import available_methods
 
 # Every registered method except the test probe (tests/helpers.py), with parameters small enough

@@ -7,7 +7,7 @@ import pytest
 from typer.testing import CliRunner
 
 from longpatch import cli
-from longpatch.bench_generate import CSV_COLUMNS, run_generate_bench
+from longpatch.bench.generate import CSV_COLUMNS, run_generate_bench
 from longpatch.outdir import MARKER, claim_out, written_by
 
 runner = CliRunner()

@@ -5,7 +5,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from longpatch import patch_model
-from longpatch.bench_generate import greedy_generate, takes_cache_objects
+from longpatch.bench.generate import greedy_generate, takes_cache_objects
 from longpatch.cache import GrowingCache, GrowingLayer
 from longpatch.methods.common import gather_blocks
 from longpatch.testing.tiny import tiny_model
@@ -143,7 +143,7 @@ def test_model_generate_takes_a_growing_cache(one_thread):
     model = tiny_model("llama").eval()
     patch_model(model, {"method": "moba", "params": {"chunk_size": 32, "topk": 2}, "layers": "all"})
     ids = torch.randint(0, 200, (1, 300), generator=torch.Generator().manual_seed(2))
-    from longpatch.bench_generate import _forward_names
+    from longpatch.bench.generate import _forward_names
 
     name = _forward_names(model)[1]  # `cache` in newer transformers, `past_key_values` before
     grown = model.generate(ids, max_new_tokens=8, do_sample=False, **{name: GrowingCache(reserve=8)})

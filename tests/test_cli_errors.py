@@ -320,8 +320,8 @@ def no_work(monkeypatch):
     def work(*a, **k):
         raise AssertionError("the work started before the options were checked")
 
-    monkeypatch.setattr("longpatch.bench.time_calls", work)
-    monkeypatch.setattr("longpatch.bench_decode.time_calls", work)
+    monkeypatch.setattr("longpatch.bench.attention.time_calls", work)
+    monkeypatch.setattr("longpatch.bench.decode.time_calls", work)
     monkeypatch.setattr("longpatch.eval.demo.demo_model_path", work)
 
 

@@ -280,7 +280,7 @@ def test_bad_arguments():
 def test_attention_bench_smoke(tmp_path):
     import json
 
-    from longpatch.bench import run_attention_bench
+    from longpatch.bench.attention import run_attention_bench
 
     rows = run_attention_bench(methods=("exact", "hyper"), seq_lens=(300,), causal_modes=(True, False), head_dim=16,
                                repeats=1, out_dir=tmp_path, progress=False, memory=False,

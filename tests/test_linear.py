@@ -168,7 +168,7 @@ def test_generate_decode_equals_prefill_and_keeps_state():
 
 
 def test_decode_bench_runs(tmp_path):
-    from longpatch.bench_decode import run_decode_bench
+    from longpatch.bench.decode import run_decode_bench
     rows = run_decode_bench(methods=("linear",), cache_lens=(300,), heads=2, kv_heads=1, head_dim=16, repeats=1,
                             out_dir=tmp_path, progress=False)
     assert len(rows) == 1 and rows[0]["speedup"] > 0 and rows[0]["init_state_ms"] is not None

@@ -293,7 +293,7 @@ def test_registered_in_ops_and_methods():
 
 
 def test_decode_bench_runs(tmp_path):
-    from longpatch.bench_decode import run_decode_bench
+    from longpatch.bench.decode import run_decode_bench
     rows = run_decode_bench(methods=("moba",), cache_lens=(300,), heads=2, kv_heads=1, head_dim=16, repeats=1,
                             out_dir=tmp_path, method_params={"moba": {"chunk_size": 32, "topk": 2}}, progress=False)
     assert len(rows) == 1 and rows[0]["cache_len"] == 300 and rows[0]["speedup"] > 0

@@ -428,7 +428,7 @@ def test_bfloat16_runs():
 
 
 def test_decode_bench_runs(tmp_path):
-    from longpatch.bench_decode import run_decode_bench
+    from longpatch.bench.decode import run_decode_bench
     params = {"compress_block": 8, "compress_stride": 4, "select_block": 16, "num_selected": 4, "window": 32}
     rows = run_decode_bench(methods=("nsa",), cache_lens=(300,), heads=2, kv_heads=1, head_dim=16, repeats=1,
                             out_dir=tmp_path, method_params={"nsa": params}, progress=False)

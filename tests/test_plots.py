@@ -49,7 +49,8 @@ def test_method_colours_are_fixed_and_stable():
 
 
 def test_bench_panels_keep_each_methods_colour(tmp_path, figures):
-    from longpatch import bench, bench_decode
+    from longpatch.bench import attention as bench
+    from longpatch.bench import decode as bench_decode
 
     # moba is causal only: without one colour map the non-causal panel shifted sparse and performer's colours
     rows = [{"method": m, "causal": c, "n": n, "speedup_fwd": 1.5}

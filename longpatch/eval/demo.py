@@ -6,10 +6,9 @@ import json
 from pathlib import Path
 
 from ..assets import EVAL_MIN_TOKENS, demo_model_path
-from ..errors import ConfigError, LongpatchError
+from ..errors import ConfigError, LongpatchError, check_int
 from ..outdir import check_out, claim_out
 from .needle import DEFAULT_TEMPLATE as NEEDLE_TEMPLATE
-from .sweep import check_int
 
 
 def long_context_report(model, tokenizer, docs: list[str], seq_len: int = 4096, short: int = 256,

@@ -147,7 +147,7 @@ def torchrun(entry: str, kwargs: dict, nproc: int, out: Path) -> None:
     if threads and "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = threads
     cmd = [sys.executable, "-m", "longpatch.parallel.torchrun", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "longpatch.parallel.worker", entry, json.dumps(kwargs)]
+           "-m", "longpatch.eval.worker", entry, json.dumps(kwargs)]
     code = subprocess.run(cmd, env=env).returncode
     if code != 0:
         raise LongpatchError(f"the {nproc} sequence-parallel processes exited with code {code} (their errors are "

@@ -26,21 +26,20 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ConfigError, LongpatchError
-from ..outdir import claim_out
+from ..errors import ConfigError, LongpatchError, check_int
+from ..outdir import claim_out, write_csv, write_json
 from ..patching import total_seconds
 from . import longbench_tasks as T
 from .launch import Dist, run_sharded
 from .longbench import CATEGORIES, LongBench, Record, code_completion_tasks, load_longbench, source_name
 from .longbench_metrics import LENGTH_BUCKETS, longbench_score, longbench_score_e
 from .plan import PLAN_FILE, read_plan, report_problems
-from .records import read_records, write_csv, write_json
+from .records import read_records
 from .report import seconds_by_path
 from .scoring import input_device
 from .sweep import (
     Point,
     RunSpec,
-    check_int,
     generation_shapes,
     labelled_points,
     num_layers,

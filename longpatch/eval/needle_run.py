@@ -17,19 +17,18 @@ from typing import Sequence
 
 import torch
 
-from ..errors import ConfigError
-from ..outdir import claim_out
+from ..errors import ConfigError, check_int
+from ..outdir import claim_out, write_csv, write_json
 from ..patching import total_seconds
 from . import needle as N
 from .launch import Dist, run_sharded
 from .plan import PLAN_FILE, read_plan
-from .records import read_records, write_csv, write_json
+from .records import read_records
 from .report import seconds_by_path
 from .scoring import input_device
 from .sweep import (
     Point,
     RunSpec,
-    check_int,
     generation_shapes,
     labelled_points,
     num_layers,

@@ -40,19 +40,18 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from ..errors import ConfigError, LongpatchError
-from ..outdir import claim_out
+from ..errors import ConfigError, LongpatchError, check_int
+from ..outdir import claim_out, write_json
 from ..patching import total_seconds
 from .launch import Dist, run_sequence_parallel, run_sharded
 from .longbench import load_longbench, resolve_subsets
 from .plan import PLAN_FILE, Doc, nothing_to_evaluate, plan_documents, report_problems
-from .records import RecordLog, announce_resume, read_records, records_file, write_json
+from .records import RecordLog, announce_resume, read_records, records_file
 from .report import print_results, record_index, summarize
 from .scoring import check_loss_path, evaluate_document, input_device, make_encoder, vocab_size
 from .sweep import (
     Point,
     RunSpec,
-    check_int,
     config_id,
     eval_tokenizer,
     make_points,

@@ -81,32 +81,3 @@ def removed_on_failure(out: Path, keep_if_existed: bool):
         if not keep_if_existed and out.is_dir() and not any(f.stat().st_size for f in out.glob("records*.jsonl")):
             shutil.rmtree(out, ignore_errors=True)
         raise
-
-
-def write_csv(path: Path, columns: list[str], rows) -> None:
-    """Rows (dicts) as CSV with the given columns (None as empty; a dict or list as JSON), written atomically
-    like write_json."""
-    import csv
-
-    def cell(x):
-        if x is None:
-            return ""
-        return json.dumps(x, sort_keys=False, allow_nan=False) if isinstance(x, (dict, list, tuple)) else x
-
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(columns)
-        for row in rows:
-            w.writerow([cell(row.get(k)) for k in columns])
-    os.replace(tmp, path)
-
-
-def write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=False, allow_nan=False, default=_json_default) + "\n")
-    os.replace(tmp, path)
-
-
-def _json_default(x):
-    raise TypeError(f"not JSON serializable: {type(x).__name__}")

@@ -6,10 +6,11 @@ import math
 import statistics
 from pathlib import Path
 
+from ..outdir import write_csv, write_json
 from ..patching import total_seconds
 from .longbench import CATEGORIES, source_name
 from .plan import read_plan
-from .records import read_records, write_csv, write_json
+from .records import read_records
 
 RESULTS_FILE = "results.json"
 CSV_FILE = "results.csv"

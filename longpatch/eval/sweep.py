@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..config import PatchConfig, load_config, parse_layer_items, select_layers
-from ..errors import ConfigError
+from ..errors import ConfigError, check_int
 from ..loading import resolve_tokenizer
 from ..outdir import check_out
 from ..patching import patch_model, patched, unpatch_model
@@ -204,11 +204,6 @@ def num_layers(model, cfg: PatchConfig) -> int:
         return model.longpatch.num_layers
     finally:
         unpatch_model(model)
-
-
-def check_int(name: str, value, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ConfigError(f"{name}: got {value!r}; allowed: an int >= {minimum}")
 
 
 def run_points(model, todo: list[tuple[Point, list]], writer: RecordLog, bar, out,

@@ -117,6 +117,17 @@ class Method:
     # (gates, estimates) included, per query head summed: what `bench attention` divides exact's by for
     # the ideal speedup. None: not reported.
     attended_pairs: Callable[..., int] | None = None
+    # couples_heads: whether the query heads of a KV group depend on each other (e.g. a block selection the
+    # group makes together from the sum of its heads' scores): True, False (every query head computed on its
+    # own, random draws shared by all heads), or couples_heads(params) -> bool where it depends on the params.
+    # Sequence parallelism keeps a coupled group's query heads on one rank (parallel/ulysses.py).
+    couples_heads: bool | Callable[[dict], bool] = False
+
+    def couples(self, params: dict[str, Any] | None) -> bool:
+        """``couples_heads`` for these params (given or resolved; defaults filled and checked)."""
+        if callable(self.couples_heads):
+            return bool(self.couples_heads(self.resolve_params(params)))
+        return bool(self.couples_heads)
 
     def resolve_params(self, given: dict[str, Any] | None) -> dict[str, Any]:
         """Fill defaults and validate; unknown names are an error that lists the known ones."""

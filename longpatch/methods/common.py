@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, check_int
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -40,17 +40,9 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     return hq // hk, nq, nk
 
 
-def check_int(op: str, name: str, value, low: int, high: int | None = None) -> int:
-    """The ops' check of an int argument, as strict as the config's (bools are not ints)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
-        allowed = f"an int >= {low}" if high is None else f"an int in [{low}, {high}]"
-        raise ValueError(f"{op}: {name} must be {allowed}; got {value!r}")
-    return value
-
-
 def check_seed(op: str, seed) -> int | None:
     """seed: None or an int >= 0 (what the config accepts; the generators reject negative seeds)."""
-    return None if seed is None else check_int(op, "seed", seed, 0)
+    return None if seed is None else check_int(f"{op}: seed", seed, 0)
 
 
 def check_gates(op: str, gates) -> tuple[float, float, float]:

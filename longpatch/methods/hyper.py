@@ -35,10 +35,10 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import check_int
 from .base import Between, Method, Param, optional_int, positive_int, register_method
 from .common import (
     acc_dtype,
-    check_int,
     check_qkv,
     check_seed,
     default_scale,
@@ -131,8 +131,8 @@ def hyper_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
     """
     _, nq, nk = check_qkv(q, k, v, causal)
     for name, val in (("block_size", block_size), ("sample_size", sample_size), ("min_seq_len", min_seq_len)):
-        check_int("hyper_attention", name, val, 1)
-    check_int("hyper_attention", "lsh_num_projs", lsh_num_projs, 1, 30)
+        check_int(f"hyper_attention: {name}", val, 1)
+    check_int("hyper_attention: lsh_num_projs", lsh_num_projs, 1, 30)
     check_seed("hyper_attention", seed)
     d = q.shape[-1]
     scale = default_scale(scale, d)

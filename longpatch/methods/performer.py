@@ -37,11 +37,10 @@ import math
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, check_int
 from .base import Method, Param, one_of, optional_int, positive_int, register_method
 from .common import (
     acc_dtype,
-    check_int,
     check_qkv,
     check_seed,
     default_scale,
@@ -179,7 +178,7 @@ def check_num_features(num_features: int, head_dim: int) -> None:
 
 
 def _check_args(num_features, feature_type, projection, d):
-    check_int("performer_attention", "num_features", num_features, 1)
+    check_int("performer_attention: num_features", num_features, 1)
     check_num_features(num_features, d)
     _check_feature_type(feature_type)
     if projection is not None and (projection.dim() != 2 or projection.shape[1] != d):

@@ -27,9 +27,9 @@ import math
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, check_int
 from .base import Between, Param, nonneg_int, positive_int
-from .common import acc_dtype, check_int, window_summaries
+from .common import acc_dtype, window_summaries
 
 SCORINGS = ("estimate", "antidiagonal")  # the query-aware selections; a method's `selection` names one
 
@@ -67,7 +67,7 @@ def check_estimate_args(op: str, mass, scoring: tuple[str, int], block: int) -> 
     if mass is not None and not (isinstance(mass, (int, float)) and not isinstance(mass, bool) and 0 < mass <= 1):
         raise ValueError(f"{op}: mass must be a number in (0, 1] or None; got {mass!r}")
     kind, amount = scoring
-    check_int(op, "estimate_queries" if kind == "estimate" else "score_stride", amount, 1)
+    check_int(f"{op}: " + ("estimate_queries" if kind == "estimate" else "score_stride"), amount, 1)
     if kind == "antidiagonal" and block % amount:
         raise ValueError(f"{op}: score_stride must divide the block size {block}; got {amount}")
 

@@ -55,11 +55,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import check_int
 from .base import Method, nonneg_int, optional_int, positive_int, register_method
 from .blocksparse import row_sparse_attention
 from .common import (
     acc_dtype,
-    check_int,
     check_qkv,
     default_scale,
     guards_nonfinite,
@@ -100,7 +100,7 @@ class SparsePattern:
     def __post_init__(self):
         for name, low in (("window", 1), ("global_tokens", 0), ("dilation", 1), ("random_blocks", 0),
                           ("block", 1), ("seed", 0)):
-            check_int("sparse_attention", name, getattr(self, name), low)
+            check_int(f"sparse_attention: {name}", getattr(self, name), low)
 
     @property
     def band(self) -> tuple[int, int]:

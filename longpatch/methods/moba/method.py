@@ -71,6 +71,12 @@ def _pairs(q, k, causal: bool, params: dict) -> int | None:
     return heads * int((t % C + 1 + past + torch.clamp(past, max=topk - 1) * C).sum())
 
 
+def _couples_heads(params: dict) -> bool:
+    """The query heads of a KV group select chunks together: shared_selection (the sum of their gate
+    scores) and the query-aware selections (estimated per group)."""
+    return params["shared_selection"] or params["selection"] != "gate"
+
+
 class _MoBAMethod(Method):
     """Checks that the antidiagonal scoring's tiles fit the chunks at config time."""
 
@@ -103,4 +109,5 @@ MOBA = register_method(_MoBAMethod(
     exact_when=_exact_when,
     exact_params=_exact_params,
     attended_pairs=_pairs,
+    couples_heads=_couples_heads,
 ))

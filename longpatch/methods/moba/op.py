@@ -7,8 +7,9 @@ import math
 
 import torch
 
+from ...errors import check_int
 from ..blocksparse import block_sparse_decode, block_sparse_prefill
-from ..common import check_int, check_qkv, default_scale, guards_nonfinite, resolve_backend
+from ..common import check_qkv, default_scale, guards_nonfinite, resolve_backend
 from ..exact import exact_attention
 from ..selection import SCORINGS, check_estimate_args, decode_kept, prefill_blocks, scoring_of
 from .cpu import (
@@ -106,8 +107,8 @@ def _estimated(q, k, v, causal, scale, C, topk, mass, scoring, local_blocks, kep
     if not causal:
         raise ValueError(f"moba_attention: selection={scoring[0]!r} supports causal attention only")
     check_estimate_args("moba_attention", mass, scoring, C)
-    check_int("moba_attention", "local_blocks", local_blocks, 0)
-    check_int("moba_attention", "decode_topk", decode_topk, 0)
+    check_int("moba_attention: local_blocks", local_blocks, 0)
+    check_int("moba_attention: decode_topk", decode_topk, 0)
     b, hq, nq, d = q.shape
     nk = k.shape[2]
     if nq == 0:
@@ -156,8 +157,8 @@ def moba_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
     only; chunked prefill (1 < q_len < kv_len) runs exact attention.
     """
     check_qkv(q, k, v, causal)
-    check_int("moba_attention", "chunk_size", chunk_size, 1)
-    check_int("moba_attention", "topk", topk, 1)
+    check_int("moba_attention: chunk_size", chunk_size, 1)
+    check_int("moba_attention: topk", topk, 1)
     scale = default_scale(scale, q.shape[-1])
     backend = resolve_backend(backend, q, k, v)
     if selection not in SELECTIONS:

@@ -133,4 +133,5 @@ NSA = register_method(_NSAMethod(
     init_state=init_state,
     exact_params=_exact_params,
     attended_pairs=_pairs,
+    couples_heads=True,  # blocks are selected per KV group (the sum of its query heads' scores)
 ))

@@ -6,11 +6,11 @@ from types import SimpleNamespace
 
 import torch
 
+from ...errors import check_int
 from ..blocksparse import block_sparse_decode, block_sparse_prefill
 from ..common import (
     acc_dtype,
     check_gates,
-    check_int,
     check_qkv,
     default_scale,
     guards_nonfinite,
@@ -38,7 +38,7 @@ def _estimated(q, k, v, scale, sb, num_selected, window, init_blocks, local_bloc
         raise ValueError(f"nsa_attention: selection={scoring[0]!r} has no compressed branch; gates must be 3 fixed "
                          f"numbers with g_cmp = 0 (e.g. (0, 0.75, 0.25)); got {got}")
     check_estimate_args("nsa_attention", mass, scoring, sb)
-    check_int("nsa_attention", "decode_topk", decode_topk, 0)
+    check_int("nsa_attention: decode_topk", decode_topk, 0)
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     if 1 < nq < nk:

@@ -9,7 +9,7 @@ with ``exact_attention`` decoding the same token against the same cache, in the 
 Columns: decode ms, exact ms, speedup, init_state ms (the one-pass cost of building the state from
 an existing cache, paid once per sequence, not per token), and the relative error of the decoded
 output vs exact (‖o − o_exact‖ / ‖o_exact‖) on the timed random inputs and on the last query of
-``longpatch.bench_common.structured_inputs`` (one dominant key n/3 positions back).
+``longpatch.bench.common.structured_inputs`` (one dominant key n/3 positions back).
 
 Prints a table, writes ``decode_bench.json`` and ``decode_bench.png`` into ``out_dir``.
 """
@@ -21,7 +21,9 @@ from functools import partial
 
 import torch
 
-from .bench_common import (
+from ..errors import ConfigError
+from ..outdir import claim_out, write_json
+from .common import (
     annotate_speedups,
     check_options,
     figure,
@@ -35,10 +37,7 @@ from .bench_common import (
     time_calls,
     torch_dtype,
     wide_console,
-    write_json,
 )
-from .errors import ConfigError
-from .outdir import claim_out
 
 DEFAULT_CACHE_LENS = (8192, 32768, 131072)
 COMMAND = "bench decode"  # marks its --out (outdir.claim_out)
@@ -46,7 +45,7 @@ COMMAND = "bench decode"  # marks its --out (outdir.claim_out)
 
 def _decoder(name: str, params: dict, head_dim: int):
     """(call(q, k, v, state), make_state(k, v), resolved params) of a registered method's decode."""
-    from .methods import get_method
+    from ..methods import get_method
     m = get_method(name)
     if m.decode is None:
         raise ConfigError(f"method '{name}' has no decode (it falls back to exact attention when decoding)")
@@ -72,7 +71,7 @@ def run_decode_bench(methods=("moba",), cache_lens=DEFAULT_CACHE_LENS, heads: in
                      dtype: str = "float32", errors: bool = True, progress: bool = True) -> list[dict]:
     """Time one decode step of each method against caches of ``cache_lens`` tokens, vs exact
     attention in the same run; returns one row per (method, cache length), writes JSON + PNG."""
-    from .methods.exact import exact_attention
+    from ..methods.exact import exact_attention
 
     tdtype = torch_dtype(dtype)
     method_params = dict(method_params or {})
@@ -109,7 +108,7 @@ def run_decode_bench(methods=("moba",), cache_lens=DEFAULT_CACHE_LENS, heads: in
     meta = machine_meta(repeats=repeats, note="median of repeats after one warm-up; state built once per cache "
                         "by init_state (not timed in decode_ms)")
     out = claim_out(out_dir, COMMAND)
-    write_json(out / "decode_bench.json", meta, rows)
+    write_json(out / "decode_bench.json", {"meta": meta, "rows": rows})
     print_table(rows, console)
     plot(rows, out / "decode_bench.png")
     console.print(f"wrote {out / 'decode_bench.json'} and {out / 'decode_bench.png'}")
@@ -126,7 +125,7 @@ def print_table(rows: list[dict], console=None) -> None:
 
 
 def plot(rows: list[dict], path) -> None:
-    from .plotting import method_color
+    from ..plotting import method_color
 
     fig, axes = figure(1, 2, (10, 3.8))
     ax_t, ax_s = axes[0]

@@ -34,20 +34,19 @@ from typing import Sequence
 
 import torch
 
-from .bench_common import figure, fmt, machine_meta, save_figure, show_table, wide_console
-from .errors import ConfigError
-from .eval.needle import filler_texts
-from .eval.records import removed_on_failure, write_csv, write_json
-from .eval.sweep import (
+from ..errors import ConfigError, check_int
+from ..eval.needle import filler_texts
+from ..eval.records import removed_on_failure
+from ..eval.sweep import (
     Point,
-    check_int,
     generation_shapes,
     make_points,
     num_layers,
     parse_layer_sweep,
     say_if_exact,
 )
-from .outdir import check_out, claim_out
+from ..outdir import check_out, claim_out, write_csv, write_json
+from .common import figure, fmt, machine_meta, save_figure, show_table, wide_console
 
 log = logging.getLogger("longpatch")
 
@@ -64,7 +63,7 @@ CSV_COLUMNS = ["config", "method", "layers", "context", "new_tokens", "ttft_s", 
 
 def parse_contexts(spec: "str | Sequence[int]") -> list[int]:
     """'8192,16384' or a list -> sorted distinct prompt lengths, as eval needle's --lengths (each >= 64)."""
-    from .eval.needle_run import MIN_LENGTH, parse_lengths
+    from ..eval.needle_run import MIN_LENGTH, parse_lengths
 
     try:
         return parse_lengths(spec)
@@ -124,7 +123,7 @@ def _reset_rss_peak() -> bool:
 
 def _status_kb(field: str) -> int | None:
     try:
-        from .bench import _status_kb as read
+        from .attention import _status_kb as read
         return read(field)
     except (OSError, KeyError):
         return None
@@ -163,7 +162,7 @@ def greedy_generate(model, ids: torch.Tensor, new_tokens: int, cache: str = "dyn
     device = ids.device
     keep, cache_arg = _forward_names(model)
     if cache == "growing" and takes_cache_objects(model):
-        from .cache import GrowingCache
+        from ..cache import GrowingCache
         keep = {**keep, cache_arg: GrowingCache(reserve=new_tokens)}
     with torch.no_grad():
         _sync(device)
@@ -215,8 +214,8 @@ def prompt_ids(tokenizer, loaded_tokenizer, model, model_name: str, texts: list[
                trust_remote_code: bool = False) -> list[int]:
     """The first `length` token ids of the filler texts (needle.filler_texts: documents joined by blank
     lines, repeated when shorter), tokenized as eval ppl does (tokenizer 'bytes' for tiny:* models)."""
-    from .eval.scoring import make_encoder, vocab_size
-    from .loading import resolve_tokenizer
+    from ..eval.scoring import make_encoder, vocab_size
+    from ..loading import resolve_tokenizer
 
     vocab = vocab_size(model)
     tok = resolve_tokenizer(tokenizer, loaded_tokenizer, model_name, trust_remote_code)
@@ -246,7 +245,7 @@ def run_generate_bench(model: str, config=None, layers=None, contexts="8192,1638
     and layer count, in one run. model: what --model takes; config: one config, 'a,b' or a list;
     layers: a sweep as eval ppl's (None: each config's layers). Every option is checked before the model
     is loaded; out is written only when every row is done. Returns the dict written to results.json."""
-    from .loading import build_config, load_model
+    from ..loading import build_config, load_model
 
     ctx = parse_contexts(contexts)
     check_int("new_tokens", new_tokens, 2)
@@ -310,7 +309,7 @@ def _run(model, points, ids: list[int], contexts: list[int], new_tokens: int, re
     other are measured minutes apart at most, not a whole sweep apart (load drifts on shared machines)."""
     from tqdm.auto import tqdm
 
-    from .patching import patch_model, unpatch_model
+    from ..patching import patch_model, unpatch_model
 
     records: list[tuple[tuple[int, int], dict]] = []
     base: dict[int, dict] = {}
@@ -414,7 +413,7 @@ def print_table(results: dict, console=None) -> None:
 
 def plot(records: list[dict], path: Path, title: str | None = None) -> None:
     """Decode latency and TTFT against context, one line per configuration; written atomically."""
-    from .plotting import method_color
+    from ..plotting import method_color
 
     fig, axes = figure(1, 2, (11, 4))
     ax_d, ax_t = axes[0]

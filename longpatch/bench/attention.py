@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from .bench_common import (
+from ..outdir import claim_out, write_json
+from .common import (
     DTYPES,
     SLOW_CALL_S,
     annotate_speedups,
@@ -45,9 +46,7 @@ from .bench_common import (
     time_calls,
     torch_dtype,
     wide_console,
-    write_json,
 )
-from .outdir import claim_out
 
 __all__ = ["DEFAULT_SEQ_LENS", "run_attention_bench", "structured_inputs", "peak_memory_mb", "print_table", "plot"]
 
@@ -69,7 +68,7 @@ def _structured(batch, heads, kv_heads, n, d, dtype):
 
 
 def _caller(name: str, params: dict, head_dim: int):
-    from .methods import get_method
+    from ..methods import get_method
     bound = get_method(name).bind(params, head_dim)
 
     def call(q, k, v, causal):
@@ -97,7 +96,7 @@ def peak_memory_mb(method: str, params: dict, n: int, causal: bool, heads: int, 
         return None
     job = json.dumps(dict(method=method, params=params, n=n, causal=causal, heads=heads, head_dim=head_dim,
                           batch=batch, dtype=dtype, kv_heads=kv_heads))
-    code = "import sys, longpatch.bench as b; b._memory_worker(sys.argv[1])"
+    code = "import sys, longpatch.bench.attention as b; b._memory_worker(sys.argv[1])"
     try:
         res = subprocess.run([sys.executable, "-c", code, job], capture_output=True, text=True, timeout=3600)
         return float(json.loads(res.stdout.strip().splitlines()[-1])["mem_mb"])
@@ -135,7 +134,7 @@ def run_attention_bench(methods=("exact", "hyper"), seq_lens=DEFAULT_SEQ_LENS, c
     ``heads``) < ``heads`` benchmarks GQA: K/V have kv_heads heads, never repeated."""
     from rich.progress import Progress
 
-    from .methods import get_method
+    from ..methods import get_method
 
     method_params = dict(method_params or {})
     tdtype = torch_dtype(dtype)
@@ -205,7 +204,7 @@ def run_attention_bench(methods=("exact", "hyper"), seq_lens=DEFAULT_SEQ_LENS, c
     meta = machine_meta(repeats=repeats, note="median of repeats after one warm-up; "
                         f"one timed call when a call takes > {SLOW_CALL_S:.0f} s")
     out_path = claim_out(out_dir, COMMAND)
-    write_json(out_path / "attention_bench.json", meta, rows)
+    write_json(out_path / "attention_bench.json", {"meta": meta, "rows": rows})
     print_table(rows, console)
     title = (f"speedup over exact attention (torch SDPA), {dtype}, batch {batch}, {heads} head(s)"
              f"{'' if kv_heads == heads else f' sharing {kv_heads} KV head(s)'}, d={head_dim}, "
@@ -246,7 +245,7 @@ def print_table(rows: list[dict], console=None) -> None:
 
 
 def plot(rows: list[dict], path, backward: bool = False, title: str | None = None) -> None:
-    from .plotting import method_color
+    from ..plotting import method_color
 
     kinds = [("speedup_fwd", "forward")] + ([("speedup_fwd_bwd", "forward + backward")] if backward else [])
     modes = [c for c in (False, True) if any(r["causal"] == c for r in rows)]  # a panel per mask mode run

@@ -2,7 +2,6 @@
 the way results leave a run (a rich table, JSON with its meta, a PNG figure)."""
 from __future__ import annotations
 
-import json
 import math
 import os
 import statistics
@@ -12,7 +11,7 @@ from typing import Any, Callable
 
 import torch
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # A call slower than this is timed once (plus its warm-up): SDPA at 131k causal takes ~20 s a call.
@@ -31,7 +30,7 @@ def check_options(command: str, out_dir, lens_flag: str, lens, method_params: di
     (`lens_flag`), sizes and counts are ints >= 1, kv_heads divides heads, every --set names a
     benchmarked method, and `out_dir` can be this command's output directory. Returns kv_heads
     (default: heads)."""
-    from .outdir import check_out
+    from ..outdir import check_out
 
     if not lens or not all(_is_count(n) for n in lens):
         raise ConfigError(f"{lens_flag}: got {','.join(map(str, lens))!r}; allowed: comma-separated ints >= 1")
@@ -133,11 +132,6 @@ def show_table(title: str, columns: list[str], rows: list[list[str]], console=No
     (console or wide_console(140)).print(t)
 
 
-def write_json(path: Path, meta: dict, rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-
-
 def figure(nrows: int, ncols: int, figsize):
     import matplotlib
     matplotlib.use("Agg")
@@ -159,7 +153,7 @@ def save_figure(fig, path, title: str | None = None) -> None:
 
 def speedup_axis(ax, xlabel: str, ylabel: str = "speedup over exact", log_y: bool = False) -> None:
     """A log2 length axis with the 1× line: the common frame of every speedup panel."""
-    from .plotting import speedup_line
+    from ..plotting import speedup_line
 
     speedup_line(ax)
     ax.set_xscale("log", base=2)
