@@ -41,25 +41,76 @@ def command(group: typer.Typer, name: str | None = None):
     return register
 
 
-def parse_layers(spec: str):
-    """apply's --layers: 'N' -> N (the last N layers), 'all', or layer indices '8,9,12' / '8:12' / '0,4:6'
-    (ranges include their end). The syntax is config.parse_layer_items, shared with `eval ppl`."""
-    from .config import is_uint, parse_layer_items
+MODEL_HELP = "bundled alias, hub id, local path, saved patch dir, demo, or tiny:<family>"
 
-    items = parse_layer_items(spec)
-    if spec.strip() == "all":
-        return "all"
-    if is_uint(spec.strip()):
-        return items[0]
-    if "all" in items:
-        raise ConfigError(f"--layers: got {spec!r}; 'all' cannot be combined with layer indices")
-    return items
+
+def model_option():
+    return typer.Option(..., "--model", metavar="MODEL", help=MODEL_HELP)
+
+
+def config_option(sweep: bool = True):
+    return typer.Option(None, "--config", metavar="CONFIG[,CONFIG...]",
+                        help="YAML config file or bundled alias (method, params, layers; see `longpatch list`), or a "
+                             "comma-separated list of them" + (", each run with every layer count" if sweep else
+                                                               " (apply takes one)"))
+
+
+def method_option():
+    return typer.Option(None, "--method", metavar="METHOD",
+                        help="attention method (see `longpatch list`); replaces the config's, with its own defaults")
+
+
+def set_option():
+    return typer.Option([], "--set", metavar="KEY=VALUE",
+                        help="override a key of every config, repeatable: a method param (block_size=128, or "
+                             "params.block_size=128), a patch key (layers=4, min_seq_len, backend) or a loading key "
+                             "(dtype=bfloat16, attn_implementation); VALUE is YAML")
+
+
+def layers_option():
+    from .options import LAYERS_HELP
+
+    return typer.Option(None, "--layers", metavar="LAYERS",
+                        help=f"which layers every config replaces: {LAYERS_HELP}; default: the config's layers")
+
+
+def layer_counts_option(default: Optional[str] = None):
+    from .options import COUNTS_HELP
+
+    return typer.Option(default, "--layer-counts", metavar="COUNTS", help=COUNTS_HELP +
+                        ("" if default else "; default: the config's layers, one run"))
+
+
+def tokenizer_option():
+    return typer.Option(None, "--tokenizer", metavar="TOKENIZER",
+                        help="name or path, or 'bytes' for tiny:* models (default: the model's)")
+
+
+def out_option(default: str, what: str):
+    return typer.Option(default, "--out", metavar="DIR", help=f"output directory: {what}")
+
+
+def sweep_layers(layers: Optional[str], command: str) -> Optional[str]:
+    """The sweep commands' --layers: which layers are replaced, as everywhere. A list or range there used to
+    be a sweep of counts; it is refused rather than read as layer indices, so an old command line cannot
+    silently mean something else."""
+    if layers is not None and ("," in layers or ":" in layers):
+        from .options import parse_layers
+
+        try:
+            indices = parse_layers(layers)
+        except ConfigError:
+            indices = None
+        by_index = f"--set 'layers={indices}'" if isinstance(indices, list) else "a config's layers: [i, j, ...]"
+        raise ConfigError(f"--layers {layers}: in {command} a sweep of layer counts is --layer-counts {layers} "
+                          f"(--layers used to mean that here); to replace layers by index use {by_index}")
+    return layers
 
 
 @command(app, "list")
 def list_cmd():
     """Families, methods (with parameters and defaults), bundled configs and the offline models (demo, tiny:*)."""
-    from .config import bundled_configs, load_config
+    from .config import bundled_configs, read_config
     from .families import available_families
     from .methods import available_methods
 
@@ -78,8 +129,8 @@ def list_cmd():
     t.add_column("alias"), t.add_column("model"), t.add_column("method"), t.add_column("layers")
     for alias in bundled_configs():
         try:
-            c = load_config(alias)
-            t.add_row(escape(alias), escape(c.model or "-"), c.method, str(c.layers))
+            c = read_config(alias)
+            t.add_row(escape(alias), escape(c.load.get("model") or "-"), c.patch.method, str(c.patch.layers))
         except LongpatchError as e:
             t.add_row(escape(alias), "-", f"[red]{escape(str(e))}[/red]", "-")
     console.print(t)
@@ -98,34 +149,34 @@ def list_cmd():
 
 @command(app)
 def apply(
-    model: str = typer.Option(..., "--model",
-                              help="bundled alias, hub id, local path, saved patch dir, or tiny:<family>"),
-    layers: Optional[str] = typer.Option(None, help="N (last N layers), 'all', or layer indices 8,9,12 / 8:12 "
-                                                    "(end included); a single index is 8:8"),
-    method: Optional[str] = typer.Option(None, help="attention method (see `longpatch list`)"),
-    config: Optional[str] = typer.Option(None, help="YAML config file or bundled alias for method/params/layers"),
-    set_: list[str] = typer.Option([], "--set", help="override a key: layers=4, block_size=128, params.seed=1"),
-    save: Optional[str] = typer.Option(None, help="new directory: the model (save_pretrained: weights, config, "
-                                                  "tokenizer) + longpatch.yaml to re-apply the patch"),
+    model: str = model_option(),
+    layers: Optional[str] = layers_option(),
+    method: Optional[str] = method_option(),
+    config: Optional[str] = config_option(sweep=False),
+    set_: list[str] = set_option(),
+    save: Optional[str] = typer.Option(None, metavar="DIR",
+                                       help="new directory: the model (save_pretrained: weights, config, "
+                                            "tokenizer) + longpatch.yaml to re-apply the patch"),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code",
                                            help="allow remote code (bundled aliases set it themselves)"),
-    prefill: int = typer.Option(0, help="run one forward pass on this many random tokens and report where "
-                                        "attention time went"),
+    prefill: int = typer.Option(0, metavar="N", help="run one forward pass on this many random tokens and report "
+                                                     "where attention time went"),
 ):
     """Load a model, patch it, and print which layers run which method."""
     from . import loading
     from .patching import patch_model
+    from .specs import resolve
 
     if prefill < 0:
         raise ConfigError(f"--prefill: got {prefill}; allowed: an int >= 0 (0: no forward pass)")
-    cfg = loading.build_config(model, config, method, parse_layers(layers) if layers is not None else None, set_,
-                               trust_remote_code)
+    spec = resolve(model, config, method, layers, set_, trust_remote_code=trust_remote_code)
+    cfg = spec.patch
     if save:
         loading.check_save_target(save)  # before minutes of loading
-    loaded, tokenizer = loading.load_model(cfg)
+    loaded, tokenizer = loading.load_model(spec.load)
     patch_model(loaded, cfg)
     report = loaded.longpatch
-    t = Table(title=escape(f"{cfg.model}: {report.family.name} family, {report.num_layers} layers"),
+    t = Table(title=escape(f"{spec.load.model}: {report.family.name} family, {report.num_layers} layers"),
               title_justify="left")
     t.add_column("layer", justify="right"), t.add_column("method"), t.add_column("params")
     for row in report.rows():
@@ -137,7 +188,7 @@ def apply(
     if prefill:
         _run_prefill(loaded, prefill)
     if save:
-        out = loading.save_patch(loaded, cfg, save, tokenizer)
+        out = loading.save_patch(loaded, cfg, save, tokenizer, spec.load)
         console.print(f"saved the model and longpatch.yaml to {out}: transformers loads it unpatched, "
                       f"longpatch.from_pretrained('{out}') or --model {out} re-applies the patch", markup=False)
 
@@ -175,9 +226,9 @@ def _run_prefill(model, n: int):
 
 @command(app)
 def demo(
-    layers: str = typer.Option("0:4:1", help="sweep of replaced final layers (end included)"),
+    layer_counts: str = layer_counts_option("0:4:1"),
     max_docs: int = typer.Option(6, help="held-out documents of 4096 tokens to score"),
-    out: str = typer.Option("runs/demo", help="output directory (eval results per config, demo.json, figure3.png)"),
+    out: str = out_option("runs/demo", "eval results per config, demo.json, figure3.png"),
     needle_length: int = typer.Option(NEEDLE_LENGTH, help="needle prompt length in tokens (0: no retrieval column)"),
     needle_template: str = typer.Option(NEEDLE_TEMPLATE, help="passkey, code or a YAML template file"),
     needle_trials: int = typer.Option(NEEDLE_TRIALS, help="needle prompts per depth (5 depths, 10% to 90%)"),
@@ -187,7 +238,8 @@ def demo(
     retrieval per layer count."""
     from .eval.demo import run_demo
 
-    summary = run_demo(layers=layers, max_docs=max_docs, out=out, progress=progress, needle_length=needle_length,
+    summary = run_demo(layer_counts=layer_counts, max_docs=max_docs, out=out, progress=progress,
+                       needle_length=needle_length,
                        needle_template=needle_template, needle_trials=needle_trials)
     nd = summary.get("needle")
     t = Table(title=f"demo model, {summary['seq_len']} tokens, {summary['max_docs']} held-out docs: "
@@ -213,49 +265,57 @@ def demo(
 
 @command(bench_app, "attention")
 def bench_attention(
-    methods: str = typer.Option("exact,hyper", help="comma-separated methods; exact is always the baseline"),
-    seq_lens: str = typer.Option("4096,8192,16384,32768,65536,131072", help="comma-separated sequence lengths"),
+    methods: str = typer.Option("exact,hyper", metavar="METHOD[,METHOD...]",
+                                help="comma-separated methods; exact is always the baseline"),
+    seq_lens: str = typer.Option("4096,8192,16384,32768,65536,131072", metavar="N[,N...]",
+                                 help="sequence lengths (comma-separated; ranges start:end:step, end included)"),
     mode: str = typer.Option("both", help="causal, non-causal or both"),
     heads: int = typer.Option(1),
     kv_heads: Optional[int] = typer.Option(None, help="GQA: K/V heads (default: = heads)"),
     head_dim: int = typer.Option(64), batch: int = typer.Option(1),
     dtype: str = typer.Option("float32"), backward: bool = typer.Option(False, help="also time forward+backward"),
-    repeats: int = typer.Option(3), out: str = typer.Option("runs/bench", help="output dir for JSON + PNG"),
-    set_: list[str] = typer.Option([], "--set", help="method params: hyper.block_size=128"),
+    repeats: int = typer.Option(3), out: str = out_option("runs/bench", "JSON + PNG"),
+    set_: list[str] = typer.Option([], "--set", metavar="KEY=VALUE",
+                                   help="a method param for every benchmarked method that has it, repeatable: "
+                                        "block_size=128"),
     max_exact_len: Optional[int] = typer.Option(None, help="skip exact attention above this length"),
     memory: bool = typer.Option(True, "--memory/--no-memory", help="peak memory per call (one subprocess each)"),
     threads: Optional[int] = typer.Option(None, help="torch.set_num_threads"),
 ):
     """Time each method against exact attention in the same run; writes JSON + a PNG plot."""
     from .bench.attention import run_attention_bench
+    from .bench.common import method_params_from_sets
+    from .options import parse_ints
 
     modes = {"causal": (True,), "non-causal": (False,), "both": (True, False)}
     if mode not in modes:
         raise LongpatchError(f"--mode: got {mode!r}; allowed: causal, non-causal, both")
     _set_threads(threads)
-    run_attention_bench(methods=_names(methods), seq_lens=tuple(_ints("--seq-lens", seq_lens)),
+    names = _methods(methods)
+    run_attention_bench(methods=names, seq_lens=tuple(parse_ints("--seq-lens", seq_lens, 1)),
                         causal_modes=modes[mode], heads=heads, head_dim=head_dim, batch=batch, dtype=dtype,
-                        backward=backward, repeats=repeats, out_dir=out, method_params=_method_params(set_),
+                        backward=backward, repeats=repeats, out_dir=out,
+                        method_params=method_params_from_sets(("exact", *names), set_),
                         kv_heads=kv_heads, max_exact_len=max_exact_len, memory=memory)
 
 
 @command(eval_app, "ppl")
 def eval_ppl(
-    model: str = typer.Option(..., "--model",
-                              help="bundled alias, hub id, local path, saved patch dir, demo, or tiny:<family>"),
-    layers: Optional[str] = typer.Option(None, help="counts of final layers, one sweep point each: 20 | 0,4,8 | "
-                                                    "0:28:4 (end included) | all; default: the config's layers"),
-    method: Optional[str] = typer.Option(None),
-    config: Optional[str] = typer.Option(None),
-    set_: list[str] = typer.Option([], "--set"),
-    subsets: str = typer.Option("all", help="all, or comma-separated subsets/categories"),
-    seq_len: int = typer.Option(32768),
-    max_docs: Optional[int] = typer.Option(None, help="at most N documents per subset"),
-    data: Optional[str] = typer.Option(None, help="data.zip, dir of <subset>.jsonl, parquet, demo; "
-                                                  "default: hub THUDM/LongBench"),
-    out: str = typer.Option("runs/eval"),
-    tokenizer: Optional[str] = typer.Option(None, help="name/path, or 'bytes' for tiny:* models"),
-    device_map: Optional[str] = typer.Option(None, help="auto: spread one model over this machine's GPUs"),
+    model: str = model_option(),
+    config: Optional[str] = config_option(),
+    method: Optional[str] = method_option(),
+    set_: list[str] = set_option(),
+    layers: Optional[str] = layers_option(),
+    layer_counts: Optional[str] = layer_counts_option(),
+    subsets: str = typer.Option("all", metavar="SUBSETS", help="all, or comma-separated subsets/categories"),
+    seq_len: int = typer.Option(32768, metavar="N", help="tokens per document (shorter documents are skipped)"),
+    max_docs: Optional[int] = typer.Option(None, metavar="N", help="at most N documents per subset"),
+    data: Optional[str] = typer.Option(None, metavar="DATA", help="data.zip, dir of <subset>.jsonl, parquet, demo; "
+                                                                  "default: hub THUDM/LongBench"),
+    out: str = out_option("runs/eval", "records, results.json/.csv, plots; rerun to resume"),
+    tokenizer: Optional[str] = tokenizer_option(),
+    device_map: Optional[str] = typer.Option(None, metavar="auto", help="auto: spread one model over this "
+                                                                        "machine's GPUs"),
     num_processes: int = typer.Option(1, help="local worker processes sharing the documents"),
     sequence_parallel: int = typer.Option(1, "--sequence-parallel",
                                           help="split every document over N processes (torch.distributed.run; "
@@ -269,7 +329,8 @@ def eval_ppl(
     """LongBench perplexity and attention speed for one layer count or a sweep (resumable)."""
     from .eval.perplexity import run_eval_ppl
 
-    run_eval_ppl(model, layers, config=config, method=method, subsets=subsets, seq_len=seq_len, max_docs=max_docs,
+    run_eval_ppl(model, layer_counts, layers=sweep_layers(layers, "eval ppl"), config=config, method=method,
+                 subsets=subsets, seq_len=seq_len, max_docs=max_docs,
                  data=data, out=out, sets=set_, device_map=device_map, num_processes=num_processes,
                  sequence_parallel=sequence_parallel, strict=strict, trust_remote_code=trust_remote_code,
                  tokenizer=tokenizer, warmup=warmup, loss_chunk=loss_chunk, progress=progress)
@@ -277,23 +338,22 @@ def eval_ppl(
 
 @command(eval_app, "needle")
 def eval_needle(
-    model: str = typer.Option(..., "--model",
-                              help="bundled alias, hub id, local path, saved patch dir, demo, or tiny:<family>"),
-    config: Optional[str] = typer.Option(None, help="config file or alias, or a comma-separated list of them "
-                                                    "(each gets the whole sweep)"),
-    method: Optional[str] = typer.Option(None),
-    set_: list[str] = typer.Option([], "--set"),
-    layers: Optional[str] = typer.Option(None, help="counts of final layers, as in eval ppl: 20 | 0,4,8 | 0:28:4 | "
-                                                    "all; default: the config's layers"),
+    model: str = model_option(),
+    config: Optional[str] = config_option(),
+    method: Optional[str] = method_option(),
+    set_: list[str] = set_option(),
+    layers: Optional[str] = layers_option(),
+    layer_counts: Optional[str] = layer_counts_option(),
     template: str = typer.Option(NEEDLE_TEMPLATE, help="passkey (the demo's), code, or a YAML template file"),
-    lengths: str = typer.Option("4096,8192,16384,32768", help="prompt lengths in tokens, comma-separated"),
-    depths: str = typer.Option("0:1:0.1", help="needle depths: start:end:step (end included) or d1,d2,..."),
+    lengths: str = typer.Option("4096,8192,16384,32768", metavar="N[,N...]",
+                                help="prompt lengths in tokens, comma-separated"),
+    depths: str = typer.Option("0:1:0.1", metavar="DEPTHS",
+                               help="needle depths: start:end:step (end included) or d1,d2,..."),
     trials: int = typer.Option(4, help="prompts per (length, depth), each with its own key and haystack"),
     filler: str = typer.Option("demo", help="demo, a .txt or .jsonl file, or longbench:<subsets>[@<data>]"),
     seed: int = typer.Option(0, help="seed of the keys and haystacks"),
-    out: str = typer.Option("runs/needle"),
-    tokenizer: Optional[str] = typer.Option(None, help="name/path, or 'bytes' for tiny:* models (default: the "
-                                                       "model's)"),
+    out: str = out_option("runs/needle", "records, results.json/.csv, heatmaps; rerun to resume"),
+    tokenizer: Optional[str] = tokenizer_option(),
     num_processes: int = typer.Option(1, help="local worker processes sharing the prompts"),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code"),
     progress: bool = typer.Option(True, "--progress/--no-progress"),
@@ -301,7 +361,8 @@ def eval_needle(
     """Needle-in-a-haystack retrieval accuracy per config, layer count, length and depth (resumable)."""
     from .eval.needle_run import needle, print_results
 
-    results = needle(model, layers, config=config, method=method, sets=set_, template=template, lengths=lengths,
+    results = needle(model, layer_counts, layers=sweep_layers(layers, "eval needle"), config=config, method=method,
+                     sets=set_, template=template, lengths=lengths,
                      depths=depths, trials=trials, filler=filler, seed=seed, out=out, tokenizer=tokenizer,
                      num_processes=num_processes, trust_remote_code=trust_remote_code, progress=progress)
     if results:
@@ -312,16 +373,18 @@ def eval_needle(
 
 @command(eval_app, "longbench")
 def eval_longbench(
-    model: str = typer.Option(..., "--model",
-                              help="bundled alias, hub id, local path, saved patch dir, demo, or tiny:<family>"),
-    config: Optional[str] = typer.Option(None, help="config file or alias, or a comma-separated list of them "
-                                                    "(each gets the whole sweep)"),
-    method: Optional[str] = typer.Option(None),
-    set_: list[str] = typer.Option([], "--set"),
-    layers: Optional[str] = typer.Option(None, help="counts of final layers, as in eval ppl: 20 | 0,4,8 | 0:28:4 | "
-                                                    "all; default: the config's layers (--data demo: 0,2,4)"),
-    tasks: str = typer.Option("all", help="all, en, zh, or comma-separated tasks/categories"),
-    e: bool = typer.Option(False, "--e", help="LongBench-E: its 13 tasks, scores per length bucket 0-4k/4-8k/8k+"),
+    model: str = model_option(),
+    config: Optional[str] = config_option(),
+    method: Optional[str] = method_option(),
+    set_: list[str] = set_option(),
+    layers: Optional[str] = layers_option(),
+    layer_counts: Optional[str] = typer.Option(None, "--layer-counts", metavar="COUNTS",
+                                               help="counts of final layers, one run each: 0,4,8 or 0:28:4 (end "
+                                                    "included), 'all'; default: the config's layers (--data demo: "
+                                                    "0,2,4)"),
+    tasks: str = typer.Option("all", metavar="TASKS", help="all, en, zh, or comma-separated tasks/categories"),
+    e: bool = typer.Option(False, "--e", help="evaluate LongBench-E instead (its 13 tasks on length-balanced data, "
+                                              "scores per length bucket 0-4k/4-8k/8k+)"),
     max_length: Optional[int] = typer.Option(None, help="prompt budget in tokens, cut in the middle (default: "
                                                         "LongBench's for the model, else its positions - 500; "
                                                         "--data demo: 2048)"),
@@ -331,9 +394,8 @@ def eval_longbench(
     data: Optional[str] = typer.Option(None, help="data.zip, dir of <task>.jsonl, parquet, or demo (code "
                                                   "completion from the demo model's held-out code); "
                                                   "default: hub THUDM/LongBench"),
-    out: str = typer.Option("runs/longbench"),
-    tokenizer: Optional[str] = typer.Option(None, help="name/path, or 'bytes' for tiny:* models (default: the "
-                                                       "model's)"),
+    out: str = out_option("runs/longbench", "records, predictions, results.json/.csv, plot; rerun to resume"),
+    tokenizer: Optional[str] = tokenizer_option(),
     num_processes: int = typer.Option(1, help="local worker processes sharing the records"),
     strict: bool = typer.Option(False, help="a malformed record is fatal instead of reported and skipped"),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code"),
@@ -343,7 +405,8 @@ def eval_longbench(
     generation and metrics (resumable)."""
     from .eval.longbench_run import longbench, print_results
 
-    results = longbench(model, layers, config=config, method=method, sets=set_, tasks=tasks, e=e,
+    results = longbench(model, layer_counts, layers=sweep_layers(layers, "eval longbench"), config=config,
+                        method=method, sets=set_, tasks=tasks, e=e,
                         max_length=max_length, max_samples=max_samples, max_new_tokens=max_new_tokens, data=data,
                         out=out, tokenizer=tokenizer,
                         num_processes=num_processes, strict=strict, trust_remote_code=trust_remote_code,
@@ -359,35 +422,41 @@ RESULTS_NAMES = "results.json, results.csv, scores_vs_layers.png"
 
 @command(bench_app, "decode")
 def bench_decode(
-    methods: str = typer.Option("moba", help="comma-separated methods with a decode path"),
-    cache_lens: str = typer.Option("8192,32768,131072", help="comma-separated KV-cache lengths"),
+    methods: str = typer.Option("moba", metavar="METHOD[,METHOD...]",
+                                help="comma-separated methods with a decode path"),
+    cache_lens: str = typer.Option("8192,32768,131072", metavar="N[,N...]", help="KV-cache lengths (comma-separated; "
+                                                                               "ranges start:end:step, end included)"),
     heads: int = typer.Option(1), kv_heads: Optional[int] = typer.Option(None, help="default: = heads"),
     head_dim: int = typer.Option(64), batch: int = typer.Option(1), dtype: str = typer.Option("float32"),
     repeats: int = typer.Option(20), threads: Optional[int] = typer.Option(None, help="torch.set_num_threads"),
-    out: str = typer.Option("runs/bench_decode", help="output dir for JSON + PNG"),
-    set_: list[str] = typer.Option([], "--set", help="method params: moba.topk=3"),
+    out: str = out_option("runs/bench_decode", "JSON + PNG"),
+    set_: list[str] = typer.Option([], "--set", metavar="KEY=VALUE",
+                                   help="a method param for every benchmarked method that has it, repeatable: topk=3"),
     errors: bool = typer.Option(True, "--errors/--no-errors", help="error columns vs exact attention"),
 ):
     """Time one decode step against caches of each length (decode state given) vs exact decode."""
+    from .bench.common import method_params_from_sets
     from .bench.decode import run_decode_bench
+    from .options import parse_ints
 
     _set_threads(threads)
-    run_decode_bench(methods=_names(methods), cache_lens=tuple(_ints("--cache-lens", cache_lens)), heads=heads,
-                     head_dim=head_dim, repeats=repeats, out_dir=out, method_params=_method_params(set_),
+    names = _methods(methods)
+    run_decode_bench(methods=names, cache_lens=tuple(parse_ints("--cache-lens", cache_lens, 1)), heads=heads,
+                     head_dim=head_dim, repeats=repeats, out_dir=out,
+                     method_params=method_params_from_sets(("exact", *names), set_),
                      kv_heads=kv_heads, batch=batch, dtype=dtype, errors=errors)
 
 
 @command(bench_app, "generate")
 def bench_generate(
-    model: str = typer.Option(..., "--model",
-                              help="bundled alias, hub id, local path, saved patch dir, demo, or tiny:<family>"),
-    config: Optional[str] = typer.Option(None, help="config file or alias, or a comma-separated list of them "
-                                                    "(each gets the whole layer sweep)"),
-    method: Optional[str] = typer.Option(None),
-    set_: list[str] = typer.Option([], "--set", help="override a key of every config: layers=4, chunk_size=512"),
-    layers: Optional[str] = typer.Option(None, help="counts of final layers, as in eval ppl: 4 | 2,4 | all; "
-                                                    "default: each config's layers"),
-    contexts: str = typer.Option("8192,16384,32768", help="prompt lengths in tokens, comma-separated"),
+    model: str = model_option(),
+    config: Optional[str] = config_option(),
+    method: Optional[str] = method_option(),
+    set_: list[str] = set_option(),
+    layers: Optional[str] = layers_option(),
+    layer_counts: Optional[str] = layer_counts_option(),
+    contexts: str = typer.Option("8192,16384,32768", metavar="N[,N...]", help="prompt lengths in tokens, "
+                                                                              "comma-separated"),
     new_tokens: int = typer.Option(64, help="greedy tokens per generation (the first comes from the prefill)"),
     repeats: int = typer.Option(1, help="generations per row (medians over them)"),
     warmup: int = typer.Option(1, help="untimed short generations per configuration"),
@@ -395,9 +464,9 @@ def bench_generate(
                                               "no per-token copy) or dynamic (transformers' DynamicCache, which "
                                               "copies the whole cache every token)"),
     filler: str = typer.Option("demo", help="prompt text: demo, a .txt or .jsonl file, or longbench:<subsets>"),
-    tokenizer: Optional[str] = typer.Option(None, help="name/path, or 'bytes' for tiny:* models"),
+    tokenizer: Optional[str] = tokenizer_option(),
     threads: Optional[int] = typer.Option(None, help="torch.set_num_threads"),
-    out: str = typer.Option("runs/bench_generate", help="output dir: results.json, results.csv, generate.png"),
+    out: str = out_option("runs/bench_generate", "results.json, results.csv, generate.png"),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code"),
     plots: bool = typer.Option(True, "--plots/--no-plots"),
     progress: bool = typer.Option(True, "--progress/--no-progress"),
@@ -407,7 +476,8 @@ def bench_generate(
     from .bench.generate import RESULTS_FILE, print_table, run_generate_bench
 
     _set_threads(threads)
-    results = run_generate_bench(model, config, layers, contexts, new_tokens, out, method=method, sets=set_,
+    results = run_generate_bench(model, config, layer_counts, contexts, new_tokens, out,
+                                 layers=sweep_layers(layers, "bench generate"), method=method, sets=set_,
                                  tokenizer=tokenizer, filler=filler, repeats=repeats, warmup=warmup,
                                  trust_remote_code=trust_remote_code, progress=progress, plots=plots, cache=cache)
     print_table(results)
@@ -423,28 +493,10 @@ def _set_threads(threads: Optional[int]) -> None:
         torch.set_num_threads(threads)
 
 
-def _names(text: str) -> tuple[str, ...]:
-    return tuple(m.strip() for m in text.split(",") if m.strip())
+def _methods(text: str) -> tuple[str, ...]:
+    from .options import parse_names
 
-
-def _ints(flag: str, text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise LongpatchError(f"{flag}: got {text!r}; allowed: comma-separated integers") from None
-
-
-def _method_params(pairs: list[str]) -> dict[str, dict]:
-    from .config import set_value
-
-    out: dict[str, dict] = {}
-    for pair in pairs:
-        key, sep, raw = pair.partition("=")
-        meth, dot, name = key.partition(".")
-        if not sep or not dot:
-            raise LongpatchError(f"--set {pair!r}: expected method.param=value, e.g. hyper.block_size=128")
-        out.setdefault(meth, {})[name] = set_value(pair, raw)
-    return out
+    return tuple(parse_names("--methods", text, "comma-separated method names (see `longpatch list`)"))
 
 
 def main():

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import yaml
 
@@ -19,12 +19,18 @@ BACKENDS = ("auto", "torch", "triton")
 CONFIG_FILE = "longpatch.yaml"  # written beside a saved model by `longpatch apply --save`
 
 
+PATCH_DOC = "method, params, layers, min_seq_len, backend, family"
+
+
 @dataclass
 class PatchConfig:
-    """One patch: the method and its params, which layers, and how to load the model.
+    """The patch spec: which method, with which params, in which layers.
 
     layers: an int N (the last N layers; 0 = none), a list of 0-based layer indices, or "all".
     min_seq_len: prefill calls shorter than this use exact attention in patched layers.
+    backend: auto, torch or triton. family: force a model family (default: detected from the model).
+    How the model is loaded (model, dtype, ...) is a LoadSpec; a YAML config file may hold both halves
+    (read_config splits them).
     """
 
     method: str = "exact"
@@ -32,10 +38,6 @@ class PatchConfig:
     layers: int | list[int] | str = "all"
     min_seq_len: int = 0
     backend: str = "auto"
-    model: str | None = None
-    dtype: str = "auto"
-    trust_remote_code: bool = False
-    attn_implementation: str | None = None
     family: str | None = None
 
     def __post_init__(self):
@@ -46,12 +48,6 @@ class PatchConfig:
         if self.min_seq_len < 0:
             raise ConfigError(f"min_seq_len: got {self.min_seq_len}; allowed: an int >= 0")
         _check_choice("backend", self.backend, BACKENDS)
-        if self.model is not None:
-            _check_type("model", self.model, str, "a hub id, a local path or a bundled alias")
-        _check_choice("dtype", self.dtype, DTYPES)
-        _check_type("trust_remote_code", self.trust_remote_code, bool, "true or false")
-        if self.attn_implementation is not None:
-            _check_choice("attn_implementation", self.attn_implementation, ATTN_IMPLEMENTATIONS)
         if self.family is not None:
             from .families import available_families  # lazy: the families import transformers
             _check_type("family", self.family, str, "a family name (see `longpatch list`)")
@@ -60,10 +56,7 @@ class PatchConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "PatchConfig":
         data = _mapping("config", data)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(f"{unknown[0]}: unknown config key; allowed: {', '.join(sorted(known))}")
+        _check_keys(data, {f.name for f in dataclasses.fields(cls)})
         return cls(**data)
 
     def to_dict(self) -> dict[str, Any]:
@@ -72,15 +65,15 @@ class PatchConfig:
     def replace(self, **changes) -> "PatchConfig":
         return PatchConfig.from_dict({**self.to_dict(), **changes})
 
-    def with_overrides(self, pairs: list[str]) -> "PatchConfig":
-        """Apply CLI `key=value` overrides; a method param may be named bare or as params.NAME."""
+    def with_overrides(self, pairs: "list[str] | list[tuple[str, Any]]") -> "PatchConfig":
+        """Apply --set overrides (`key=value` strings, or (key, value) pairs): a patch key, or a method param
+        named bare or as params.NAME. Loading keys belong to LoadSpec (specs.resolve routes them)."""
+        from .options import parse_set
+
         data = self.to_dict()
         method_keys = set(get_method(data["method"]).params)
         for pair in pairs:
-            key, sep, raw = pair.partition("=")
-            if not sep or not key:
-                raise ConfigError(f"--set {pair!r}: expected key=value")
-            value = set_value(pair, raw)
+            key, value = parse_set(pair) if isinstance(pair, str) else pair
             if key.startswith("params."):
                 data["params"][key[len("params."):]] = value
             elif key in data:
@@ -88,37 +81,104 @@ class PatchConfig:
             elif key in method_keys:
                 data["params"][key] = value
             else:
-                allowed = ", ".join(sorted(set(data) | method_keys))
+                allowed = ", ".join(sorted(set(data) | method_keys | set(LOAD_KEYS)))
                 raise ConfigError(f"--set {key}: unknown key; allowed: {allowed}")
         return PatchConfig.from_dict(data)
 
 
-def set_value(pair: str, raw: str):
-    """The value of one --set KEY=VALUE (also bench's METHOD.PARAM=VALUE): YAML, so 128, true, null and
-    [1, 2] have their types; empty is null. Malformed YAML is a one-line error naming the pair."""
-    if not raw:
-        return None
-    try:
-        return yaml.safe_load(raw)
-    except yaml.YAMLError as e:
-        problem = " ".join(str(getattr(e, "problem", None) or "cannot be parsed").split())
-        raise ConfigError(f"--set {pair!r}: malformed YAML value {raw!r} ({problem}); allowed: a YAML value, e.g. "
-                          "128, true, null, 'text' or [1, 2]") from None
+LOAD_KEYS = ("model", "dtype", "trust_remote_code", "attn_implementation", "device_map", "tokenizer")
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """The load spec: which model and how to load it.
+
+    model: a hub id, a local path, 'demo' or tiny:<family> (what a bundled alias names). dtype: auto,
+    float32, float16 or bfloat16. trust_remote_code: run the model repository's code.
+    attn_implementation: sdpa, eager or flash_attention_2 (None: transformers' choice). device_map:
+    'auto' spreads the model over this machine's GPUs. tokenizer: a name or path, or 'bytes'
+    (None: the model's own).
+    """
+
+    model: str | None = None
+    dtype: str = "auto"
+    trust_remote_code: bool = False
+    attn_implementation: str | None = None
+    device_map: str | None = None
+    tokenizer: str | None = None
+
+    def __post_init__(self):
+        if self.model is not None:
+            _check_type("model", self.model, str, "a hub id, a local path or a bundled alias")
+        _check_choice("dtype", self.dtype, DTYPES)
+        _check_type("trust_remote_code", self.trust_remote_code, bool, "true or false")
+        if self.attn_implementation is not None:
+            _check_choice("attn_implementation", self.attn_implementation, ATTN_IMPLEMENTATIONS)
+        if self.device_map is not None:
+            _check_choice("device_map", self.device_map, ("auto",))
+        if self.tokenizer is not None:
+            _check_type("tokenizer", self.tokenizer, str, "a tokenizer name or path, or 'bytes'")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "LoadSpec":
+        data = _mapping("config", data)
+        _check_keys(data, set(LOAD_KEYS))
+        return cls(**data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes) -> "LoadSpec":
+        return LoadSpec.from_dict({**self.to_dict(), **changes})
+
+
+@dataclass(frozen=True)
+class ConfigFile:
+    """A YAML config as written: its loading half (only the keys it names) and its patch."""
+
+    load: dict[str, Any]
+    patch: PatchConfig
+
+
+def split_config(data: dict[str, Any]) -> ConfigFile:
+    """A config mapping (YAML file, saved longpatch.yaml) -> its loading keys (checked) and its PatchConfig."""
+    data = _mapping("config", data)
+    _check_keys(data, set(LOAD_KEYS) | {f.name for f in dataclasses.fields(PatchConfig)})
+    load = {k: v for k, v in data.items() if k in LOAD_KEYS}
+    LoadSpec.from_dict(load)  # checked now, with the file's own values
+    return ConfigFile(load, PatchConfig.from_dict({k: v for k, v in data.items() if k not in LOAD_KEYS}))
+
+
+def _check_keys(data: dict, known: set[str]) -> None:
+    unknown = sorted(set(data) - known)
+    if not unknown:
+        return
+    key = unknown[0]
+    if key in LOAD_KEYS:
+        raise ConfigError(f"{key}: a loading key (LoadSpec: {', '.join(LOAD_KEYS)}), not a patch key ({PATCH_DOC}); "
+                          "give it to load_model, or put both halves in a YAML config")
+    raise ConfigError(f"{key}: unknown config key; allowed: {', '.join(sorted(known))}")
 
 
 def as_config(cfg: "PatchConfig | dict | str | Path") -> PatchConfig:
     """Accept a PatchConfig, a plain dict, or a YAML path / bundled alias."""
     if isinstance(cfg, PatchConfig):
         return cfg
-    if isinstance(cfg, dict):
-        return PatchConfig.from_dict(cfg)
+    if isinstance(cfg, dict):  # like a YAML file: loading keys are checked and left to load_model
+        return split_config(cfg).patch
     if isinstance(cfg, (str, Path)):
         return load_config(cfg)
     raise ConfigError(f"config: got a {type(cfg).__name__}; allowed: PatchConfig, dict, or a YAML path/alias")
 
 
 def load_config(path_or_alias: str | Path) -> PatchConfig:
-    """Load a YAML file, a directory saved by `longpatch apply --save`, or a bundled alias."""
+    """The patch of a YAML file, a directory saved by `longpatch apply --save`, or a bundled alias (its
+    loading keys are checked and left out: read_config has both halves)."""
+    return read_config(path_or_alias).patch
+
+
+def read_config(path_or_alias: str | Path) -> ConfigFile:
+    """Read a YAML file, a directory saved by `longpatch apply --save`, or a bundled alias."""
     path = Path(path_or_alias)
     if path.is_dir():
         path = path / CONFIG_FILE
@@ -150,7 +210,7 @@ def load_config(path_or_alias: str | Path) -> PatchConfig:
     if "method" not in data:
         # PatchConfig's default method is exact: a file that forgot it would silently patch nothing useful
         raise ConfigError(f"config: {path} has no 'method' key; allowed methods: {', '.join(available_methods())}")
-    return PatchConfig.from_dict(data)
+    return split_config(data)
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -167,15 +227,15 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def check_runnable(cfg: PatchConfig) -> None:
+def check_runnable(load: "LoadSpec | None", patches: "Sequence[PatchConfig]" = ()) -> None:
     """Refuse, before any model is loaded, settings this machine cannot run (they would otherwise fail
     deep inside a forward pass, after minutes of loading)."""
-    if cfg.attn_implementation == "flash_attention_2":
+    if load is not None and load.attn_implementation == "flash_attention_2":
         from transformers.utils import is_flash_attn_2_available
         if not is_flash_attn_2_available():
             raise ConfigError("attn_implementation: got 'flash_attention_2', but the flash-attn package or a CUDA "
                               "GPU is missing here; allowed here: sdpa, eager")
-    if cfg.backend == "triton":
+    if any(p.backend == "triton" for p in patches):
         from .methods.common import triton_available
         if not triton_available():
             raise ConfigError("backend: got 'triton', but the triton package is not installed; allowed here: auto, "
@@ -223,46 +283,6 @@ def _check_layers(layers):
             raise ConfigError(f"layers: got {list(layers)!r} with repeated indices; allowed: {_LAYERS_ALLOWED}")
         return sorted(layers)
     raise ConfigError(f"layers: got {layers!r}; allowed: {_LAYERS_ALLOWED}")
-
-
-_ITEMS_ALLOWED = "comma-separated items, each N, 'all' or start:end[:step] (ints >= 0, end included)"
-
-
-def is_uint(text: str) -> bool:
-    """ASCII digits only: str.isdigit() also accepts '²' or '٣', which int() refuses or reads otherwise."""
-    return text.isascii() and text.isdigit()
-
-
-def parse_layer_items(text: str, flag: str = "--layers") -> list:
-    """The one --layers syntax of `apply` and `eval`: comma-separated items, each an int N >= 0, 'all',
-    or a range start:end[:step] with the END INCLUDED -> the flat list of ints and 'all' it names.
-
-    What the ints mean is the command's business (apply: layer indices; eval: sweep points). An
-    empty item ('1,' or '1,,2') is an error, so '1,' cannot silently mean something else than '1'.
-    """
-    text = str(text).strip()
-    if not text:
-        raise ConfigError(f"{flag}: empty; allowed: {_ITEMS_ALLOWED}")
-    items: list = []
-    for part in (p.strip() for p in text.split(",")):
-        if not part:
-            raise ConfigError(f"{flag}: got {text!r} with an empty item (a stray comma); allowed: {_ITEMS_ALLOWED}")
-        if part == "all":
-            items.append("all")
-        elif ":" in part:
-            bits = [b.strip() for b in part.split(":")]
-            if len(bits) not in (2, 3) or not all(map(is_uint, bits)):
-                raise ConfigError(f"{flag}: bad range {part!r}; allowed: start:end or start:end:step, ints >= 0 "
-                                  "(end included)")
-            start, end, step = int(bits[0]), int(bits[1]), int(bits[2]) if len(bits) == 3 else 1
-            if step < 1 or end < start:
-                raise ConfigError(f"{flag}: bad range {part!r}; need start <= end and step >= 1 (end included)")
-            items.extend(range(start, end + 1, step))
-        elif is_uint(part):
-            items.append(int(part))
-        else:
-            raise ConfigError(f"{flag}: got {text!r}; allowed: {_ITEMS_ALLOWED}")
-    return items
 
 
 def select_layers(layers, num_layers: int) -> list[int]:

@@ -8,94 +8,51 @@ from urllib.parse import urlparse
 
 import torch
 
-from .config import CONFIG_FILE, PatchConfig, as_config, bundled_configs, check_runnable, load_config
+from .config import CONFIG_FILE, LoadSpec, PatchConfig, bundled_configs, check_runnable
 from .errors import ConfigError, LongpatchError
 from .patching import REPORT_ATTR, patch_model, unpatch_model
+from .specs import model_config, resolve
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 TINY_PREFIX = "tiny:"
 DEMO = "demo"  # the shipped offline demo model (longpatch.assets.demo_model_path())
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                "pytorch_model.bin.index.json")
 
 
-def resolve_model_config(name: str, trust_remote_code: bool = False) -> PatchConfig:
-    """A model argument as the CLI takes it -> PatchConfig with the loading fields filled.
-
-    A bundled alias (see `longpatch list`) brings its YAML (hub id, dtype, trust_remote_code, method);
-    a directory saved by `apply --save` brings its longpatch.yaml; anything else is a hub id or path
-    with exact attention, and remote code runs only when trust_remote_code is given explicitly.
-    """
-    if name in bundled_configs():
-        return load_config(name)
-    if (Path(name) / CONFIG_FILE).is_file():
-        return saved_config(name)
-    return PatchConfig(model=name, trust_remote_code=trust_remote_code)
-
-
-def saved_config(path: str | Path) -> PatchConfig:
-    """The config of a directory written by `apply --save`: its longpatch.yaml, loading the weights saved
-    beside it (the yaml's `model` records where they came from, not what to load: weights that are gone
-    are an error, never silently the original or random weights)."""
-    cfg = load_config(path)
-    if not any((Path(path) / f).is_file() for f in WEIGHT_FILES):
-        raise LongpatchError(f"model: {Path(path) / WEIGHT_FILES[0]} is missing (and so are "
-                             f"{', '.join(WEIGHT_FILES[1:])}): {path} has a {CONFIG_FILE} but not the weights "
-                             f"`apply --save` wrote beside it; save it again, or load the original with "
-                             f"--model {cfg.model or '<model>'} --config {Path(path) / CONFIG_FILE}")
-    return cfg.replace(model=str(path))
-
-
-def build_config(model: str, config: str | None = None, method: str | None = None, layers=None,
-                 sets: list[str] = (), trust_remote_code: bool = False) -> PatchConfig:
-    """Merge the CLI's --model, --config, --method, --layers and --set into one PatchConfig.
-
-    The model argument brings the loading fields (and, for an alias, its method); --config replaces
-    method/params/layers; --method switches method (dropping the old method's params); --layers and
-    --set override last.
-    """
-    cfg = resolve_model_config(model, trust_remote_code)
-    if config:
-        file_cfg = load_config(config)
-        cfg = file_cfg.replace(model=cfg.model, trust_remote_code=cfg.trust_remote_code or file_cfg.trust_remote_code)
-    if method and method != cfg.method:
-        cfg = cfg.replace(method=method, params={})
-    if layers is not None:
-        cfg = cfg.replace(layers=layers)
-    cfg = cfg.with_overrides(list(sets)) if sets else cfg
-    check_runnable(cfg)
-    return cfg
-
-
-def load_model(model: "str | PatchConfig | dict", **overrides):
+def load_model(model: "str | LoadSpec | dict", **overrides):
     """Load a model, unpatched: `model, tokenizer = longpatch.load_model("tiny:llama")`.
 
     model: what `--model` takes (a bundled alias, a hub id, a local model directory, a directory saved
-        by `longpatch apply --save`, "demo", or tiny:<family>), or a PatchConfig / dict whose loading
-        fields (model, dtype, trust_remote_code, attn_implementation) say what to load.
-    overrides: PatchConfig fields to change first, e.g. dtype="bfloat16", trust_remote_code=True.
+        by `longpatch apply --save`, "demo", or tiny:<family>), or a LoadSpec / dict of its keys.
+    overrides: LoadSpec fields to change first, e.g. dtype="bfloat16", trust_remote_code=True.
     Returns (model in eval mode, its tokenizer or None: tiny models have none, and some remote-code
     tokenizers fail on current transformers). Patch it with patch_model(model, cfg) afterwards.
     """
-    cfg = resolve_model_config(model) if isinstance(model, str) else as_config(model)
+    if isinstance(model, str):
+        load = LoadSpec.from_dict(model_config(model).load)
+    elif isinstance(model, dict):
+        load = LoadSpec.from_dict(model)
+    elif isinstance(model, LoadSpec):
+        load = model
+    else:
+        raise ConfigError(f"model: got a {type(model).__name__}; allowed: a model name or path, a LoadSpec or a dict")
     if overrides:
-        cfg = cfg.replace(**overrides)
-    check_runnable(cfg)
-    if not cfg.model:
+        load = load.replace(**overrides)
+    check_runnable(load)
+    if not load.model:
         raise ConfigError("model: no model given; allowed: a bundled alias, a hub id, a local path or tiny:<family>")
-    if cfg.model == DEMO:
+    if load.model == DEMO:
         from .assets import demo_model_path
-        cfg = cfg.replace(model=str(demo_model_path()))
-    if cfg.model.startswith(TINY_PREFIX):
+        load = load.replace(model=str(demo_model_path()))
+    if load.model.startswith(TINY_PREFIX):
         from .testing.tiny import tiny_model
-        dtype = _DTYPES.get(cfg.dtype, torch.float32)
-        model = tiny_model(cfg.model[len(TINY_PREFIX):], attn_implementation=cfg.attn_implementation or "sdpa",
+        dtype = _DTYPES.get(load.dtype, torch.float32)
+        model = tiny_model(load.model[len(TINY_PREFIX):], attn_implementation=load.attn_implementation or "sdpa",
                            dtype=dtype)
         return model, None
-    return _load_hf(cfg)
+    return _load_hf(load)
 
 
-def _load_hf(cfg: PatchConfig):
+def _load_hf(cfg: LoadSpec):
     from huggingface_hub.utils import logging as hub_logging
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -247,9 +204,9 @@ def check_save_target(out_dir: str | Path) -> Path:
     return out
 
 
-def save_patch(model, cfg: PatchConfig, out_dir: str | Path, tokenizer=None) -> Path:
+def save_patch(model, cfg: PatchConfig, out_dir: str | Path, tokenizer=None, load: LoadSpec | None = None) -> Path:
     """Write the model (save_pretrained: config.json + safetensors weights, without the patch's buffers),
-    its tokenizer when given, and longpatch.yaml into out_dir.
+    its tokenizer when given, and longpatch.yaml (the patch, and how the model was loaded: `load`) into out_dir.
 
     Plain `AutoModelForCausalLM.from_pretrained(out_dir)` loads the unpatched model; longpatch's loader
     (from_pretrained, --model out_dir) loads it and re-applies the patch. Everything is written into a
@@ -276,7 +233,7 @@ def save_patch(model, cfg: PatchConfig, out_dir: str | Path, tokenizer=None) -> 
         (tmp / CONFIG_FILE).write_text("# written by `longpatch apply --save`; re-apply with "
                                        "longpatch.from_pretrained(DIR)\n"
                                        "# model: where the weights beside this file came from\n"
-                                       + yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+                                       + yaml.safe_dump(_saved_keys(load, cfg), sort_keys=False))
         umask = os.umask(0)
         os.umask(umask)
         tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private (0700); a saved model is an ordinary directory
@@ -305,10 +262,18 @@ def _save_unpatched(model, path: Path) -> None:
             patch_model(model, report.config)
 
 
+def _saved_keys(load: LoadSpec | None, cfg: PatchConfig) -> dict:
+    # the loading keys a later load needs (device placement and the tokenizer are the loader's choice then)
+    keys = {k: v for k, v in (load or LoadSpec()).to_dict().items() if k not in ("device_map", "tokenizer")}
+    return {**keys, **cfg.to_dict()}
+
+
 def from_pretrained(path_or_alias: str | Path, **overrides):
-    """Load the model a saved patch (or bundled alias) names, and patch it the same way."""
-    cfg = saved_config(path_or_alias) if Path(path_or_alias).is_dir() else load_config(path_or_alias)
-    if overrides:
-        cfg = cfg.replace(**overrides)
-    model, _ = load_model(cfg)
-    return patch_model(model, cfg)
+    """Load the model a saved patch (or bundled alias) names, and patch it the same way. overrides: LoadSpec
+    or PatchConfig keys, e.g. dtype="bfloat16", layers=4."""
+    if str(path_or_alias) not in bundled_configs() and not (Path(path_or_alias) / CONFIG_FILE).is_file():
+        raise ConfigError(f"from_pretrained: {path_or_alias} is neither a bundled alias nor a directory saved by "
+                          f"`longpatch apply --save` (no {CONFIG_FILE}); load other models with load_model")
+    spec = resolve(str(path_or_alias), None, sets=list(overrides.items()))
+    model, _ = load_model(spec.load)
+    return patch_model(model, spec.patch)

@@ -85,7 +85,7 @@ def patch_model(model, cfg: "PatchConfig | dict | str | Path", *, timed: bool = 
     Patching an already patched model is an error: call unpatch_model first.
     """
     cfg = as_config(cfg)
-    check_runnable(cfg)
+    check_runnable(None, [cfg])
     if getattr(model, REPORT_ATTR, None) is not None:
         raise ConfigError("model is already patched by longpatch (see model.longpatch); "
                           "call unpatch_model(model) first")

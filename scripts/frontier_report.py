@@ -87,8 +87,8 @@ def main(argv=None) -> int:
                  f"{r['ttft_s']:.2f}" if r["ttft_s"] else "–",
                  f"{r['prefill_speedup']:.2f}×" if r["prefill_speedup"] else "–"] for r in rows], left=("config",))
     out = Path(a.out)
-    write_json(out / "results.json", {"needles": a.needles, "generate": a.generate, "context": a.context,
-                                      "layers": a.layers}, rows)
+    write_json(out / "results.json", {"meta": {"needles": a.needles, "generate": a.generate, "context": a.context,
+                                               "layers": a.layers}, "rows": rows})
     fig, ax = figure(1, 1, (6, 4.2))
     ax = ax[0][0]
     shown = [r for r in rows if r["prefill_speedup"] is not None and r["kept_share"] is not None]

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import yaml
 
-from longpatch.config import load_config
+from longpatch.config import load_config, read_config
 from longpatch.errors import ConfigError, LongpatchError
 from longpatch.eval.needle_run import MIN_LENGTH, needle
 from longpatch.eval.records import removed_on_failure
@@ -69,7 +69,8 @@ def write_configs(out: Path) -> dict[str, Path]:
     folder.mkdir(parents=True, exist_ok=True)
     paths = {}
     for name, (base, changes) in VARIANTS.items():
-        data = load_config(base).to_dict()
+        file = read_config(base)  # both halves: the demo's loading keys (dtype) stay as they were
+        data = {**file.load, **file.patch.to_dict()}
         data["params"] = {**data["params"], **changes}
         data["layers"] = "all"
         path = folder / (name.replace(" ", "-") + ".yaml")

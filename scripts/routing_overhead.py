@@ -19,7 +19,6 @@ import torch
 
 from longpatch import load_model, patch_model, unpatch_model
 from longpatch.bench.common import machine_meta, show_table
-from longpatch.config import PatchConfig
 from longpatch.outdir import write_json
 
 
@@ -34,7 +33,7 @@ def main(argv=None) -> int:
         if getattr(a, name) < 1:
             print(f"routing_overhead: error: --{name}: got {getattr(a, name)}; allowed: an int >= 1", file=sys.stderr)
             return 2
-    model, _ = load_model(PatchConfig(model=a.model, method="exact"))
+    model, _ = load_model(a.model)
     vocab = model.get_input_embeddings().num_embeddings
     ids = torch.randint(0, vocab, (1, a.n), generator=torch.Generator().manual_seed(0))
     cfg = {"method": "exact", "layers": "all"}

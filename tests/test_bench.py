@@ -75,7 +75,7 @@ def test_bench_cli_writes_json_and_plot(tmp_path, one_thread):
 
     r = CliRunner().invoke(cli.app, ["bench", "attention", "--methods", "exact,moba", "--seq-lens", "128",
                                      "--mode", "causal", "--repeats", "1", "--no-memory", "--threads", "1",
-                                     "--set", "moba.chunk_size=32", "--set", "moba.topk=2", "--out", str(tmp_path)])
+                                     "--set", "chunk_size=32", "--set", "topk=2", "--out", str(tmp_path)])
     assert r.exit_code == 0, (r.output, r.exception)
     rows = json.loads((tmp_path / "attention_bench.json").read_text())["rows"]
     assert [(x["method"], x["mem_mb"], x["params"]["chunk_size"] if x["method"] == "moba" else None) for x in rows] \

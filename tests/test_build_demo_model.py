@@ -1,7 +1,9 @@
-"""The demo-model builder's parts (scripts/build_demo_model.py): phases, the training samples, the
-retrieval probes and the model it builds. The full build is hours of CPU and is not run here."""
-import importlib.util
+"""The demo-model builder's parts (scripts/demo_model/, run by scripts/build_demo_model.py): phases, the
+training samples, the retrieval probes and the model it builds. The full build is hours of CPU and is not
+run here."""
 import random
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -11,72 +13,80 @@ import torch
 import longpatch
 
 ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "scripts"
+if str(SCRIPTS) not in sys.path:  # scripts/ is no package: its builder and command line import from there
+    sys.path.insert(0, str(SCRIPTS))
+
+import build_demo_model as cli  # noqa: E402
+from demo_model.data import Mixer  # noqa: E402
+from demo_model.model import make_model, parse_rope_scaling, save_served, serve_config  # noqa: E402
+from demo_model.recipe import RECIPE, lr_factor, parse_phases, parse_recipe  # noqa: E402
+from demo_model.report import repeat_probe  # noqa: E402
+from demo_model.train import retrieval_accuracy  # noqa: E402
+
+# The command line's flags, in --help's order, as they were before the builder was split into modules.
+FLAGS = ["-h", "--help", "--out", "--ckpt", "--ckpt-minutes", "--seed", "--vocab", "--phases", "--lr", "--rope-theta",
+         "--rope-scaling", "--serve-rope-factor", "--synth-span", "--synth-vocab", "--eval-every", "--eval-lengths",
+         "--stop-after", "--export", "--threads", "--report", "--report-templates", "--report-lengths",
+         "--report-depths", "--report-trials", "--report-work"]
 
 
 @pytest.fixture(scope="module")
-def build():
-    spec = importlib.util.spec_from_file_location("build_demo_model", ROOT / "scripts" / "build_demo_model.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["build_demo_model"] = mod  # dataclasses look their module up by name
-    spec.loader.exec_module(mod)
-    return mod
-
-
-@pytest.fixture(scope="module")
-def mixer(build):
+def mixer():
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(longpatch.demo_model_path())
     text = "\n".join(longpatch.assets.eval_documents()[:3])
     stream = torch.tensor(tok(text)["input_ids"], dtype=torch.long)
-    return build.Mixer(tok, stream)
+    return Mixer(tok, stream)
 
 
-def test_phases_parse_and_reject_bad_specs(build):
-    assert build.parse_phases("32x128:400:synthr,1024x8:700") == [(32, 128, 400, "synthr"), (1024, 8, 700, "mix")]
-    stages = build.parse_recipe(build.RECIPE)
+def test_phases_parse_and_reject_bad_specs():
+    assert parse_phases("32x128:400:synthr,1024x8:700") == [(32, 128, 400, "synthr"), (1024, 8, 700, "mix")]
+    assert parse_phases("64x2:10")[0].steps == 10 and parse_phases("64x2:10")[0].mix == "mix"
+    stages = parse_recipe(RECIPE)
     assert len(stages) == 5 and stages[0][0] == (32, 128, 400, "synthr") and stages[-1][-1] == (32768, 1, 20, "mixk")
     for bad in ("32x128", "32:400", "0x8:10", "32x8:10:copy", "32x8:10:mix:x", "axb:1"):
         with pytest.raises(SystemExit, match="--phases: bad phase"):
-            build.parse_phases(bad)
+            parse_phases(bad)
 
 
-def test_bad_options_fail_in_one_message_before_any_work(build, tmp_path):
-    assert build.parse_rope_scaling("none") == {}
-    assert build.parse_rope_scaling("yarn:4:8192") == {"rope_type": "yarn", "factor": 4.0,
+def test_bad_options_fail_in_one_message_before_any_work(tmp_path):
+    assert parse_rope_scaling("none") == {}
+    assert parse_rope_scaling("yarn:4:8192") == {"rope_type": "yarn", "factor": 4.0,
                                                        "original_max_position_embeddings": 8192}
     for bad in ("foo", "yarn:x:8192", "yarn:4", "linear:4:8192", "yarn:0.5:8192", "yarn:4:8192:1"):
         with pytest.raises(SystemExit, match="--rope-scaling: got"):
-            build.parse_rope_scaling(bad)
+            parse_rope_scaling(bad)
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     common = ["--ckpt", str(ckpt), "--out", str(out), "--report-work", str(tmp_path / "work")]
     for argv, message in ((["--phases", "bad:1"], "--phases: bad phase"), (["--rope-scaling", "foo"], "--rope-scaling"),
                           (["--report"], "has no training.json")):
         with pytest.raises(SystemExit, match=message):
-            build.main(common + argv)
+            cli.main(common + argv)
     out.mkdir()
     (out / "training.json").write_text("{}")
     with pytest.raises(SystemExit, match="--report: --template: 'nope'"):
-        build.main(common + ["--report", "--report-templates", "nope"])
+        cli.main(common + ["--report", "--report-templates", "nope"])
     assert not ckpt.exists() and not (tmp_path / "work").exists()
 
 
-def test_stages_restart_the_schedule_without_changing_earlier_steps(build):
-    one = build.parse_recipe("32x8:100:synthr,64x4:100")
-    two = build.parse_recipe("32x8:100:synthr,64x4:100|128x2:200:ngram")
+def test_stages_restart_the_schedule_without_changing_earlier_steps():
+    one = parse_recipe("32x8:100:synthr,64x4:100")
+    two = parse_recipe("32x8:100:synthr,64x4:100|128x2:200:ngram")
     assert two[0] == one[0] and two[1] == [(128, 2, 200, "ngram")]
     # the first stage's schedule (warm-up, constant, cosine to 0.1x over its last 15%) is untouched
-    assert [build.lr_factor(s, two) for s in range(200)] == [build.lr_factor(s, one) for s in range(200)]
-    assert build.lr_factor(0, one) == pytest.approx(1 / 50) and build.lr_factor(100, one) == 1.0
-    assert build.lr_factor(199, one) == pytest.approx(0.1, abs=0.01)
+    assert [lr_factor(s, two) for s in range(200)] == [lr_factor(s, one) for s in range(200)]
+    assert lr_factor(0, one) == pytest.approx(1 / 50) and lr_factor(100, one) == 1.0
+    assert lr_factor(199, one) == pytest.approx(0.1, abs=0.01)
     # the appended stage warms up again from its own first step and decays to 0.1x at its end
-    assert build.lr_factor(200, two) == pytest.approx(1 / 50) and build.lr_factor(300, two) == 1.0
-    assert build.lr_factor(399, two) == pytest.approx(0.1, abs=0.01)
+    assert lr_factor(200, two) == pytest.approx(1 / 50) and lr_factor(300, two) == 1.0
+    assert lr_factor(399, two) == pytest.approx(0.1, abs=0.01)
     with pytest.raises(SystemExit, match="--phases: bad phase"):
-        build.parse_recipe("32x8:100|")
+        parse_recipe("32x8:100|")
 
 
-def test_ngram_copy_samples_need_more_than_one_token_to_match(mixer, build):
+def test_ngram_copy_samples_need_more_than_one_token_to_match(mixer):
     """Over a small alphabet each token recurs, so the token before a copied one also occurs at many
     places that are not the copy's source: one-token matching cannot tell where to copy from."""
     s = mixer.synthetic(random.Random(2), 512, "random", alphabet=64)
@@ -160,34 +170,34 @@ def test_samples_are_a_function_of_the_seed(mixer):
     assert draw(11) != draw(12)
 
 
-def test_built_model_loads_with_plain_transformers_and_its_probes_run(build, mixer, tmp_path):
+def test_built_model_loads_with_plain_transformers_and_its_probes_run(mixer, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    model = build.make_model(len(mixer.tok), 0, 1e6, "yarn:4:8192")
+    model = make_model(len(mixer.tok), 0, 1e6, "yarn:4:8192")
     model.save_pretrained(tmp_path)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     cfg = loaded.config
     assert cfg.max_position_embeddings >= 32768 and cfg.head_dim == 64
     assert cfg.num_key_value_heads < cfg.num_attention_heads
     assert cfg.rope_parameters["rope_type"] == "yarn" and cfg.rope_parameters["factor"] == 4.0
-    report = build.repeat_probe(loaded, mixer.stream, lengths=(64,), windows=1)
+    report = repeat_probe(loaded, mixer.stream, lengths=(64,), windows=1)
     r = report["64"]
     assert r["ratio"] == pytest.approx(r["second"] / r["first"], rel=1e-3)
     # random weights do not copy: the second copy is about as hard as the first
     assert 0.8 < r["ratio"] < 1.2
-    acc = build.retrieval_accuracy(loaded, mixer, 128, "synth", trials=2)
+    acc = retrieval_accuracy(loaded, mixer, 128, "synth", trials=2)
     assert 0.0 <= acc <= 0.2
 
 
-def test_served_rope_stretches_the_slow_dimensions_only(build, mixer, tmp_path):
+def test_served_rope_stretches_the_slow_dimensions_only(mixer, tmp_path):
     """serve_config: YaRN factor 16 over the trained 4 keeps the fast RoPE dimensions and the trained
     attention factor, and turns the slowest dimensions at 32k tokens as far as training did at 8k."""
     import math
 
     from transformers import AutoModelForCausalLM
 
-    model = build.make_model(len(mixer.tok), 0, 1e6, "yarn:4:8192")
-    rope, max_pos = build.serve_config(model.config, 16)
+    model = make_model(len(mixer.tok), 0, 1e6, "yarn:4:8192")
+    rope, max_pos = serve_config(model.config, 16)
     assert rope["factor"] == 16.0 and max_pos == 16 * 8192
     assert rope["attention_factor"] == pytest.approx(0.1 * math.log(4) + 1)
     model.save_pretrained(tmp_path)
@@ -200,22 +210,35 @@ def test_served_rope_stretches_the_slow_dimensions_only(build, mixer, tmp_path):
     assert torch.allclose(f_s[-8:] * 32768, f_t[-8:] * 8192)  # slowest: 32k served == 8k trained
     assert torch.all(f_s <= f_t)
     with pytest.raises(SystemExit, match="trained YaRN factor 4"):
-        build.serve_config(model.config, 2)
+        serve_config(model.config, 2)
     with pytest.raises(SystemExit, match="rope_type 'default'"):
-        build.serve_config(build.make_model(len(mixer.tok), 0, 1e6, "none").config, 16)
+        serve_config(make_model(len(mixer.tok), 0, 1e6, "none").config, 16)
 
 
-def test_export_and_finish_write_the_served_rope(build, mixer, tmp_path):
+def test_export_and_finish_write_the_served_rope(mixer, tmp_path):
     """save_served (used by --export and by the finished build): config.json carries the served YaRN
     factor, the reloaded model uses it, and factor 0 writes the model as trained."""
     import json
 
-    model = build.make_model(len(mixer.tok), 0, 1e6, "yarn:4:8192")
-    served = build.save_served(model, mixer.tok, tmp_path / "served", 16, lambda msg: None)
+    model = make_model(len(mixer.tok), 0, 1e6, "yarn:4:8192")
+    served = save_served(model, mixer.tok, tmp_path / "served", 16, lambda msg: None)
     written = json.loads((tmp_path / "served" / "config.json").read_text())
     assert written["rope_parameters"]["factor"] == 16.0 and written["max_position_embeddings"] == 16 * 8192
     assert served.config.rope_parameters["factor"] == 16.0
     assert (tmp_path / "served" / "tokenizer.json").is_file()
-    as_trained = build.save_served(model, mixer.tok, tmp_path / "trained", 0, lambda msg: None)
+    as_trained = save_served(model, mixer.tok, tmp_path / "trained", 0, lambda msg: None)
     assert as_trained is model
     assert json.loads((tmp_path / "trained" / "config.json").read_text())["rope_parameters"]["factor"] == 4.0
+
+
+def test_command_line_help_runs_as_a_file_and_lists_the_same_flags(tmp_path):
+    """`python scripts/build_demo_model.py --help` from any directory: the entry finds its package beside
+    it, and offers the flags it offered before the split."""
+    res = subprocess.run([sys.executable, str(SCRIPTS / "build_demo_model.py"), "--help"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    options = re.split(r"\n(?:options|optional arguments):\n", res.stdout)[-1]
+    lines = re.finditer(r"^  (-[\w-]+)(?: [A-Z_]+)?(?:, (--[\w-]+))?", options, re.M)  # '-h, --help', '--out OUT'
+    flags = [f for m in lines for f in m.groups() if f]
+    assert flags == FLAGS
+    assert [a.option_strings for a in cli.parser()._actions] == [FLAGS[:2]] + [[f] for f in FLAGS[2:]]

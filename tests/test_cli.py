@@ -39,7 +39,7 @@ def test_apply_save_and_reapply(tmp_path, monkeypatch, capsys):
     saved = sorted(p.name for p in target.iterdir())
     model = longpatch.from_pretrained(target)
     assert longpatch.patched_layers(model) == [1, 3] and model.longpatch.config.min_seq_len == 32
-    assert longpatch.load_config(target).model == "tiny:llama"
+    assert longpatch.read_config(target).load["model"] == "tiny:llama"
     # saving over a non-empty directory fails and leaves it untouched
     code, _, err = run(["apply", "--model", "tiny:llama", "--layers", "1", "--method", "exact", "--save", str(target)],
                        monkeypatch, capsys)

@@ -217,7 +217,7 @@ def test_reused_out_computes_speedups_within_one_run_only(tmp_path):
     data = write_jsonl(tmp_path / "lcc.jsonl", [record("d0", "abcdefgh" * 20)])
     out = tmp_path / "out"
     assert invoke(*EVAL, "--seq-len", "64", "--data", str(data), "--out", str(out), "--layers", "0").exit_code == 0
-    r = invoke(*EVAL, "--seq-len", "64", "--data", str(data), "--out", str(out), "--layers", "0,2")
+    r = invoke(*EVAL, "--seq-len", "64", "--data", str(data), "--out", str(out), "--layer-counts", "0,2")
     assert r.exit_code == 0, r.output
     results = json.loads((out / "results.json").read_text())
     two = next(c for c in results["configs"] if c["layers"] == 2)["all"]
@@ -262,7 +262,7 @@ def test_apply_layers_share_one_parser_with_ranges_and_no_trailing_comma():
     r = invoke("apply", "--model", "tiny:llama", "--method", "exact", "--layers", "1:2")
     assert r.exit_code == 0 and "patched 2 of 4 layers" in r.stdout
     assert_one_line_error(invoke("apply", "--model", "tiny:llama", "--layers", "1,"), "--layers", "'1,'", "empty item")
-    assert_one_line_error(invoke(*EVAL, "--layers", "1,", "--data", "x"), "--layers", "empty item")
+    assert_one_line_error(invoke(*EVAL, "--layer-counts", "1,", "--data", "x"), "--layer-counts", "empty item")
 
 
 @pytest.mark.parametrize("command", ["needle", "longbench"])
@@ -367,11 +367,15 @@ def test_bench_bad_sizes_name_their_flag(tmp_path, no_work, which, flag, value):
 
 
 @pytest.mark.parametrize("which", ["attention", "decode"])
-def test_bench_set_for_a_method_not_benchmarked_is_an_error(tmp_path, no_work, which):
+def test_bench_set_names_a_param_of_a_benchmarked_method(tmp_path, no_work, which):
+    # --set has one grammar in every command: KEY=VALUE, set for each benchmarked method that has KEY
     out = tmp_path / "b"
-    for key in ("bogus.x=1", "hyper.block_size=64" if which == "decode" else "moba.topk=2"):
+    other = "block_size" if which == "decode" else "topk"  # a param of a method this bench does not run
+    for key in ("bogus=1", f"{other}=2"):
         r = invoke(*bench_argv(which, **{"--set": key, "--out": str(out)}))
-        assert_one_line_error(r, "--set", key.partition(".")[0], "allowed")
+        assert_one_line_error(r, f"--set {key.partition('=')[0]}: no benchmarked method", "allowed")
+    r = invoke(*bench_argv(which, **{"--set": "moba.topk=2", "--out": str(out)}))  # the old spelling
+    assert_one_line_error(r, "--set 'moba.topk=2'", "KEY=VALUE in every command", "--set topk=2")
     assert not out.exists()
 
 
@@ -510,7 +514,8 @@ def test_csvs_hold_json_not_python_reprs_and_name_the_exact_rows(tmp_path):
     # item 17: a CSV cell holding a dict is JSON; the 0-layer rows say method 'exact', not ''
     import csv
 
-    base = ("--model", "tiny:llama", "--tokenizer", "bytes", "--method", "moba", "--layers", "0,1", "--no-progress")
+    base = ("--model", "tiny:llama", "--tokenizer", "bytes", "--method", "moba", "--layer-counts", "0,1",
+            "--no-progress")
     for command in ("needle", "longbench", "ppl"):
         out = tmp_path / command
         r = invoke("eval", command, *base, "--out", str(out), *_GEN_ARGS[command])
@@ -536,10 +541,10 @@ def test_a_method_that_is_exact_for_the_whole_run_is_said_once(tmp_path, caplog)
         assert r.exit_code == 0, (r.output, r.exception)
         return [m for m in caplog.messages if "exact attention at every length" in m]
 
-    lines = said("ppl", "--layers", "0,1,2")  # one line for the run, not one per layer count
+    lines = said("ppl", "--layer-counts", "0,1,2")  # one line for the run, not one per layer count
     assert len(lines) == 1 and "\n" not in lines[0], lines
     assert lines[0].startswith("longpatch: moba (chunk_size=2048, topk=4") and "up to 64 tokens" in lines[0]
-    assert len(said("needle", "--layers", "0,1,2")) == 1  # its prefills and decode steps are all exact
+    assert len(said("needle", "--layer-counts", "0,1,2")) == 1  # its prefills and decode steps are all exact
     # 8-token chunks: 8 chunks at 64 tokens, 32 at 256 and more: top-4 approximates
-    assert said("ppl", "--layers", "0,1", "--set", "chunk_size=8") == []
-    assert said("needle", "--layers", "0,1", "--set", "chunk_size=8") == []
+    assert said("ppl", "--layer-counts", "0,1", "--set", "chunk_size=8") == []
+    assert said("needle", "--layer-counts", "0,1", "--set", "chunk_size=8") == []

@@ -2,7 +2,7 @@ import pytest
 
 import longpatch
 from longpatch import ConfigError, PatchConfig, load_config
-from longpatch.config import select_layers
+from longpatch.config import LoadSpec, read_config, select_layers, split_config
 
 
 def test_defaults_and_minimal_forms():
@@ -29,7 +29,7 @@ def test_defaults_and_minimal_forms():
 def test_bad_values_name_key_value_and_allowed(data, key):
     import helpers  # noqa: F401  (registers the probe method)
     with pytest.raises(ConfigError) as e:
-        PatchConfig.from_dict(data)
+        split_config(data)  # a config's two halves: the patch and the loading keys, each checked
     msg = str(e.value)
     assert msg.startswith(key) and "allowed" in msg and "\n" not in msg
     assert isinstance(e.value, ValueError)
@@ -55,8 +55,23 @@ def test_yaml_file_alias_and_overrides(tmp_path):
     assert cfg.with_overrides(["layers=all", "min_seq_len=8"]).layers == "all"
     with pytest.raises(ConfigError, match="unknown key"):
         cfg.with_overrides(["bogus=1"])
-    alias = load_config("chatglm2-6b-32k")
-    assert alias.model == "THUDM/chatglm2-6b-32k" and alias.layers == 20 and alias.trust_remote_code
+    alias = read_config("chatglm2-6b-32k")
+    assert alias.patch == load_config("chatglm2-6b-32k") and alias.patch.layers == 20
+    assert alias.load == {"model": "THUDM/chatglm2-6b-32k", "trust_remote_code": True, "dtype": "bfloat16"}
+
+
+def test_patch_and_load_specs_apart():
+    with pytest.raises(ConfigError, match="^dtype: a loading key .*load_model"):
+        PatchConfig.from_dict({"method": "exact", "dtype": "float32"})
+    with pytest.raises(ConfigError, match="^layers: unknown config key"):
+        LoadSpec.from_dict({"model": "x", "layers": 2})
+    with pytest.raises(ConfigError, match="^device_map: got 'cuda'; allowed: auto"):
+        LoadSpec(model="x", device_map="cuda")
+    both = split_config({"model": "demo", "dtype": "float32", "method": "moba", "layers": 2})
+    assert both.load == {"model": "demo", "dtype": "float32"} and both.patch == PatchConfig("moba", layers=2)
+    # a dict given to patch_model is read like a YAML file: its loading keys are checked, then left out
+    from longpatch.config import as_config
+    assert as_config({"model": "demo", "method": "moba"}) == PatchConfig("moba")
 
 
 def test_yaml_errors(tmp_path):

@@ -92,7 +92,7 @@ def test_demo_job_reports_retrieval_beside_perplexity(tmp_path):
     import json
 
     from longpatch.eval.demo import run_demo
-    s = run_demo(layers="0,4", max_docs=1, out=str(tmp_path), progress=False, needle_length=512, needle_trials=1)
+    s = run_demo(layer_counts="0,4", max_docs=1, out=str(tmp_path), progress=False, needle_length=512, needle_trials=1)
     assert s["needle"]["length"] == 512 and len(s["needle"]["depths"]) == 5
     assert {r["config"] for r in s["rows"]} == set(demo_configs())
     assert all(0 <= r["needle_accuracy"] <= 1 for r in s["rows"])

@@ -135,7 +135,7 @@ def _preds(out: Path) -> dict:
 
 # short generations (the metric does not matter here, the determinism does); the patched layers run
 # their method on the 300-token prompts (min_seq_len lowered)
-DEMO = ["--model", "demo", "--data", "demo", "--config", "demo", "--layers", "0,4", "--max-samples", "2",
+DEMO = ["--model", "demo", "--data", "demo", "--config", "demo", "--layer-counts", "0,4", "--max-samples", "2",
         "--max-length", "300", "--set", "params.min_seq_len=128", "--max-new-tokens", "6", "--no-progress"]
 
 
@@ -234,6 +234,20 @@ def test_every_metric_end_to_end(tmp_path):
                                                rows[0]["all_classes"])
     records = {x["task"]: x for x in map(json.loads, (out / "records.jsonl").open())}
     assert records["samsum"]["new_tokens"] >= 1 and all(x["new_tokens"] <= 8 for x in records.values())
+
+
+def test_missing_tasks_as_eval_ppl_treats_subsets(tmp_path, caplog):
+    # a category or 'all' runs the tasks the data has (and says which it lacks); a task named by itself
+    # that the data lacks is an error: the rule eval ppl applies to its subsets
+    data = _write_dir(tmp_path / "lb", {"lcc": EVERY_METRIC["lcc"]})
+    base = ("--model", "demo", "--method", "exact", "--layers", "0", "--data", str(data), "--max-length", "64",
+            "--max-new-tokens", "2", "--no-progress")
+    with caplog.at_level("WARNING", logger="longpatch"):
+        r = _cli(*base, "--tasks", "code", "--out", str(tmp_path / "a"))
+    assert r.exit_code == 0, (r.output, r.exception)
+    assert any("lacks 1 of the requested tasks (repobench-p); evaluating the 1 present" in m for m in caplog.messages)
+    r = _cli(*base, "--tasks", "lcc,repobench-p", "--out", str(tmp_path / "b"))
+    assert r.exit_code == 2 and "has no subset repobench-p" in r.stderr
 
 
 def test_longbench_e_buckets(tmp_path):

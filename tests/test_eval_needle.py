@@ -143,7 +143,7 @@ def _needle(*argv):
 @pytest.fixture(scope="module")
 def grid_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("needle") / "run"
-    r = _needle(*GRID, "--config", "demo,demo-moba", "--layers", "0,4", "--out", str(out))
+    r = _needle(*GRID, "--config", "demo,demo-moba", "--layer-counts", "0,4", "--out", str(out))
     assert r.exit_code == 0, (r.output, r.exception)
     return out
 
@@ -184,7 +184,7 @@ def test_cli_writes_results_csv_and_heatmaps(grid_run):
 def test_cli_resume_generates_nothing_new(grid_run):
     lines = (grid_run / "records.jsonl").read_text().splitlines()
     before = json.loads((grid_run / "results.json").read_text())["records"]
-    r = _needle(*GRID, "--config", "demo,demo-moba", "--layers", "0,4", "--out", str(grid_run))
+    r = _needle(*GRID, "--config", "demo,demo-moba", "--layer-counts", "0,4", "--out", str(grid_run))
     assert r.exit_code == 0, (r.output, r.exception)
     assert (grid_run / "records.jsonl").read_text().splitlines() == lines
     assert json.loads((grid_run / "results.json").read_text())["records"] == before

@@ -23,7 +23,7 @@ from longpatch.eval.perplexity import run_eval_ppl
 from longpatch.eval.plan import digest
 from longpatch.eval.records import read_records
 from longpatch.eval.scoring import final_hidden_states, model_logits, token_nll
-from longpatch.eval.sweep import parse_layer_sweep
+from longpatch.eval.sweep import RunSpec
 from longpatch.methods.base import _METHODS, Method, register_method
 from longpatch.testing.tiny import tiny_model
 
@@ -56,16 +56,22 @@ def kept_ids():
     return [(s, d, torch.tensor(list(ctx[(s, d)].encode())[:SEQ])) for s in KEPT for d in KEPT[s]]
 
 
-def test_parse_layer_sweep():
-    assert parse_layer_sweep("20") == [20]
-    assert parse_layer_sweep("0,4,8") == [0, 4, 8]
-    assert parse_layer_sweep("0:28:4") == [0, 4, 8, 12, 16, 20, 24, 28]  # end included: Figure 3's axis
-    assert parse_layer_sweep("2:4") == [2, 3, 4]
-    assert parse_layer_sweep("0,all,0") == [0, "all"]
-    assert parse_layer_sweep(None) == [None] and parse_layer_sweep(3) == [3]
+def test_layer_sweep():
+    def sweep(counts):
+        return RunSpec(layer_counts=counts).sweep()
+
+    assert sweep("20") == [20]
+    assert sweep("0,4,8") == [0, 4, 8]
+    assert sweep("0:28:4") == [0, 4, 8, 12, 16, 20, 24, 28]  # end included: Figure 3's axis
+    assert sweep("2:4") == [2, 3, 4]
+    assert sweep("0,all,0") == [0, "all"]
+    assert sweep(None) == [None] and sweep(3) == [3]
+    assert RunSpec(layers="8:9").sweep() == [None]  # --layers: which layers, applied to each config
     for bad in ("-1", "4:2", "0:8:0", "a", "", "1:2:3:4", "1:x"):
-        with pytest.raises(ConfigError, match="--layers"):
-            parse_layer_sweep(bad)
+        with pytest.raises(ConfigError, match="--layer-counts"):
+            sweep(bad)
+    with pytest.raises(ConfigError, match="give one"):
+        RunSpec(layers="2", layer_counts="0,2")
 
 
 @pytest.mark.parametrize("name", ["llama", "phi", "chatglm2"])

@@ -33,6 +33,9 @@ PARAMS = {
 OP_CASES = [(m, c, hq, hk) for m in PARAMS for c in (True, False) for hq, hk in ((4, 2), (4, 1))]
 OP_CASES += [("exact", True, 4, 4), ("hyper", True, 6, 3), ("exact", False, 6, 3), ("nsa", True, 6, 3),
              ("moba_shared", True, 4, 1), ("moba_shared", False, 6, 3)]  # 6/3: uneven KV grouping
+# a query-aware selection is made per KV group too (Method.couples_heads): causal only, group spanning ranks
+PARAMS["moba_estimate"] = dict(chunk_size=32, topk=4, selection="estimate")
+OP_CASES += [("moba_estimate", True, 4, 1), ("moba_estimate", True, 6, 3)]
 
 
 def _spawn(fn, *args):
@@ -272,7 +275,7 @@ def test_eval_ppl_sequence_parallel_matches_one_process(tmp_path, monkeypatch, c
     from longpatch.eval.records import read_records
 
     data = str(write_longbench(tmp_path / "lb"))
-    common = ["eval", "ppl", "--model", "tiny:llama", "--layers", "0,2", "--method", "moba", "--set",
+    common = ["eval", "ppl", "--model", "tiny:llama", "--layer-counts", "0,2", "--method", "moba", "--set",
               "params.chunk_size=16", "--set", "params.topk=2", "--set", "min_seq_len=0", "--data", data,
               "--tokenizer", "bytes", "--seq-len", "64", "--warmup", "0", "--no-progress"]
     one, two = tmp_path / "one", tmp_path / "two"

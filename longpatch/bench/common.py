@@ -49,6 +49,32 @@ def check_options(command: str, out_dir, lens_flag: str, lens, method_params: di
     return kv_heads
 
 
+def method_params_from_sets(methods, sets) -> dict[str, dict]:
+    """The benchmarks' --set KEY=VALUE (the grammar of every command, options.parse_set): KEY (or
+    params.KEY) is a method parameter, set for each benchmarked method that has it -> {method: {param: value}}.
+    A key no benchmarked method has is an error, as is the old METHOD.PARAM spelling."""
+    from ..methods import available_methods, get_method
+    from ..options import parse_set
+
+    out: dict[str, dict] = {}
+    params = {m: set(get_method(m).params) for m in methods if m in available_methods()}
+    for pair in sets:
+        key, value = parse_set(pair)
+        head, dot, rest = key.partition(".")
+        if dot and head in available_methods():
+            raise ConfigError(f"--set {pair!r}: --set takes KEY=VALUE in every command now, e.g. --set {rest}="
+                              f"{pair.partition('=')[2]}; it applies to each benchmarked method that has {rest!r}")
+        key = rest if head == "params" and dot else key
+        owners = [m for m, names in params.items() if key in names]
+        if not owners:
+            known = ", ".join(sorted(set().union(*params.values()))) or "none"
+            raise ConfigError(f"--set {key}: no benchmarked method ({', '.join(methods)}) has this parameter; "
+                              f"allowed: {known}")
+        for m in owners:
+            out.setdefault(m, {})[key] = value
+    return out
+
+
 def _is_count(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 1
 

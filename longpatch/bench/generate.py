@@ -42,9 +42,9 @@ from ..eval.sweep import (
     generation_shapes,
     make_points,
     num_layers,
-    parse_layer_sweep,
     say_if_exact,
 )
+from ..options import parse_layer_counts
 from ..outdir import check_out, claim_out, write_csv, write_json
 from .common import figure, fmt, machine_meta, save_figure, show_table, wide_console
 
@@ -63,22 +63,9 @@ CSV_COLUMNS = ["config", "method", "layers", "context", "new_tokens", "ttft_s", 
 
 def parse_contexts(spec: "str | Sequence[int]") -> list[int]:
     """'8192,16384' or a list -> sorted distinct prompt lengths, as eval needle's --lengths (each >= 64)."""
-    from ..eval.needle_run import MIN_LENGTH, parse_lengths
+    from ..eval.needle_run import parse_lengths
 
-    try:
-        return parse_lengths(spec)
-    except ConfigError:
-        raise ConfigError(f"--contexts: got {spec!r}; allowed: comma-separated token counts >= {MIN_LENGTH}") \
-            from None
-
-
-def split_configs(config) -> list:
-    """--config 'a,b' (or a list) -> ['a', 'b']; None -> [None] (the model's own config)."""
-    if config is None:
-        return [None]
-    if isinstance(config, str):
-        return [c.strip() for c in config.split(",") if c.strip()] or [None]
-    return list(config)
+    return parse_lengths(spec, "--contexts")
 
 
 # ---- measurement ------------------------------------------------------------------------------------
@@ -236,16 +223,18 @@ def prompt_ids(tokenizer, loaded_tokenizer, model, model_name: str, texts: list[
 
 # ---- the run ----------------------------------------------------------------------------------------
 
-def run_generate_bench(model: str, config=None, layers=None, contexts="8192,16384,32768", new_tokens: int = 64,
-                       out: "str | os.PathLike" = "runs/bench_generate", *, method: str | None = None,
+def run_generate_bench(model: str, config=None, layer_counts=None, contexts="8192,16384,32768", new_tokens: int = 64,
+                       out: "str | os.PathLike" = "runs/bench_generate", *, layers=None, method: str | None = None,
                        sets: Sequence[str] = (), tokenizer=None, filler: str = "demo", repeats: int = 1,
                        warmup: int = 1, trust_remote_code: bool = False, progress: bool = True,
                        plots: bool = True, cache: str = "growing") -> dict:
     """Greedy generation after a prompt of each context length, unpatched and patched per each config
     and layer count, in one run. model: what --model takes; config: one config, 'a,b' or a list;
-    layers: a sweep as eval ppl's (None: each config's layers). Every option is checked before the model
-    is loaded; out is written only when every row is done. Returns the dict written to results.json."""
-    from ..loading import build_config, load_model
+    layer_counts: a sweep as eval ppl's (None: each config's layers); layers: which layers every config
+    replaces, instead of a sweep. Every option is checked before the model is loaded; out is written only
+    when every row is done. Returns the dict written to results.json."""
+    from ..loading import load_model
+    from ..specs import resolve
 
     ctx = parse_contexts(contexts)
     check_int("new_tokens", new_tokens, 2)
@@ -253,17 +242,20 @@ def run_generate_bench(model: str, config=None, layers=None, contexts="8192,1638
     check_int("warmup", warmup, 0)
     if cache not in CACHES:
         raise ConfigError(f"cache: got {cache!r}; allowed: {', '.join(CACHES)}")
-    sweep = parse_layer_sweep(layers)
+    if layers is not None and layer_counts is not None:
+        raise ConfigError(f"--layers {layers} and --layer-counts {layer_counts}: give one")
+    sweep = [None] if layer_counts is None else parse_layer_counts(layer_counts)
     out = check_out(Path(out).expanduser(), COMMAND)
-    names = split_configs(config)
-    cfgs = [(name, build_config(model, name, method, None, list(sets), trust_remote_code)) for name in names]
+    spec = resolve(model, config, method, layers, list(sets), trust_remote_code=trust_remote_code)
+    cfgs = list(spec.patches)
     texts = filler_texts(filler)
 
-    loaded, tok = load_model(cfgs[0][1])
+    loaded, tok = load_model(spec.load)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     loaded = loaded.to(device).eval()
     _say_if_beyond_positions(loaded, ctx[-1] + new_tokens)
-    ids = prompt_ids(tokenizer, tok, loaded, cfgs[0][1].model or str(model), texts, ctx[-1], trust_remote_code)
+    ids = prompt_ids(tokenizer or spec.load.tokenizer, tok, loaded, spec.load.model or str(model), texts, ctx[-1],
+                     trust_remote_code)
     n_layers = num_layers(loaded, cfgs[0][1])
     identity = {"model": str(model), "task": "bench_generate"}
     points: list[tuple[str, Point | None]] = [(UNPATCHED, None)]

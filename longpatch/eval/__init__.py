@@ -13,7 +13,7 @@ from .longbench import CATEGORIES, SUBSETS, DataError, load_longbench
 from .longbench_metrics import longbench_score
 from .perplexity import perplexity
 from .report import summarize
-from .sweep import parse_layer_sweep
+from .sweep import RunSpec
 
-__all__ = ["CATEGORIES", "SUBSETS", "DataError", "load_longbench", "longbench_score", "parse_layer_sweep",
-           "perplexity", "summarize"]
+__all__ = ["CATEGORIES", "SUBSETS", "DataError", "RunSpec", "load_longbench", "longbench_score", "perplexity",
+           "summarize"]

@@ -2,12 +2,11 @@
 Figure 3 of the HyperAttention paper, and the check that the demo model uses its long context."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from ..assets import EVAL_MIN_TOKENS, demo_model_path
 from ..errors import ConfigError, LongpatchError, check_int
-from ..outdir import check_out, claim_out
+from ..outdir import check_out, claim_out, write_json
 from .needle import DEFAULT_TEMPLATE as NEEDLE_TEMPLATE
 
 
@@ -52,13 +51,13 @@ QUERY_AWARE = ("demo-moba-32k", "demo-nsa-32k")
 def demo_configs() -> list[str]:
     """Aliases of the bundled demo configs: one per method with its paper's selection, `demo` (hyper)
     and `demo-<method>`, and the query-aware ones (``QUERY_AWARE``)."""
-    from ..config import bundled_configs, load_config
+    from ..config import bundled_configs, read_config
 
     out = []
     for alias in bundled_configs():
         try:
-            cfg = load_config(alias)
-            if cfg.model == "demo" and alias in ("demo", f"demo-{cfg.method}", *QUERY_AWARE):
+            file = read_config(alias)
+            if file.load.get("model") == "demo" and alias in ("demo", f"demo-{file.patch.method}", *QUERY_AWARE):
                 out.append(alias)
         except LongpatchError:
             continue  # a config naming a method that is not available in this build
@@ -74,7 +73,7 @@ NEEDLE_TRIALS = 2
 COMMAND = "demo"  # marks its --out (outdir.claim_out); its eval directories inside are marked by their evals
 
 
-def run_demo(layers: str = "0:4:1", max_docs: int = 6, out: str = "runs/demo", progress: bool = True,
+def run_demo(layer_counts: str = "0:4:1", max_docs: int = 6, out: str = "runs/demo", progress: bool = True,
              needle_length: int = NEEDLE_LENGTH, needle_template: str = NEEDLE_TEMPLATE,
              needle_depths: str = NEEDLE_DEPTHS, needle_trials: int = NEEDLE_TRIALS) -> dict:
     """The main offline job: a small-scale Figure 3 of the HyperAttention paper on the demo model,
@@ -100,7 +99,7 @@ def run_demo(layers: str = "0:4:1", max_docs: int = 6, out: str = "runs/demo", p
     rows = []
     configs = demo_configs()
     for alias in configs:
-        res = perplexity(model, layers, config=alias, data="demo", seq_len=EVAL_MIN_TOKENS, max_docs=max_docs,
+        res = perplexity(model, layer_counts, config=alias, data="demo", seq_len=EVAL_MIN_TOKENS, max_docs=max_docs,
                          out=str(Path(out) / alias), tokenizer=tok, progress=progress)
         for c in res["configs"]:
             a = c["all"]
@@ -109,7 +108,7 @@ def run_demo(layers: str = "0:4:1", max_docs: int = 6, out: str = "runs/demo", p
                          "attention_speedup": a["attention_speedup"], "docs": a["docs"]})
     summary = {"model": str(path), "seq_len": EVAL_MIN_TOKENS, "max_docs": max_docs, "rows": rows}
     if needle_length:
-        found = needle(model, layers, config=configs, template=needle_template, lengths=[needle_length],
+        found = needle(model, layer_counts, config=configs, template=needle_template, lengths=[needle_length],
                        depths=needle_depths, trials=needle_trials, out=str(Path(out) / "needle"), tokenizer=tok,
                        progress=progress)
         # the 0-layer point is one shared exact baseline in the needle run
@@ -119,7 +118,7 @@ def run_demo(layers: str = "0:4:1", max_docs: int = 6, out: str = "runs/demo", p
         summary["needle"] = {"template": needle_template, "length": needle_length,
                              "depths": found["depths"], "trials": needle_trials}
     claim_out(out, COMMAND)
-    (Path(out) / "demo.json").write_text(json.dumps(summary, indent=1))
+    write_json(Path(out) / "demo.json", summary)
     _plot_demo(rows, Path(out) / "figure3.png", summary.get("needle"))
     return summary
 

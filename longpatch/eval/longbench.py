@@ -131,8 +131,10 @@ def subset_categories(data=None) -> dict[str, str]:
 
 # ---- subsets ---------------------------------------------------------------------------------------
 
-def _names(spec) -> list[str]:
-    return [s.strip() for s in (spec.split(",") if isinstance(spec, str) else spec) if s.strip()]
+def _names(spec, flag: str = "--subsets") -> list[str]:
+    from ..options import split_items
+
+    return split_items(flag, spec, "'all', subset names or category names")
 
 
 def resolve_subsets(spec: "str | Sequence[str]" = "all", data=None) -> list[str]:
@@ -222,18 +224,19 @@ def _json_problem(text: str, e: json.JSONDecodeError) -> str:
 # ---- loading ---------------------------------------------------------------------------------------
 
 def load_longbench(data: "str | Path | None" = None, subsets: "str | Sequence[str]" = "all",
-                   strict: bool = False, e: bool = False) -> LongBench:
+                   strict: bool = False, e: bool = False, explicit: "Sequence[str] | None" = None) -> LongBench:
     """Read the requested LongBench subsets from `data` (see the module doc for the accepted forms).
 
     Malformed records are collected in `.problems` for the caller to report or, with strict=True,
     raise DataError naming file and line. Requested subsets the source lacks are listed in `.missing`;
-    a subset named explicitly (not via 'all' or a category) that is missing is an error, as is
-    finding none at all. e: read LongBench-E's `<subset>_e.jsonl` files instead (not from parquet).
+    a subset named explicitly (not via 'all' or a category; `explicit` overrides which those are) that is
+    missing is an error, as is finding none at all. e: read LongBench-E's `<subset>_e.jsonl` files
+    instead (not from parquet).
     """
     suffix = "_e" if e else ""
     known = subset_categories(data)
     wanted = resolve_subsets(subsets, data)
-    explicit = {n for n in _names(subsets) if n in known}
+    explicit = {n for n in _names(subsets) if n in known} if explicit is None else set(explicit)
     path, label = _locate(data)
     out = LongBench(source=label, records={s: [] for s in wanted}, categories={s: known[s] for s in wanted})
     present: set[str] = set()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import time
@@ -27,6 +28,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError, LongpatchError, check_int
+from ..options import split_items
 from ..outdir import claim_out, write_csv, write_json
 from ..patching import total_seconds
 from . import longbench_tasks as T
@@ -43,11 +45,12 @@ from .sweep import (
     generation_shapes,
     labelled_points,
     num_layers,
-    parse_layer_sweep,
     prepare_configs,
     resolve_spec,
     run_generations,
 )
+
+log = logging.getLogger("longpatch")
 
 RESULTS_FILE = "results.json"
 CSV_FILE = "results.csv"
@@ -86,29 +89,16 @@ class LongBenchSpec(RunSpec):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.layers is None and self.data == "demo":
-            self.layers = DEMO_LAYERS
+        if self.layers is None and self.layer_counts is None and self.data == "demo":
+            self.layer_counts = DEMO_LAYERS
         if self.max_new_tokens is not None:
             check_int("max_new_tokens", self.max_new_tokens, 1)
         if self.max_length is not None:
             check_int("max_length", self.max_length, 16)
         if self.max_samples is not None:
             check_int("max_samples", self.max_samples, 1)
-        if isinstance(self.config, tuple):
-            self.config = list(self.config)
         if self.e and self.data == "demo":
             raise ConfigError("--e: LongBench-E needs LongBench's data; --data demo has no length-balanced set")
-
-    def configs(self) -> list:
-        if self.config is None:
-            return [None]
-        if isinstance(self.config, str):
-            return [c.strip() for c in self.config.split(",") if c.strip()] or [None]
-        return list(self.config)
-
-    def named_inputs(self) -> bool:
-        return (self.tokenizer is None or isinstance(self.tokenizer, str)) and \
-            all(c is None or isinstance(c, str) for c in self.configs())
 
     def task_names(self) -> list[str]:
         return T.resolve_tasks(self.tasks, self.e, [DEMO_TASK] if self.data == "demo" else None)
@@ -125,15 +115,15 @@ class Item:
     digest: str
 
 
-def longbench(model, layers=None, *, spec: LongBenchSpec | None = None, **options) -> dict:
+def longbench(model, layer_counts=None, *, spec: LongBenchSpec | None = None, **options) -> dict:
     """LongBench task scores of `model` patched per each config and layer count.
 
     model: a model name (as `eval ppl` takes) or a loaded unpatched model (then pass `tokenizer`).
-    layers: the sweep, as `eval ppl` (parse_layer_sweep). options: the fields of LongBenchSpec, or spec=.
+    layer_counts: the sweep, as `eval ppl` (RunSpec). options: the fields of LongBenchSpec, or spec=.
     Returns the results dict also written to out/results.json (rank 0; {} elsewhere). Bad options fail
     before anything is loaded or written; a failed run that finished no generation leaves no `out`.
     """
-    spec = resolve_spec(LongBenchSpec, "longbench", spec, layers, options)
+    spec = resolve_spec(LongBenchSpec, "longbench", spec, layer_counts, options)
     spec.task_names()
     return run_sharded(spec, model, "longpatch.eval.longbench_run:longbench",
                        lambda dist, run_id: _evaluate(model, spec, dist, run_id),
@@ -148,7 +138,13 @@ def load_tasks(spec: LongBenchSpec) -> LongBench:
         records = code_completion_tasks([r for rs in lb.records.values() for r in rs], DEMO_TASK)
         lb.records, lb.categories = {DEMO_TASK: records}, {DEMO_TASK: "code"}
     else:
-        lb = load_longbench(spec.data, tasks, strict=spec.strict, e=spec.e)
+        # as in eval ppl: a task named by itself must be there; of 'all', 'en' or a category, the present ones run
+        named = [t for t in split_items("--tasks", spec.tasks, "task names") if t in tasks] \
+            if isinstance(spec.tasks, str) else list(tasks)
+        lb = load_longbench(spec.data, tasks, strict=spec.strict, e=spec.e, explicit=named)
+        if lb.missing:
+            log.warning("longpatch: %s lacks %d of the requested tasks (%s); evaluating the %d present",
+                        lb.source, len(lb.missing), ", ".join(lb.missing), len(tasks) - len(lb.missing))
     limit = spec.max_samples or (DEMO_SAMPLES if spec.data == "demo" else None)
     if limit:
         lb.records = {t: rs[:limit] for t, rs in lb.records.items()}
@@ -175,11 +171,11 @@ def plan_items(lb: LongBench, tokenizer, max_length: int, model_name: str, progr
 
 def _evaluate(model, spec: LongBenchSpec, dist: Dist, run_id: str) -> dict:
     out = Path(spec.out)
-    sweep = parse_layer_sweep(spec.layers)
     lb = load_tasks(spec)
     if dist.main:
         report_problems(lb)
-    model, tokenizer, name, prepared = prepare_configs(model, spec, dist)
+    prep = prepare_configs(model, spec, dist)
+    model, tokenizer, name = prep.model, prep.tokenizer, prep.name
     max_length = spec.max_length or (DEMO_MAX_LENGTH if spec.data == "demo" else
                                      T.default_max_length(name, getattr(model, "config", None)))
     items = plan_items(lb, tokenizer, max_length, name, spec.progress and dist.main, spec.max_new_tokens)
@@ -187,10 +183,10 @@ def _evaluate(model, spec: LongBenchSpec, dist: Dist, run_id: str) -> dict:
         problems = f"; {len(lb.problems)} malformed and skipped (first: {lb.problems[0]})" if lb.problems else ""
         raise LongpatchError(f"eval longbench: nothing to evaluate: no record of {', '.join(lb.records)} in "
                              f"{lb.source}{problems}")
-    n_layers = num_layers(model, prepared[0][1])
+    n_layers = num_layers(model, prep.patches[0][1])
     identity = {"model": name, "task": "longbench", "e": spec.e, "max_length": max_length,
                 "tokenizer": str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)}
-    points = labelled_points(prepared, spec, sweep, n_layers, identity)
+    points = labelled_points(prep, spec, n_layers, identity)
     if dist.main:
         claim_out(out, spec.COMMAND)
         write_json(out / PLAN_FILE, {

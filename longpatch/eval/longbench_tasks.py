@@ -171,9 +171,9 @@ def resolve_tasks(spec: "str | Sequence[str]", e: bool = False, known: Sequence[
 
     known: the tasks the data offers (default LongBench v1's 21; with e, LongBench-E's 13)."""
     pool = list(known) if known is not None else list(LONGBENCH_E if e else SUBSETS)
-    names = [s.strip() for s in (spec.split(",") if isinstance(spec, str) else spec) if s.strip()]
-    if not names:
-        raise ConfigError("--tasks: empty; allowed: all, en, zh, task names or category names")
+    from ..options import split_items
+
+    names = split_items("--tasks", spec, "all, en, zh, task names or category names")
     chosen: set[str] = set()
     for n in names:
         if n == "all":

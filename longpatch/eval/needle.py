@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -111,33 +110,12 @@ def load_template(spec: str) -> Template:
 
 # ---- grid ------------------------------------------------------------------------------------------
 
-def _finite(text: str) -> float:
-    """float(text), refusing nan and inf (ValueError), which would pass every range check."""
-    x = float(text)
-    if not math.isfinite(x):
-        raise ValueError(text)
-    return x
-
-
 def parse_depths(spec: str) -> list[float]:
     """'0:1:0.1' -> [0.0, 0.1, ..., 1.0] (end included); '0.05,0.5,0.95' -> those values."""
-    text = str(spec).strip()
-    try:
-        if ":" in text:
-            bits = [_finite(b) for b in text.split(":")]
-            if len(bits) != 3 or bits[2] <= 0 or bits[1] < bits[0]:
-                raise ValueError
-            n = int(round((bits[1] - bits[0]) / bits[2]))
-            values = [bits[0] + i * bits[2] for i in range(n + 1)]
-        else:
-            values = [_finite(b) for b in text.split(",")]
-    except ValueError:
-        raise ConfigError(f"--depths: got {spec!r}; allowed: start:end:step (end included) or a list d1,d2,... "
-                          "of fractions in [0, 1]") from None
-    values = sorted({round(v, 6) for v in values})
-    if not values or values[0] < 0 or values[-1] > 1:
-        raise ConfigError(f"--depths: got {spec!r}; every depth must be a fraction in [0, 1]")
-    return values
+    from ..options import parse_floats
+
+    return parse_floats("--depths", spec, 0.0, 1.0, "start:end:step (end included) or a list d1,d2,... of "
+                                                    "fractions in [0, 1]")
 
 
 def cell_keys(template: Template, length: int, depth: float, trials: int, seed: int) -> list[str]:

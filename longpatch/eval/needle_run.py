@@ -18,6 +18,7 @@ from typing import Sequence
 import torch
 
 from ..errors import ConfigError, check_int
+from ..options import parse_ints
 from ..outdir import claim_out, write_csv, write_json
 from ..patching import total_seconds
 from . import needle as N
@@ -32,7 +33,6 @@ from .sweep import (
     generation_shapes,
     labelled_points,
     num_layers,
-    parse_layer_sweep,
     prepare_configs,
     resolve_spec,
     run_generations,
@@ -69,19 +69,6 @@ class NeedleSpec(RunSpec):
         check_int("seed", self.seed, 0)
         if isinstance(self.lengths, (list, tuple)):
             self.lengths = list(self.lengths)
-        if isinstance(self.config, tuple):
-            self.config = list(self.config)
-
-    def configs(self) -> list:
-        if self.config is None:
-            return [None]
-        if isinstance(self.config, str):
-            return [c.strip() for c in self.config.split(",") if c.strip()] or [None]
-        return list(self.config)
-
-    def named_inputs(self) -> bool:
-        return (self.tokenizer is None or isinstance(self.tokenizer, str)) and \
-            all(c is None or isinstance(c, str) for c in self.configs())
 
 
 @dataclass
@@ -96,15 +83,9 @@ class Trial:
 MIN_LENGTH = 64  # tokens: room for the needle, the question and some haystack
 
 
-def parse_lengths(spec: "str | Sequence[int]") -> list[int]:
-    items = spec if isinstance(spec, (list, tuple)) else str(spec).split(",")
-    try:
-        values = [int(str(x).strip()) for x in items]
-    except ValueError:
-        raise ConfigError(f"--lengths: got {spec!r}; allowed: comma-separated token counts >= {MIN_LENGTH}") from None
-    if not values or min(values) < MIN_LENGTH:
-        raise ConfigError(f"--lengths: got {spec!r}; allowed: comma-separated token counts >= {MIN_LENGTH}")
-    return sorted(set(values))
+def parse_lengths(spec: "str | Sequence[int]", flag: str = "--lengths") -> list[int]:
+    """'4096,8192' (or a list; ranges as options.parse_ints) -> sorted distinct prompt lengths >= MIN_LENGTH."""
+    return sorted(parse_ints(flag, spec, MIN_LENGTH, allowed=f"comma-separated token counts >= {MIN_LENGTH}"))
 
 
 def plan_trials(filler: N.Filler, template: N.Template, lengths: list[int], depths: list[float], trials: int,
@@ -120,15 +101,15 @@ def plan_trials(filler: N.Filler, template: N.Template, lengths: list[int], dept
     return out
 
 
-def needle(model, layers=None, *, spec: NeedleSpec | None = None, **options) -> dict:
+def needle(model, layer_counts=None, *, spec: NeedleSpec | None = None, **options) -> dict:
     """Needle-in-a-haystack accuracy of `model` patched per each config and layer count.
 
     model: a model name (as `eval ppl` takes) or a loaded unpatched model (then pass `tokenizer`).
-    layers: the sweep, as `eval ppl` (parse_layer_sweep). options: the fields of NeedleSpec, or spec=.
+    layer_counts: the sweep, as `eval ppl` (RunSpec). options: the fields of NeedleSpec, or spec=.
     Returns the results dict also written to out/results.json (rank 0; {} elsewhere). Bad options fail
     before anything is loaded or written; a failed run that finished no generation leaves no `out`.
     """
-    spec = resolve_spec(NeedleSpec, "needle", spec, layers, options)
+    spec = resolve_spec(NeedleSpec, "needle", spec, layer_counts, options)
     template = N.load_template(spec.template)
     lengths = parse_lengths(spec.lengths)
     depths = N.parse_depths(spec.depths)
@@ -140,13 +121,13 @@ def needle(model, layers=None, *, spec: NeedleSpec | None = None, **options) -> 
 def _evaluate(model, spec: NeedleSpec, tmpl: N.Template, lengths: list[int], depths: list[float], dist: Dist,
               run_id: str) -> dict:
     out = Path(spec.out)
-    sweep = parse_layer_sweep(spec.layers)
-    model, tokenizer, name, prepared = prepare_configs(model, spec, dist)
+    prep = prepare_configs(model, spec, dist)
+    model, tokenizer, name = prep.model, prep.tokenizer, prep.name
     filler = tmpl.filler or spec.filler
     work = plan_trials(N.Filler(N.filler_texts(filler), tokenizer), tmpl, lengths, depths, spec.trials, spec.seed)
-    n_layers = num_layers(model, prepared[0][1])
+    n_layers = num_layers(model, prep.patches[0][1])
     identity = {"model": name, "template": tmpl.name, "filler": filler, "seed": spec.seed, "task": "needle"}
-    points = labelled_points(prepared, spec, sweep, n_layers, identity)
+    points = labelled_points(prep, spec, n_layers, identity)
     if dist.main:
         claim_out(out, spec.COMMAND)
         write_json(out / PLAN_FILE, {"model": name, "template": tmpl.name, "filler": filler, "lengths": lengths,

@@ -54,15 +54,14 @@ from .sweep import (
     RunSpec,
     config_id,
     eval_tokenizer,
-    make_points,
+    labelled_points,
     num_layers,
-    parse_layer_sweep,
-    prepare_model,
+    prepare,
     resolve_spec,
     run_points,
 )
 
-__all__ = ["PerplexitySpec", "parse_layer_sweep", "perplexity", "run_eval_ppl", "summarize"]
+__all__ = ["PerplexitySpec", "perplexity", "run_eval_ppl", "summarize"]
 
 log = logging.getLogger("longpatch")
 
@@ -110,21 +109,23 @@ class PerplexitySpec(RunSpec):
                               "takes one GPU")
 
 
-def perplexity(model, layers=None, *, spec: PerplexitySpec | None = None, **options) -> dict:
+def perplexity(model, layer_counts=None, *, spec: PerplexitySpec | None = None, **options) -> dict:
     """LongBench perplexity and attention time of `model` for each layer count of a sweep.
 
     model: a bundled alias, hub id, local path, saved patch dir or tiny:<family>, or an already
         loaded (unpatched) model object (then pass tokenizer; it is left unpatched afterwards).
-    layers: see parse_layer_sweep ('20', '0,4,8', '0:28:4' with the end included, 'all'); None uses
-        the config's layers. The model is loaded once and re-patched for each point.
-    options: the fields of PerplexitySpec (config, method, sets, subsets, seq_len, max_docs, data, out,
+    layer_counts: the sweep of counts of final layers ('20', '0,4,8', '0:28:4' with the end included,
+        'all'); None: each config's layers (or layers=, the same for every config). The model is loaded
+        once and re-patched for each point.
+    options: the fields of PerplexitySpec (layers, config (one or a list, each getting the whole sweep),
+        method, sets, subsets, seq_len, max_docs, data, out,
         tokenizer, device_map, num_processes, sequence_parallel, strict, trust_remote_code, warmup, loss_chunk,
         progress, plots, run_id), or spec= one PerplexitySpec.
     Returns the results dict also written to out/results.json ({} on ranks other than 0).
     Raises LongpatchError when no document can be evaluated; a failed call that finished no document
     removes the `out` directory it created.
     """
-    spec = resolve_spec(PerplexitySpec, "perplexity", spec, layers, options)
+    spec = resolve_spec(PerplexitySpec, "perplexity", spec, layer_counts, options)
     run = run_sequence_parallel if spec.sequence_parallel > 1 else run_sharded
     return run(spec, model, "longpatch.eval.perplexity:perplexity",
                lambda dist, run_id: _evaluate(model, spec, dist, run_id),
@@ -135,26 +136,28 @@ def _evaluate(model, spec: PerplexitySpec, dist: Dist, run_id: str) -> dict:
     out = Path(spec.out)
     if spec.device_map and dist.world > 1:
         raise ConfigError("device_map: spreads one process over all GPUs; under a launcher each process takes one GPU")
-    sweep = parse_layer_sweep(spec.layers)
     wanted = resolve_subsets(spec.subsets, spec.data)
     lb = load_longbench(spec.data, spec.subsets, strict=spec.strict)
     if dist.main:
         report_problems(lb)
-    cfg, model, loaded_tok, model_name = prepare_model(model, spec.config, spec.method, spec.sets,
-                                                       spec.trust_remote_code, spec.device_map, dist)
+    prep = prepare(model, spec, dist, spec.device_map)
+    model, loaded_tok, model_name, cfg = prep.model, prep.tokenizer, prep.name, prep.patches[0][1]
     mc = getattr(model, "config", None)
     limit = getattr(mc, "max_position_embeddings", None) or getattr(mc, "seq_length", None)
     if dist.main and isinstance(limit, int) and spec.seq_len > limit:
         log.warning("longpatch: seq_len %d exceeds the %d positions %s was trained for", spec.seq_len, limit,
                     model_name)
     vocab = vocab_size(model)
-    tok = eval_tokenizer(spec.tokenizer, loaded_tok, model, model_name, spec.trust_remote_code)
+    tok = eval_tokenizer(spec.tokenizer or prep.load.tokenizer, loaded_tok, model, model_name, spec.trust_remote_code)
     encode, tok_id = make_encoder(tok, None, vocab, model_name)
     check_loss_path(model)
     n_layers = num_layers(model, cfg)
-    identity = {"model": model_name, "dtype": cfg.dtype, "attn_implementation": cfg.attn_implementation,
-                "seq_len": spec.seq_len, "tokenizer": tok_id}
-    points = make_points(cfg, sweep, n_layers, identity)
+    identity = {"model": model_name, "seq_len": spec.seq_len, "tokenizer": tok_id}
+    labelled = labelled_points(prep, spec, n_layers, identity)
+    points = [p for _, p in labelled]
+    if len(prep.patches) > 1:  # several configs: the table and plots tell their points apart by config
+        for p in points:
+            p.label = f"{p.config} {p.label}" if p.layers else p.label
     docs, counts, skipped = plan_documents(lb, encode, spec.seq_len, vocab, spec.max_docs, spec.progress and dist.main)
     if not docs:
         raise LongpatchError(nothing_to_evaluate(lb, counts, skipped, spec.seq_len))
@@ -162,7 +165,9 @@ def _evaluate(model, spec: PerplexitySpec, dist: Dist, run_id: str) -> dict:
         claim_out(out, spec.COMMAND)
         write_json(out / PLAN_FILE, {
             "model": model_name, "tokenizer": tok_id, "seq_len": spec.seq_len, "data": lb.source, "subsets": wanted,
-            "max_docs": spec.max_docs, "num_layers": n_layers, "baseline_id": config_id(identity, [], cfg),
+            "max_docs": spec.max_docs, "num_layers": n_layers,
+            "baseline_id": config_id(dict(identity, dtype=prep.load.dtype,
+                                          attn_implementation=prep.load.attn_implementation), [], cfg),
             "points": [p.describe() for p in points],
             "docs": [{"subset": d.subset, "category": d.category, "doc_id": d.doc_id, "digest": d.digest,
                       "context_tokens": d.context_tokens} for d in docs],
@@ -257,9 +262,9 @@ def _record(point: Point, doc: Doc, result: dict, breakdown: dict, rank: int, ru
             "rank": rank, "finished": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 
-def run_eval_ppl(model: str, layers: str | None = None, **options) -> dict:
+def run_eval_ppl(model: str, layer_counts: str | None = None, **options) -> dict:
     """`longpatch eval ppl`: run perplexity() and print a table of the results (rank 0 only)."""
-    results = perplexity(model, layers, **options)
+    results = perplexity(model, layer_counts, **options)
     if results:
         print_results(results, options.get("out", PerplexitySpec.out))
     return results

@@ -171,26 +171,38 @@ def _plots(results: dict, out: Path) -> list[str]:
     if not configs:
         return written
     title = f"{results['model']}, {source_name(results['data'])}, {results['seq_len']} tokens"
-    xs = [c["layers"] for c in configs]
-    color = method_color(next((c["method"] for c in configs if c["layers"]), None))  # one method per run
+    # one line per config of the run (--config a,b), each starting from the shared 0-layer baseline
+    base = [c for c in configs if not c["layers"]]
+    groups: dict = {}
+    for c in configs:
+        if c["layers"]:
+            groups.setdefault(c.get("config"), []).append(c)
+    series = [(name, sorted(base + group, key=lambda c: c["layers"]), method_color(group[0]["method"]))
+              for name, group in groups.items()] or [(None, base, method_color(None))]
+    named = len(series) > 1
 
     fig = Figure(figsize=(6, 4))
     ax = fig.add_subplot()
-    ax.plot(xs, [c["all"]["ppl"] for c in configs], "o-", color=color, label="ppl (pooled tokens)")
-    ax.plot(xs, [c["all"]["ppl_doc_mean"] for c in configs], "s--", color=color,
-            label="ppl_doc_mean (mean of per-doc ppl)")
+    for name, cs, color in series:
+        tag = f"{name}: " if named else ""
+        ax.plot([c["layers"] for c in cs], [c["all"]["ppl"] for c in cs], "o-", color=color,
+                label=f"{tag}ppl (pooled tokens)")
+        ax.plot([c["layers"] for c in cs], [c["all"]["ppl_doc_mean"] for c in cs], "s--", color=color,
+                label=f"{tag}ppl_doc_mean (mean of per-doc ppl)")
     ax.set(ylabel="perplexity", title=title)
     layers_axis(ax)
     ax.legend(), ax.grid(alpha=0.3)
     _save(fig, FigureCanvasAgg, out / PLOTS["ppl"], written)
 
-    speed = [c for c in configs if c["all"]["attention_speedup"] is not None]
-    if speed:
+    if any(c["all"]["attention_speedup"] is not None for c in configs):
         fig = Figure(figsize=(6, 4))
         ax = fig.add_subplot()
-        xs = [c["layers"] for c in speed]
-        ax.plot(xs, [c["all"]["attention_speedup"] for c in speed], "o-", color=color, label="attention")
-        ax.plot(xs, [c["all"]["forward_speedup"] for c in speed], "s--", color=color, label="whole forward")
+        for name, cs, color in series:
+            speed = [c for c in cs if c["all"]["attention_speedup"] is not None]
+            xs, tag = [c["layers"] for c in speed], f"{name}: " if named else ""
+            ax.plot(xs, [c["all"]["attention_speedup"] for c in speed], "o-", color=color, label=f"{tag}attention")
+            ax.plot(xs, [c["all"]["forward_speedup"] for c in speed], "s--", color=color,
+                    label=f"{tag}whole forward")
         speedup_line(ax)
         ax.set(ylabel="speedup vs 0 layers", title=title)
         layers_axis(ax)

@@ -9,11 +9,14 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Callable
 
-from ..config import PatchConfig, load_config, parse_layer_items, select_layers
+from ..config import LoadSpec, PatchConfig, select_layers
 from ..errors import ConfigError, check_int
-from ..loading import resolve_tokenizer
+from ..families import detect_family
+from ..loading import load_model, resolve_tokenizer
+from ..options import parse_layer_counts, parse_layers
 from ..outdir import check_out
 from ..patching import patch_model, patched, unpatch_model
+from ..specs import config_items, resolve
 from .records import INTERRUPTED, RecordLog, announce_resume, read_records, records_file
 
 log = logging.getLogger("longpatch")
@@ -21,17 +24,21 @@ log = logging.getLogger("longpatch")
 
 @dataclass
 class RunSpec:
-    """Options of every evaluation: which patch, which layer counts, where the records go, how many processes.
+    """Options of every evaluation: which patches, which layer counts, where the records go, how many processes.
 
-    layers: the sweep (parse_layer_sweep). config / method / sets: the patch (YAML or alias / method
-    name / 'key=value' overrides). out: output directory; a rerun with the same out resumes.
-    tokenizer: None (the model's), a name or path, 'bytes' (loading.ByteTokenizer), or an object.
-    num_processes: > 1 spawns that many local workers (launch.run_sharded). progress: progress bars
-    (rank 0). plots: write the PNGs. run_id: tags this invocation's records (default: a fresh id).
+    layer_counts: the sweep (options.parse_layer_counts: '0,4,8', '0:28:4', 'all'; None: each config's own
+    layers, one point). layers: which layers every config replaces (options.parse_layers: N, 'all', layer
+    indices); not with layer_counts. config / method / sets: the patches (specs.resolve: a config, a
+    comma-separated list or a list, each getting the whole sweep / a method name / --set pairs). out: output
+    directory; a rerun with the same out resumes. tokenizer: None (the model's), a name or path, 'bytes'
+    (loading.ByteTokenizer), or an object. num_processes: > 1 spawns that many local workers
+    (launch.run_sharded). progress: progress bars (rank 0). plots: write the PNGs. run_id: tags this
+    invocation's records (default: a fresh id).
     """
 
+    layer_counts: object = None
     layers: object = None
-    config: "str | PatchConfig | None" = None
+    config: object = None
     method: str | None = None
     sets: list = field(default_factory=list)
     out: str = "runs/eval"
@@ -46,11 +53,27 @@ class RunSpec:
     def __post_init__(self):
         self.sets = list(self.sets)
         self.out = str(self.out)
+        if isinstance(self.config, tuple):
+            self.config = list(self.config)
         check_int("num_processes", self.num_processes, 1)
+        if self.layer_counts is not None and self.layers is not None:
+            raise ConfigError(f"--layers {self.layers} and --layer-counts {self.layer_counts}: give one (--layers: "
+                              "which layers every run replaces; --layer-counts: a sweep of counts of final layers)")
+        if self.layers is not None:
+            parse_layers(self.layers)
+
+    def sweep(self) -> list:
+        """The layer specs to evaluate, one PatchConfig.layers value each: the counts, or [None] (each
+        config's layers, after --layers)."""
+        return [None] if self.layer_counts is None else parse_layer_counts(self.layer_counts)
+
+    def configs(self) -> list:
+        return config_items(self.config)
 
     def named_inputs(self) -> bool:
         """Whether a worker process can rebuild everything from names (needed to spawn workers)."""
-        return (self.tokenizer is None or isinstance(self.tokenizer, str)) and not isinstance(self.config, PatchConfig)
+        return (self.tokenizer is None or isinstance(self.tokenizer, str)) and \
+            all(c is None or isinstance(c, str) for c in self.configs())
 
     def to_kwargs(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -66,53 +89,16 @@ class RunSpec:
         return cls(**options)
 
 
-def resolve_spec(spec_cls, name: str, spec, layers, options: dict):
-    """The spec of an evaluation entry point: `spec=` or `spec_cls`'s options, not both. Its layer sweep is
+def resolve_spec(spec_cls, name: str, spec, layer_counts, options: dict):
+    """The spec of an evaluation entry point: `spec=` or `spec_cls`'s options, not both. Its sweep is
     parsed here, so a bad one fails before any process starts or anything is loaded."""
     if spec is None:
-        spec = spec_cls.from_options(layers=layers, **options)
-    elif options or layers is not None:
+        spec = spec_cls.from_options(layer_counts=layer_counts, **options)
+    elif options or layer_counts is not None:
         raise ConfigError(f"{name}: pass either spec= or options, not both")
-    parse_layer_sweep(spec.layers)
+    spec.sweep()
     check_out(spec.out, spec.COMMAND)
     return spec
-
-
-def parse_layer_sweep(spec) -> list:
-    """The --layers of `eval ppl` -> the layer specs to evaluate, one PatchConfig.layers value each.
-
-    '20' -> [20] (the last 20 layers); '0,4,8' -> [0, 4, 8]; '0:28:4' -> [0, 4, ..., 28]: start:end:step
-    with the END INCLUDED (so 0:28:4 is the paper's Figure 3 axis); '0:4' -> [0, 1, 2, 3, 4];
-    'all' (also inside a list) -> every layer; None -> [None], the config's own layers (which may be
-    a list of layer indices). The syntax is `apply`'s (config.parse_layer_items), but here every int is a
-    count of final layers, one sweep point each, where `apply` reads a list or range as layer indices.
-    """
-    if spec is None:
-        return [None]
-    if isinstance(spec, int) and not isinstance(spec, bool):
-        return [_count(spec, spec)]
-    if isinstance(spec, (list, tuple)):
-        return _dedupe([p for item in spec for p in parse_layer_sweep(item)])
-    return _dedupe(parse_layer_items(spec))
-
-
-def _count(text, spec) -> int:
-    try:
-        n = int(text)
-    except (TypeError, ValueError):
-        n = -1
-    if n < 0:
-        raise ConfigError(f"--layers: got {spec!r}; allowed: N >= 0, 'all', a list N1,N2,... or start:end[:step] "
-                          "(end included)")
-    return n
-
-
-def _dedupe(items: list) -> list:
-    out = []
-    for x in items:
-        if x not in out:
-            out.append(x)
-    return out
 
 
 @dataclass
@@ -124,9 +110,11 @@ class Point:
     indices: list[int]
     config_id: str
     label: str
+    config: str | None = None  # the config it comes from, as given (--config a,b), when the run names one
 
     def describe(self) -> dict:
-        return {"config_id": self.config_id, "label": self.label, "layers": self.layers, "indices": self.indices,
+        return {"config_id": self.config_id, "label": self.label, "config": self.config, "layers": self.layers,
+                "indices": self.indices,
                 "method": self.cfg.method if self.indices else None,
                 "params": self.cfg.params if self.indices else {},
                 "min_seq_len": self.cfg.min_seq_len, "backend": self.cfg.backend}
@@ -158,34 +146,37 @@ def make_points(cfg: PatchConfig, sweep: list, num_layers: int, identity: dict) 
     return points
 
 
-def prepare_model(model, config, method, sets, trust_remote_code, device_map, dist):
-    """-> (PatchConfig, model on its device(s), tokenizer loaded with it or None, name for records)."""
+@dataclass
+class Prepared:
+    """A run's model, resolved once (specs.resolve): the model on its device(s), the tokenizer loaded with it
+    (or None), its name for the records, how it was loaded, and the patches [(config label, PatchConfig)]."""
+
+    model: object
+    tokenizer: object
+    name: str
+    load: LoadSpec
+    patches: list
+
+
+def prepare(model, spec: RunSpec, dist, device_map: str | None = None) -> Prepared:
+    """Resolve the run's options (one LoadSpec, one patch per config) and load the model when given by name."""
     if isinstance(model, str):
-        from ..loading import build_config, load_model
-        if isinstance(config, PatchConfig):
-            cfg = config.replace(model=model)
-        else:
-            cfg = build_config(model, config, method, None, list(sets), trust_remote_code)
-        loaded, tok = load_model(cfg)
-        name = cfg.model
-        if device_map:
-            loaded = _dispatch(loaded, device_map)
-        else:
-            loaded = loaded.to(dist.device())
+        resolved = resolve(model, spec.config, spec.method, spec.layers, spec.sets,
+                           trust_remote_code=spec.trust_remote_code, device_map=device_map)
+        loaded, tok = load_model(resolved.load)
+        loaded = _dispatch(loaded, device_map) if device_map else loaded.to(dist.device())
+        name = resolved.load.model
     else:
         if device_map:
             raise ConfigError("device_map: only for a model given by name or path; place a loaded model yourself")
-        cfg = config if isinstance(config, PatchConfig) else load_config(config) if config else PatchConfig()
-        if method and method != cfg.method:
-            cfg = cfg.replace(method=method, params={})
-        cfg = cfg.with_overrides(list(sets)) if sets else cfg
+        resolved = resolve(None, spec.config, spec.method, spec.layers, spec.sets)
         loaded, tok = model, None
         name = (getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", None)
                 or type(model).__name__)
     if getattr(loaded, "longpatch", None) is not None:
         raise ConfigError("model is already patched by longpatch; pass it unpatched (unpatch_model) so each "
                           "configuration of the sweep can be applied")
-    return cfg, loaded.eval(), tok, name
+    return Prepared(loaded.eval(), tok, name, resolved.load, list(resolved.patches))
 
 
 def _dispatch(model, device_map: str):
@@ -199,11 +190,8 @@ def _dispatch(model, device_map: str):
 
 
 def num_layers(model, cfg: PatchConfig) -> int:
-    patch_model(model, cfg.replace(layers=0))
-    try:
-        return model.longpatch.num_layers
-    finally:
-        unpatch_model(model)
+    """The model's attention layers, as its family counts them."""
+    return detect_family(model, cfg.family).num_layers(model)
 
 
 def run_points(model, todo: list[tuple[Point, list]], writer: RecordLog, bar, out,
@@ -302,21 +290,14 @@ def run_generations(model, points: list[tuple[str, Point]], work: list, out, dis
                shapes=shapes if dist.main else ())
 
 
-def prepare_configs(model, spec: RunSpec, dist):
-    """Load the model (the first config) and resolve every config of spec.configs() on it; with the
-    tokenizer (spec's, else the loaded one's, else the model's name) and the model's name.
-    Returns (model, tokenizer, name, [(config, PatchConfig)])."""
-    prepared, tokenizer, name = [], spec.tokenizer, None
-    for config in spec.configs():
-        # the model is loaded by the first config and re-patched for the others
-        cfg, model, tok, loaded_name = prepare_model(model, config, spec.method, spec.sets, spec.trust_remote_code,
-                                                     None, dist)
-        name = name or loaded_name
-        prepared.append((config, cfg))
-        tokenizer = tokenizer or tok
-    tokenizer = eval_tokenizer(tokenizer, None, model, name, spec.trust_remote_code)
-    _check_vocab(model, tokenizer)
-    return model, tokenizer, name, prepared
+def prepare_configs(model, spec: RunSpec, dist) -> Prepared:
+    """prepare(), with the evaluation's tokenizer (spec's, else the configs', else the one loaded with the
+    model, else the model's name looked up), checked against the model's embedding."""
+    prep = prepare(model, spec, dist)
+    prep.tokenizer = eval_tokenizer(spec.tokenizer or prep.load.tokenizer, prep.tokenizer, prep.model, prep.name,
+                                    spec.trust_remote_code)
+    _check_vocab(prep.model, prep.tokenizer)
+    return prep
 
 
 def _check_vocab(model, tokenizer) -> None:
@@ -337,14 +318,15 @@ def eval_tokenizer(given, loaded, model, name: str | None, trust_remote_code: bo
     return resolve_tokenizer(given, loaded, None if name == type(model).__name__ else name, trust_remote_code)
 
 
-def labelled_points(prepared: list, spec: RunSpec, sweep, n_layers: int, identity: dict) -> list[tuple[str, Point]]:
+def labelled_points(prep: Prepared, spec: RunSpec, n_layers: int, identity: dict) -> list[tuple[str, Point]]:
     """(label, point) per config and layer count; 0 replaced layers is the model's own attention whatever
     the config, so all configs share one baseline, labelled 'exact'."""
     points: list[tuple[str, Point]] = []
-    for config, cfg in prepared:
+    identity = dict(identity, dtype=prep.load.dtype, attn_implementation=prep.load.attn_implementation)
+    for config, cfg in prep.patches:
         label = config or (f"{cfg.method}" if spec.method else "default")
-        for p in make_points(cfg, sweep, n_layers, dict(identity, dtype=cfg.dtype,
-                                                         attn_implementation=cfg.attn_implementation)):
+        for p in make_points(cfg, spec.sweep(), n_layers, identity):
             if all(p.config_id != q.config_id for _, q in points):
-                points.append(("exact" if p.layers == 0 else label, p))
+                p.config = "exact" if p.layers == 0 else label
+                points.append((p.config, p))
     return points

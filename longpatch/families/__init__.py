@@ -3,6 +3,6 @@ from . import (
     chatglm2,  # noqa: F401
     hf,  # noqa: F401
 )
-from .base import Family, available_families, detect_family, register_family
+from .base import AttentionCall, Family, available_families, detect_family, register_family
 
-__all__ = ["Family", "available_families", "detect_family", "register_family"]
+__all__ = ["AttentionCall", "Family", "available_families", "detect_family", "register_family"]

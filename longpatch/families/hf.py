@@ -5,6 +5,8 @@ transformers looks the attention function up by one key per model (config._attn_
 so longpatch registers one function per base implementation ("longpatch_sdpa", ...) that routes on
 `module.layer_idx`: patched layers run their method, every other call goes to the base function
 unchanged. The matching mask function is registered too, else the mask would arrive as None.
+wrap_attention (sequence parallelism) switches the model to one more key, "longpatch_wrapped", whose
+function hands every call to the `attend` set on the module, with the layer's route if it has one.
 """
 from __future__ import annotations
 
@@ -18,10 +20,13 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from ..errors import UnsupportedModelError
 from ..methods.common import causal_mask
 from ..routing import LayerRoute, attach_buffers, detach_buffers
-from .base import register_family
+from .base import AttentionCall, register_family
 
 PREFIX = "longpatch_"
-ROUTE_ATTR = "_longpatch_route"
+ROUTE_ATTR = "_longpatch_route"  # the LayerRoute on a patched attention module
+WRAPPED_KEY = f"{PREFIX}wrapped"  # the attention key of a model under wrap_attention
+ATTEND_ATTR = "_longpatch_attend"  # the `attend` of wrap_attention on each attention module
+UNWRAPPED_ATTR = "_longpatch_unwrapped_impl"  # the model's attention key before wrap_attention
 
 
 def _attention_modules(model) -> list[torch.nn.Module]:
@@ -56,10 +61,14 @@ def _eager_mask(mask, query, key, causal: bool):
     return zeros.masked_fill(~mask, torch.finfo(query.dtype).min)
 
 
+def _causal(module, kwargs) -> bool:
+    is_causal = kwargs.get("is_causal")
+    return getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
+
+
 def _make_attention(base: str):
     def longpatch_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-        is_causal = kwargs.get("is_causal")
-        causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
+        causal = _causal(module, kwargs)
 
         def original():
             mask = _eager_mask(attention_mask, query, key, causal) if base == "eager" else attention_mask
@@ -69,8 +78,8 @@ def _make_attention(base: str):
         route: LayerRoute | None = getattr(module, ROUTE_ATTR, None)
         if route is None:
             return original()
-        path = route.choose(query.shape[2], key.shape[2], _unsupported(module, attention_mask, dropout, key, kwargs),
-                            causal=causal)
+        path = route.choose(query.shape[2], key.shape[2],
+                            _unsupported(module, attention_mask, dropout, key.shape[2], kwargs), causal=causal)
         if path == "original":
             return route.run(path, query, key, value, causal=causal, scale=scaling, original=original)
         out = route.run(path, query, key, value, causal=causal, scale=scaling)
@@ -80,7 +89,8 @@ def _make_attention(base: str):
     return longpatch_attention
 
 
-def _unsupported(module, attention_mask, dropout, key, kwargs) -> str | None:
+def _unsupported(module, attention_mask, dropout, kv_len: int, kwargs) -> str | None:
+    """Why a call is not plain causal or full attention over kv_len keys, or None."""
     if attention_mask is not None:
         return "a padding or custom attention mask"
     if dropout and module.training:
@@ -88,7 +98,7 @@ def _unsupported(module, attention_mask, dropout, key, kwargs) -> str | None:
     if kwargs.get("softcap") is not None:
         return "logit soft-capping"
     window = kwargs.get("sliding_window")
-    if window is not None and key.shape[2] > window:
+    if window is not None and kv_len > window:
         return "a sliding-window mask"
     if kwargs.get("output_attentions"):
         return "output_attentions=True"
@@ -105,6 +115,26 @@ def _register(base: str) -> str:
     return key
 
 
+def _wrapped_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """The attention function of a model under wrap_attention: the module's `attend` on the shared layout."""
+    attend = getattr(module, ATTEND_ATTR, None)
+    if attend is None:
+        raise UnsupportedModelError(f"{type(module).__name__}: attention key {WRAPPED_KEY!r} on a module "
+                                    "wrap_attention did not wrap")
+    call = AttentionCall(layer=module.layer_idx, route=getattr(module, ROUTE_ATTR, None),
+                         causal=_causal(module, kwargs), scale=scaling,
+                         unsupported=lambda kv_len: _unsupported(module, attention_mask, dropout, kv_len, kwargs))
+    out = attend(query, key, value, call)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register_wrapped() -> None:
+    if WRAPPED_KEY not in ALL_ATTENTION_FUNCTIONS:
+        AttentionInterface.register(WRAPPED_KEY, _wrapped_attention)
+        # sdpa-style masks: None for plain causal attention without padding
+        AttentionMaskInterface.register(WRAPPED_KEY, sdpa_mask)
+
+
 class HFAttentionInterfaceFamily:
     name = "hf"
     summary = ("transformers models dispatching through AttentionInterface "
@@ -115,6 +145,10 @@ class HFAttentionInterfaceFamily:
 
     def num_layers(self, model) -> int:
         return len({m.layer_idx for m in _attention_modules(model)})
+
+    def attention_heads(self, model) -> tuple[int, int]:
+        hq = model.config.num_attention_heads
+        return hq, getattr(model.config, "num_key_value_heads", None) or hq
 
     def install(self, model, routes: list[LayerRoute]) -> None:
         base = model.config._attn_implementation or "eager"
@@ -144,6 +178,23 @@ class HFAttentionInterfaceFamily:
                 delattr(m, ROUTE_ATTR)
         model.set_attn_implementation(model._longpatch_base_impl)
         del model._longpatch_base_impl
+
+    def wrap_attention(self, model, attend) -> None:
+        if UNWRAPPED_ATTR in vars(model):
+            raise UnsupportedModelError("the model's attention is already wrapped; unwrap it first")
+        _register_wrapped()
+        before = model.config._attn_implementation
+        model.set_attn_implementation(WRAPPED_KEY)
+        setattr(model, UNWRAPPED_ATTR, before)
+        for m in _attention_modules(model):
+            setattr(m, ATTEND_ATTR, attend)
+
+    def unwrap_attention(self, model) -> None:
+        if UNWRAPPED_ATTR not in vars(model):
+            return
+        for m in _attention_modules(model):
+            vars(m).pop(ATTEND_ATTR, None)
+        model.set_attn_implementation(vars(model).pop(UNWRAPPED_ATTR))
 
 
 HF = register_family(HFAttentionInterfaceFamily())

@@ -4,7 +4,7 @@
 each rank holding a contiguous slice of the sequence. Prefill / scoring only.
 """
 from .model import SequenceParallel, sequence_parallel
-from .ulysses import couples_group, head_plan, kv_heads_for, layout, ulysses, ulysses_attention
+from .ulysses import head_plan, kv_heads_for, layout, ulysses, ulysses_attention
 
-__all__ = ["SequenceParallel", "couples_group", "head_plan", "kv_heads_for", "layout", "sequence_parallel", "ulysses",
+__all__ = ["SequenceParallel", "head_plan", "kv_heads_for", "layout", "sequence_parallel", "ulysses",
            "ulysses_attention"]

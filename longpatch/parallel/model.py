@@ -3,10 +3,11 @@
 Each rank calls the model on its contiguous slice of the sequence (`sp.shard(input_ids)`); the
 context adds what that needs:
 * position_ids of the slice (its offset comes from one all_gather of the slice lengths per forward);
-* every attention layer through `ulysses`: transformers models via an AttentionInterface key of its
-  own (patched layers keep their LayerRoute: method, min_seq_len, timing; unpatched layers and
+* every attention layer through `ulysses`: the model's family (longpatch.families) wraps its attention
+  layers (`Family.wrap_attention`) so that each call reaches `SequenceParallel.attend` in the shared
+  layout, with the layer's route when patched (method, min_seq_len, timing; unpatched layers and
   unpatched models run longpatch's exact attention, which is the model's own attention up to float
-  rounding), ChatGLM2 via its core attention (as the chatglm2 family does);
+  rounding);
 * `labels=` (this rank's slice of them) gives the loss of the whole sequence on every rank: the last
   position of a slice is scored against the first label of the next slice, and the sum and count of
   the token losses are all_reduce'd.
@@ -24,14 +25,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..errors import ConfigError, UnsupportedModelError
-from ..families.chatglm2 import CHATGLM2, _core_attentions, _groups
-from ..families.hf import HF, ROUTE_ATTR, _attention_modules
-from ..methods.exact import exact_attention
+from ..families import AttentionCall, detect_family
+from ..ops import exact_attention
+from ..patching import REPORT_ATTR
 from .comm import comm_device, gather_ints, world_of
-from .ulysses import couples_group, kv_heads_for, ulysses
+from .ulysses import kv_heads_for, ulysses
 
-SP_KEY = "longpatch_sp"  # the AttentionInterface key of a model under sequence parallelism
-SP_ATTR = "_longpatch_sp"  # the SequenceParallel state on each attention module / the model
+SP_ATTR = "_longpatch_sp"  # the SequenceParallel state on the model
 IGNORE = -100  # label ignored by the loss, as in transformers
 
 _NO_DECODE = ("sequence parallelism runs prefill / scoring only (each rank would cache only its own slice); "
@@ -39,10 +39,10 @@ _NO_DECODE = ("sequence parallelism runs prefill / scoring only (each rank would
 
 
 def _couples(route) -> bool:
-    """Whether this layer's method needs the whole KV group of query heads on one rank (couples_group)."""
+    """Whether this layer's method needs the whole KV group of query heads on one rank (Method.couples_heads)."""
     if route is None or route.method is None:
         return False
-    return couples_group(route.method.name, route.bound.params if route.bound is not None else route.params)
+    return route.method.couples(route.bound.params if route.bound is not None else route.params)
 
 
 def _route_attend(route, causal: bool, scale):
@@ -57,56 +57,6 @@ def _route_attend(route, causal: bool, scale):
             return route.run(path, q, k, v, causal=causal, scale=scale, original=original)
         return route.run(path, q, k, v, causal=causal, scale=scale)
     return attend
-
-
-def _sp_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """The AttentionInterface function of a model under sequence_parallel (shared layout in, [b, n, h, d] out)."""
-    sp: SequenceParallel | None = getattr(module, SP_ATTR, None)
-    if sp is None or sp.seq_lens is None:
-        raise ConfigError(f"attention key {SP_KEY!r} used outside a sequence_parallel forward")
-    if query.shape[2] != key.shape[2]:
-        raise ConfigError(f"got a decode call (q_len {query.shape[2]}, kv_len {key.shape[2]}); {_NO_DECODE}")
-    n = sum(sp.seq_lens)
-    why = None
-    if attention_mask is not None:
-        why = "a padding or custom attention mask"
-    elif dropout and module.training:
-        why = "attention dropout (training mode)"
-    elif kwargs.get("softcap") is not None:
-        why = "logit soft-capping"
-    elif kwargs.get("sliding_window") is not None and n > kwargs["sliding_window"]:
-        why = "a sliding-window mask"
-    elif kwargs.get("output_attentions"):
-        why = "output_attentions=True"
-    if why is not None:
-        raise ConfigError(f"sequence parallelism: layer {getattr(module, 'layer_idx', '?')} got {why}, "
-                          "which it does not support (plain causal or full attention only)")
-    is_causal = kwargs.get("is_causal")
-    causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
-    route = getattr(module, ROUTE_ATTR, None)
-    out = ulysses(query, key, value, _route_attend(route, causal, scaling), group=sp.group, seq_lens=sp.seq_lens,
-                  whole_groups=_couples(route))
-    return out.transpose(1, 2).contiguous(), None
-
-
-class _SPCoreAttention:
-    """ChatGLM2's core attention under sequence parallelism: [seq, b, heads, d] with k/v expanded to
-    all heads in; the groups are un-expanded (every rep-th head, as the chatglm2 family does)."""
-
-    def __init__(self, core, sp: "SequenceParallel", rep: int):
-        self.core, self.sp, self.rep = core, sp, rep
-
-    def __call__(self, query_layer, key_layer, value_layer, attention_mask):
-        if attention_mask is not None or query_layer.shape[0] != key_layer.shape[0]:
-            raise ConfigError(f"chatglm2 layer {self.core.layer_number - 1} got a mask or a KV cache; {_NO_DECODE}")
-        q = query_layer.permute(1, 2, 0, 3)
-        k = key_layer[:, :, ::self.rep].permute(1, 2, 0, 3)
-        v = value_layer[:, :, ::self.rep].permute(1, 2, 0, 3)
-        route = getattr(self.core, "_longpatch_route", None)
-        out = ulysses(q, k, v, _route_attend(route, True, None), group=self.sp.group, seq_lens=self.sp.seq_lens,
-                      whole_groups=_couples(route))
-        sq, b = query_layer.shape[:2]
-        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
 
 
 class _SPForward:
@@ -205,21 +155,33 @@ class SequenceParallel:
         # value: the global mean; gradient: d(local sum)/count, this rank's share
         return (local + (total - local.detach())) / max(count, 1.0)
 
+    # ---- every attention layer's call (Family.wrap_attention)
+    def attend(self, q, k, v, call: AttentionCall) -> torch.Tensor:
+        """One attention layer's call on this rank's slice (shared layout): `ulysses` around its route."""
+        if self.seq_lens is None:
+            raise ConfigError("sequence parallelism: an attention layer ran outside the model's forward "
+                              "under sequence_parallel")
+        if q.shape[2] != k.shape[2]:
+            raise ConfigError(f"got a decode call (q_len {q.shape[2]}, kv_len {k.shape[2]}); {_NO_DECODE}")
+        why = call.unsupported(sum(self.seq_lens))  # the whole sequence's keys, not this slice's
+        if why is not None:
+            raise ConfigError(f"sequence parallelism: layer {call.layer} got {why}, which it does not support "
+                              "(plain causal or full attention only)")
+        route = call.route
+        return ulysses(q, k, v, _route_attend(route, call.causal, call.scale), group=self.group,
+                       seq_lens=self.seq_lens, whole_groups=_couples(route))
+
     # ---- install / uninstall
     def install(self) -> None:
         model = self.model
-        fam = CHATGLM2 if CHATGLM2.matches(model) else HF if HF.matches(model) else None
-        if fam is None:
-            raise UnsupportedModelError(f"sequence_parallel: {type(model).__name__} is neither a transformers model "
-                                        "with AttentionInterface attention nor ChatGLM2")
+        report = getattr(model, REPORT_ATTR, None)
+        fam = report.family if report is not None else detect_family(model)  # the one that patched it, if any
+        if not callable(getattr(fam, "wrap_attention", None)):
+            raise UnsupportedModelError(f"sequence_parallel: the {fam.name!r} family cannot wrap the attention "
+                                        f"of {type(model).__name__} (it has no wrap_attention)")
         if getattr(model, SP_ATTR, None) is not None:
             raise ConfigError("model is already under sequence_parallel")
-        config = model.config
-        hq = config.num_attention_heads
-        if fam is CHATGLM2:
-            hk = _groups(config)
-        else:
-            hk = getattr(config, "num_key_value_heads", None) or hq
+        hq, hk = fam.attention_heads(model)
         kv_heads_for(hq, hk, self.world)  # heads not divisible by the ranks: fail now, not in the first layer
         original_forward = vars(model).get("forward")
         self._saved.append(lambda: _restore(model, "forward", original_forward))
@@ -229,20 +191,8 @@ class SequenceParallel:
         model.generate = _no_generate
         setattr(model, SP_ATTR, self)
         self._saved.append(lambda: delattr(model, SP_ATTR))
-        if fam is CHATGLM2:
-            rep = hq // hk
-            for core in _core_attentions(model):
-                before = vars(core).get("forward")  # the chatglm2 family's routed forward when patched
-                self._saved.append(lambda core=core, before=before: _restore(core, "forward", before))
-                core.forward = _SPCoreAttention(core, self, rep)
-            return
-        _register()
-        before = model.config._attn_implementation
-        model.set_attn_implementation(SP_KEY)
-        self._saved.append(lambda: model.set_attn_implementation(before))
-        for m in _attention_modules(model):
-            setattr(m, SP_ATTR, self)
-            self._saved.append(lambda m=m: delattr(m, SP_ATTR))
+        self._saved.append(lambda: fam.unwrap_attention(model))
+        fam.wrap_attention(model, self.attend)
 
     def uninstall(self) -> None:
         while self._saved:
@@ -255,17 +205,6 @@ def _restore(obj, name: str, value) -> None:
         vars(obj).pop(name, None)
     else:
         setattr(obj, name, value)
-
-
-def _register() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    if SP_KEY not in ALL_ATTENTION_FUNCTIONS:
-        AttentionInterface.register(SP_KEY, _sp_attention)
-        # sdpa-style masks: None for plain causal attention without padding, which is all SP accepts
-        AttentionMaskInterface.register(SP_KEY, sdpa_mask)
 
 
 @contextlib.contextmanager

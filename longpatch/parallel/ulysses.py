@@ -14,10 +14,11 @@ Heads. Rank j gets query heads [j*hq/N, (j+1)*hq/N), so N must divide hq. For K/
 q, k and v travel in ONE all-to-all (packed per destination), the output in a second: two
 collectives per call whatever the GQA case, each moving (N-1)/N of what it carries over the network.
 
-The methods' random draws (hyper's LSH directions and column samples, performer's features, sparse's
-random blocks) are shared by all heads and depend only on the seed and the sequence length, so a head
-subset sees the same draws as the whole: results equal the single-process op, and approximate methods
-too given the same seed (tests/test_parallel.py holds every method to it).
+The methods' random draws (LSH directions, column samples, random features, random blocks) are shared
+by all heads and depend only on the seed and the sequence length, so a head subset sees the same draws
+as the whole: results equal the single-process op, and approximate methods too given the same seed
+(tests/test_parallel.py holds every method to it). A method whose query heads of a KV group depend on
+each other declares it (``Method.couples_heads``); then each rank gets whole groups (head_plan).
 """
 from __future__ import annotations
 
@@ -36,9 +37,9 @@ def head_plan(hq: int, hk: int, world: int, whole_groups: bool = False) -> list[
 
     The local q->kv grouping stays the methods' usual one (local query head i uses local KV head
     i // (local_hq // local_hk)); where that cannot hold, the rank gets one KV copy per query head.
-    whole_groups: the method couples the query heads of a KV group (NSA's and MoBA's shared block
-    selection sum the group's scores), so a rank computes every query head of the groups it touches
-    and keeps its own; only matters when a group spans ranks (the "replicated" layout).
+    whole_groups: the method couples the query heads of a KV group (its ``Method.couples_heads``, e.g. a
+    block selection summing the group's scores), so a rank computes every query head of the groups it
+    touches and keeps its own; only matters when a group spans ranks (the "replicated" layout).
     """
     if hq % world:
         raise ConfigError(f"sequence parallelism: {hq} query heads do not divide over {world} ranks; "
@@ -64,14 +65,6 @@ def kv_heads_for(hq: int, hk: int, world: int) -> list[list[int]]:
     return [kv for _, kv in head_plan(hq, hk, world)]
 
 
-def couples_group(method: str, params: dict) -> bool:
-    """Whether `method` with `params` makes the query heads of a KV group depend on each other.
-
-    NSA always selects blocks per KV group; MoBA with shared_selection too. Every other method treats
-    heads independently (their random draws are shared by all heads, not drawn per head)."""
-    return method == "nsa" or (method == "moba" and bool(params.get("shared_selection")))
-
-
 def layout(hq: int, hk: int, world: int) -> str:
     """'split' (KV heads divided between ranks) or 'replicated' (some KV heads sent to several ranks)."""
     head_plan(hq, hk, world)
@@ -92,7 +85,7 @@ def ulysses(q, k, v, attend: Callable, *, group=None, seq_lens: list[int] | None
     q [b, hq, n_r, d], k [b, hk, n_r, d], v [b, hk, n_r, dv]: this rank's slice (rank order).
     seq_lens: every rank's n_r when the caller knows them (the model context does); None gathers them
     (one small all_gather, which also checks that batch, heads and head dims agree between ranks).
-    whole_groups: see head_plan (True for methods where couples_group holds).
+    whole_groups: see head_plan (True where the method couples a KV group's heads: ``Method.couples``).
     Returns [b, hq, n_r, dv]: this rank's positions, every head.
     """
     rank, world = world_of(group)
@@ -167,4 +160,4 @@ def ulysses_attention(q, k, v, *, method: str = "exact", causal: bool = True, gr
     def attend(qh, kh, vh):
         return bound(qh, kh, vh, causal=causal, scale=scale, backend=backend)
 
-    return ulysses(q, k, v, attend, group=group, seq_lens=seq_lens, whole_groups=couples_group(method, bound.params))
+    return ulysses(q, k, v, attend, group=group, seq_lens=seq_lens, whole_groups=m.couples(bound.params))
