@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import math
 import os
 import time
@@ -49,8 +48,6 @@ from .sweep import (
     resolve_spec,
     run_generations,
 )
-
-log = logging.getLogger("longpatch")
 
 RESULTS_FILE = "results.json"
 CSV_FILE = "results.csv"
@@ -142,9 +139,7 @@ def load_tasks(spec: LongBenchSpec) -> LongBench:
         named = [t for t in split_items("--tasks", spec.tasks, "task names") if t in tasks] \
             if isinstance(spec.tasks, str) else list(tasks)
         lb = load_longbench(spec.data, tasks, strict=spec.strict, e=spec.e, explicit=named)
-        if lb.missing:
-            log.warning("longpatch: %s lacks %d of the requested tasks (%s); evaluating the %d present",
-                        lb.source, len(lb.missing), ", ".join(lb.missing), len(tasks) - len(lb.missing))
+
     limit = spec.max_samples or (DEMO_SAMPLES if spec.data == "demo" else None)
     if limit:
         lb.records = {t: rs[:limit] for t, rs in lb.records.items()}
