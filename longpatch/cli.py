@@ -246,7 +246,7 @@ def demo(
                     "perplexity, attention speed and retrieval vs replaced layers", title_justify="left")
     cols = ["config", "method", "layers", "ppl", "attention s", "speedup"]
     if nd:
-        from .eval.needle import length_label
+        from .eval.needle.prompts import length_label
         cols.append(f"{nd['template']}@{length_label(nd['length'])}")
     for col in cols:
         t.add_column(col, justify="left" if col in ("config", "method") else "right")
@@ -327,7 +327,7 @@ def eval_ppl(
     progress: bool = typer.Option(True, "--progress/--no-progress"),
 ):
     """LongBench perplexity and attention speed for one layer count or a sweep (resumable)."""
-    from .eval.perplexity import run_eval_ppl
+    from .eval.ppl.run import run_eval_ppl
 
     run_eval_ppl(model, layer_counts, layers=sweep_layers(layers, "eval ppl"), config=config, method=method,
                  subsets=subsets, seq_len=seq_len, max_docs=max_docs,
@@ -359,7 +359,7 @@ def eval_needle(
     progress: bool = typer.Option(True, "--progress/--no-progress"),
 ):
     """Needle-in-a-haystack retrieval accuracy per config, layer count, length and depth (resumable)."""
-    from .eval.needle_run import needle, print_results
+    from .eval.needle.run import needle, print_results
 
     results = needle(model, layer_counts, layers=sweep_layers(layers, "eval needle"), config=config, method=method,
                      sets=set_, template=template, lengths=lengths,
@@ -403,7 +403,7 @@ def eval_longbench(
 ):
     """LongBench task scores per config and layer count (the paper's Table 1): official prompts, greedy
     generation and metrics (resumable)."""
-    from .eval.longbench_run import longbench, print_results
+    from .eval.longbench.run import longbench, print_results
 
     results = longbench(model, layer_counts, layers=sweep_layers(layers, "eval longbench"), config=config,
                         method=method, sets=set_, tasks=tasks, e=e,

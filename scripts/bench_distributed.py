@@ -41,8 +41,8 @@ def worker(args) -> None:
     import torch
 
     from longpatch import load_model, patch_model
-    from longpatch.eval.perplexity import _evaluate_document_sp
-    from longpatch.eval.scoring import evaluate_document
+    from longpatch.eval.ppl.run import _evaluate_document_sp
+    from longpatch.eval.ppl.scoring import evaluate_document
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cuda = torch.cuda.is_available()

@@ -1,4 +1,4 @@
-"""The quality–speed frontier of the demo model (issue #27, part 4): needles kept against whole-model
+"""The quality–speed frontier of the demo model: needles kept against whole-model
 prefill speedup, one point per config.
 
 Reads the records of an `eval needle` run (every config at one layer count beside exact attention,

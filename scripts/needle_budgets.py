@@ -1,7 +1,7 @@
 """Needle retrieval against attention budget: each sparse method at growing budgets, exact attention in
 the same run.
 
-Issue #14 asks, for hyper, moba and nsa, for a config that keeps the passkey at 32k tokens with every
+The question, for hyper, moba and nsa: which config keeps the passkey at 32k tokens with every
 layer of the demo model replaced while its attention is faster than exact. This script measures the
 trade-off instead of guessing it: it writes one config per variant below (a bundled demo config with
 some parameters changed, `layers: all`), runs `longpatch eval needle` on them with exact attention
@@ -30,7 +30,7 @@ import yaml
 
 from longpatch.config import load_config, read_config
 from longpatch.errors import ConfigError, LongpatchError
-from longpatch.eval.needle_run import MIN_LENGTH, needle
+from longpatch.eval.needle.run import MIN_LENGTH, needle
 from longpatch.eval.records import removed_on_failure
 
 # name: (bundled demo config, parameter overrides). The first of each method is the bundled config as is

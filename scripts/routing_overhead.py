@@ -1,4 +1,4 @@
-"""What routing costs (issue #26): the whole forward of a model at n tokens, unpatched vs patched
+"""What routing costs: the whole forward of a model at n tokens, unpatched vs patched
 with exact attention in every layer (`method: exact`: the same math, through longpatch's route),
 interleaved repeat by repeat, medians. Timing is off (the default of a patched model), so this is
 the cost a served model pays.

@@ -81,3 +81,12 @@ def test_bench_cli_writes_json_and_plot(tmp_path, one_thread):
     assert [(x["method"], x["mem_mb"], x["params"]["chunk_size"] if x["method"] == "moba" else None) for x in rows] \
         == [("exact", None, None), ("moba", None, 32)]
     assert (tmp_path / "attention_bench.png").stat().st_size > 0
+
+
+def test_params_for_a_method_not_benchmarked_are_refused(tmp_path):
+    from longpatch.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="method_params: 'moba' is not a benchmarked method"):
+        run_attention_bench(methods=("exact", "hyper"), seq_lens=(64,), repeats=1, out_dir=tmp_path / "b",
+                            method_params={"moba": {"topk": 2}}, progress=False, memory=False)
+    assert not (tmp_path / "b").exists()

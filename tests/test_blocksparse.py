@@ -1,4 +1,4 @@
-"""Issue #27: the block-sparse executor and the query-aware (last-queries) selection, each against a
+"""The block-sparse executor and the query-aware (last-queries) selection, each against a
 dense reference written from its definition; causality, GQA, ragged lengths, decode, gradients."""
 import math
 

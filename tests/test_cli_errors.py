@@ -1,4 +1,4 @@
-"""Issue #13, items 7-12: bad input gives one line and exit 2 with nothing half-written; empty evals
+"""Bad input gives one line and exit 2 with nothing half-written; empty evals
 fail; strict YAML; `--save` writes a loadable model; attention stats per path and phase; cosmetics."""
 import json
 import os
@@ -44,7 +44,7 @@ EVAL = ("eval", "ppl", "--model", "tiny:llama", "--tokenizer", "bytes", "--no-pr
         "--subsets", "lcc")
 
 
-# ---- item 7: one line, exit 2, nothing half-written ------------------------------------------------
+# ---- one line, exit 2, nothing half-written ------------------------------------------------
 
 def test_flash_attention_2_without_flash_attn_is_refused_when_the_config_is_built(monkeypatch):
     monkeypatch.setattr("transformers.utils.is_flash_attn_2_available", lambda: False)
@@ -97,7 +97,7 @@ def test_triton_backend_without_cuda_or_interpreter_is_refused_up_front(tmp_path
         longpatch.patch_model(tiny_model("llama"), {"method": "exact", "backend": "triton"})
 
 
-# ---- item 8: an eval that evaluated nothing fails ------------------------------------------------
+# ---- an eval that evaluated nothing fails ------------------------------------------------
 
 @pytest.mark.parametrize("lines, needle", [
     ([], "0 records"),
@@ -142,7 +142,7 @@ def test_missing_local_model_path_says_no_such_directory(tmp_path):
     assert_one_line_error(invoke("apply", "--model", str(missing)), "no such directory", str(missing))
 
 
-# ---- item 9: strict YAML ---------------------------------------------------------------------------
+# ---- strict YAML ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("text, needle", [
     ("", "is empty"),
@@ -159,7 +159,7 @@ def test_yaml_without_method_empty_or_with_duplicate_keys_is_an_error(tmp_path, 
     assert_one_line_error(invoke("apply", "--model", "tiny:llama", "--config", str(p)), needle)
 
 
-# ---- item 10: --save writes a model plain transformers loads ----------------------------------------
+# ---- --save writes a model plain transformers loads ----------------------------------------
 
 def test_save_writes_weights_tokenizer_free_model_and_patch(tmp_path):
     from transformers import AutoModelForCausalLM
@@ -188,7 +188,7 @@ def _umask():
     return mask
 
 
-# ---- item 11: stats per path and phase; speedups within one run ------------------------------------
+# ---- stats per path and phase; speedups within one run ------------------------------------
 
 def test_stats_separate_method_exact_fallback_and_phases():
     model = tiny_model("llama")
@@ -226,7 +226,7 @@ def test_reused_out_computes_speedups_within_one_run_only(tmp_path):
     assert len({r["run_id"] for r in recs}) == 2
 
 
-# ---- item 12: cosmetics ----------------------------------------------------------------------------
+# ---- cosmetics ----------------------------------------------------------------------------
 
 def test_model_names_print_verbatim_not_as_emoji():
     r = invoke("apply", "--model", "tiny:llama", "--method", "exact")
@@ -240,7 +240,7 @@ def test_help_shows_flags_without_a_value():
 
 
 def test_json_errors_name_the_real_column(tmp_path):
-    from longpatch.eval.longbench import load_longbench
+    from longpatch.eval.longbench.data import load_longbench
 
     path = write_jsonl(tmp_path / "lcc.jsonl", ['{"a": ', '{"context": "ab\tc"}', '{"a": 1,, "b": 2}'])
     msgs = [p.message for p in load_longbench(str(path), "lcc").problems]
@@ -294,14 +294,14 @@ def test_demo_refuses_a_bad_needle_option_before_any_work(tmp_path, option, valu
 
 def test_needle_on_a_loaded_model_without_a_tokenizer_fails_at_once(tmp_path):
     # its class name is not a hub id to try (that took ~30 s of retries offline before the error)
-    from longpatch.eval.needle_run import needle
+    from longpatch.eval.needle.run import needle
 
     with pytest.raises(LongpatchError, match="the loaded model comes without a tokenizer"):
         needle(tiny_model("llama"), "0", lengths="256", depths="0.5", trials=1, out=str(tmp_path / "o"), progress=False)
     assert not (tmp_path / "o").exists()
 
 
-# ---- issue #28, items 3-8, 12, 13 -------------------------------------------------------------------
+# ---- options checked before any work -------------------------------------------------------------------
 
 BENCH = {"attention": {"--methods": "exact", "--seq-lens": "64", "--mode": "causal", "--repeats": "1",
                        "--no-memory": None},
@@ -335,7 +335,7 @@ def out_commands(tmp_path):
             "bench decode": bench_argv("decode")}
 
 
-# item 3: an --out that cannot be a directory fails before any work
+# an --out that cannot be a directory fails before any work
 @pytest.mark.parametrize("command", ["eval ppl", "eval needle", "eval longbench", "demo", "bench attention",
                                      "bench decode"])
 def test_out_that_cannot_be_a_directory_fails_before_any_work(tmp_path, no_work, command):
@@ -350,7 +350,7 @@ def test_out_that_cannot_be_a_directory_fails_before_any_work(tmp_path, no_work,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"] and afile.read_text() == "keep"
 
 
-# item 4: bench shapes, counts and --set keys are checked up front and named by their flag
+# bench shapes, counts and --set keys are checked up front and named by their flag
 @pytest.mark.parametrize("which, flag, value", [
     ("attention", "--seq-lens", "0"), ("attention", "--seq-lens", "-5"), ("attention", "--seq-lens", ""),
     ("attention", "--head-dim", "0"), ("attention", "--batch", "0"), ("attention", "--repeats", "0"),
@@ -379,7 +379,7 @@ def test_bench_set_names_a_param_of_a_benchmarked_method(tmp_path, no_work, whic
     assert not out.exists()
 
 
-# item 5: a malformed YAML value in --set
+# a malformed YAML value in --set
 def test_set_with_malformed_yaml_is_one_line(tmp_path, no_work):
     r = invoke("apply", "--model", "tiny:llama", "--method", "hyper", "--set", "block_size=[1")
     assert_one_line_error(r, "--set", "block_size=[1", "YAML")
@@ -388,14 +388,14 @@ def test_set_with_malformed_yaml_is_one_line(tmp_path, no_work):
     assert_one_line_error(r, "--set", "hyper.block_size=[", "YAML")
 
 
-# item 6: digits that str.isdigit accepts but int() does not
+# digits that str.isdigit accepts but int() does not
 @pytest.mark.parametrize("spec", ["²", "1:²", "٣"])
 def test_layers_with_non_ascii_digits_is_one_line(spec):
     assert_one_line_error(invoke("apply", "--model", "tiny:llama", "--layers", spec), "--layers", repr(spec))
     assert_one_line_error(invoke(*EVAL, "--layers", spec, "--data", "x"), "--layers")
 
 
-# item 7: non-finite needle depths
+# non-finite needle depths
 @pytest.mark.parametrize("depths", ["nan", "0.5,inf", "0:inf:0.1", "0:1:nan"])
 def test_needle_non_finite_depths_are_one_line(tmp_path, depths):
     out = tmp_path / "out"
@@ -404,7 +404,7 @@ def test_needle_non_finite_depths_are_one_line(tmp_path, depths):
     assert not out.exists()
 
 
-# item 8: performer's feature count is bounded relative to head_dim (1e6 hung for minutes in QRs)
+# performer's feature count is bounded relative to head_dim (1e6 hung for minutes in QRs)
 @pytest.mark.parametrize("m", [1025, 1000000])
 def test_performer_num_features_is_bounded(tmp_path, m):
     from longpatch.methods.performer import MAX_FEATURES_PER_DIM, performer_attention
@@ -422,7 +422,7 @@ def test_performer_num_features_is_bounded(tmp_path, m):
     assert_one_line_error(r, "num_features", str(m))
 
 
-# item 12: a saved patch directory without its weights
+# a saved patch directory without its weights
 def test_saved_dir_without_its_weights_is_an_error_naming_the_file(tmp_path):
     target = tmp_path / "saved"
     r = invoke("apply", "--model", "tiny:llama", "--method", "exact", "--layers", "1", "--save", str(target))
@@ -433,7 +433,7 @@ def test_saved_dir_without_its_weights_is_an_error_naming_the_file(tmp_path):
         longpatch.from_pretrained(target)
 
 
-# item 13: a directory another command wrote is refused, in one line, before anything in it changes
+# a directory another command wrote is refused, in one line, before anything in it changes
 def test_out_written_by_another_command_is_refused(tmp_path, no_work):
     data = write_jsonl(tmp_path / "lcc.jsonl", [record("d0", "abcdefgh" * 20)])
     out = tmp_path / "out"
@@ -460,7 +460,7 @@ def test_eval_and_other_benches_refuse_a_bench_directory(tmp_path):
     assert invoke(*bench_argv("attention"), "--out", str(out)).exit_code == 0  # its own command may rewrite it
 
 
-# ---- issue #28: a new user's surprises --------------------------------------------------------------
+# ---- a new user's surprises --------------------------------------------------------------
 
 _GEN_ARGS = {"needle": ("--lengths", "256", "--depths", "0.5", "--trials", "1"),
              "longbench": ("--data", "demo", "--max-samples", "1", "--max-length", "256", "--max-new-tokens", "2"),
@@ -469,7 +469,7 @@ _GEN_ARGS = {"needle": ("--lengths", "256", "--depths", "0.5", "--trials", "1"),
 
 @pytest.mark.parametrize("command", ["needle", "longbench", "ppl"])
 def test_every_eval_takes_the_bytes_tokenizer_and_fails_fast_on_an_uncached_hub_id(tmp_path, monkeypatch, command):
-    # item 9: one tokenizer resolution everywhere: 'bytes' is not a hub id, and a hub id that is neither cached
+    # one tokenizer resolution everywhere: 'bytes' is not a hub id, and a hub id that is neither cached
     # nor reachable fails at once, as a model does (needle and longbench spent ~50 s in the hub's retries)
     def no_hub(*a, **k):
         raise AssertionError("AutoTokenizer.from_pretrained was asked")
@@ -487,7 +487,7 @@ def test_every_eval_takes_the_bytes_tokenizer_and_fails_fast_on_an_uncached_hub_
 
 
 def test_list_shows_the_offline_models(monkeypatch):
-    # item 18: the tiny:* models (and demo) are what --model takes without a download; list names them
+    # the tiny:* models (and demo) are what --model takes without a download; list names them
     from longpatch.testing.tiny import BUILDERS
 
     monkeypatch.setenv("COLUMNS", "200")
@@ -498,11 +498,11 @@ def test_list_shows_the_offline_models(monkeypatch):
 
 
 def test_eval_needle_defaults_to_the_demos_template():
-    # item 18: `eval needle` and `longpatch demo` use the same template (passkey) unless told otherwise
+    # `eval needle` and `longpatch demo` use the same template (passkey) unless told otherwise
     import inspect
 
     from longpatch.eval.demo import run_demo
-    from longpatch.eval.needle_run import NeedleSpec
+    from longpatch.eval.needle.run import NeedleSpec
 
     demo_default = inspect.signature(run_demo).parameters["needle_template"].default
     assert demo_default == "passkey" and NeedleSpec().template == demo_default
@@ -511,7 +511,7 @@ def test_eval_needle_defaults_to_the_demos_template():
 
 
 def test_csvs_hold_json_not_python_reprs_and_name_the_exact_rows(tmp_path):
-    # item 17: a CSV cell holding a dict is JSON; the 0-layer rows say method 'exact', not ''
+    # a CSV cell holding a dict is JSON; the 0-layer rows say method 'exact', not ''
     import csv
 
     base = ("--model", "tiny:llama", "--tokenizer", "bytes", "--method", "moba", "--layer-counts", "0,1",
@@ -529,7 +529,7 @@ def test_csvs_hold_json_not_python_reprs_and_name_the_exact_rows(tmp_path):
 
 
 def test_a_method_that_is_exact_for_the_whole_run_is_said_once(tmp_path, caplog):
-    # item 14: MoBA's defaults (chunk 2048, top-4) cover every chunk of the demo's lengths; only the
+    # MoBA's defaults (chunk 2048, top-4) cover every chunk of the demo's lengths; only the
     # method_exact label in the stats showed it
     base = ("--model", "tiny:llama", "--tokenizer", "bytes", "--method", "moba", "--no-progress")
     runs = iter(range(100))

@@ -27,7 +27,7 @@ def test_loads_offline_with_the_promised_shape(demo):
 def test_v2_finds_a_passkey_with_exact_attention(demo, tmp_path):
     """Model v2 retrieves: a prose passkey at 3 depths of a 2048-token held-out haystack (the full 4k-32k
     grid is in the model card; `python scripts/build_demo_model.py --report`)."""
-    from longpatch.eval.needle_run import needle
+    from longpatch.eval.needle.run import needle
     model, tok = demo
     res = needle(model, "0", method="sparse", template="passkey", lengths="2048", depths="0.1,0.5,0.9", trials=1,
                  out=str(tmp_path / "needle"), tokenizer=tok, progress=False, plots=False)

@@ -5,8 +5,8 @@ import zipfile
 import pytest
 
 from longpatch.errors import ConfigError
-from longpatch.eval import longbench
-from longpatch.eval.longbench import CATEGORIES, CATEGORY_OF, SUBSETS, DataError, load_longbench, resolve_subsets
+from longpatch.eval.longbench import data as longbench
+from longpatch.eval.longbench.data import CATEGORIES, CATEGORY_OF, SUBSETS, DataError, load_longbench, resolve_subsets
 
 # A small LongBench-format fixture, shared with test_eval_perplexity.py. Lengths are in UTF-8
 # bytes, so with the byte tokenizer and seq_len 64, "long" documents are kept and "short" ones skipped.

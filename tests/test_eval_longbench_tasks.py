@@ -6,10 +6,10 @@ from pathlib import Path
 import pytest
 
 from longpatch.errors import ConfigError
-from longpatch.eval import longbench_metrics as M
 from longpatch.eval import longbench_score
-from longpatch.eval import longbench_tasks as T
-from longpatch.eval.longbench import code_completion_tasks, load_longbench
+from longpatch.eval.longbench import metrics as M
+from longpatch.eval.longbench import tasks as T
+from longpatch.eval.longbench.data import code_completion_tasks, load_longbench
 
 FIXTURE = Path(__file__).parent / "fixtures" / "longbench_metrics.json"
 

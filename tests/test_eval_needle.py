@@ -6,7 +6,7 @@ from transformers import AutoTokenizer
 
 from longpatch.assets import demo_model_path
 from longpatch.errors import ConfigError, LongpatchError
-from longpatch.eval import needle as N
+from longpatch.eval.needle import prompts as N
 
 
 @pytest.fixture(scope="module")
@@ -226,7 +226,7 @@ def test_bad_template_file_is_one_line(tmp_path):
 
 
 def test_two_processes_give_the_records_of_one(tmp_path):
-    from longpatch.eval.needle_run import needle
+    from longpatch.eval.needle.run import needle
     from longpatch.eval.records import read_records
 
     def records(out):

@@ -18,16 +18,17 @@ import torch.nn.functional as F
 from test_eval_longbench import FIXTURE, KEPT, write_longbench
 
 from longpatch.errors import ConfigError
-from longpatch.eval import perplexity, scoring
-from longpatch.eval.perplexity import run_eval_ppl
-from longpatch.eval.plan import digest
+from longpatch.eval import perplexity
+from longpatch.eval.ppl import scoring
+from longpatch.eval.ppl.plan import digest
+from longpatch.eval.ppl.run import run_eval_ppl
+from longpatch.eval.ppl.scoring import final_hidden_states, model_logits, token_nll
 from longpatch.eval.records import read_records
-from longpatch.eval.scoring import final_hidden_states, model_logits, token_nll
 from longpatch.eval.sweep import RunSpec
 from longpatch.methods.base import _METHODS, Method, register_method
 from longpatch.testing.tiny import tiny_model
 
-ppl_module = sys.modules["longpatch.eval.perplexity"]  # the package exports a function of the same name
+ppl_module = sys.modules["longpatch.eval.ppl.run"]  # the package exports a function of the same name
 SEQ = 64
 FAST = dict(tokenizer="bytes", seq_len=SEQ, progress=False, plots=False, warmup=0)
 
@@ -182,7 +183,7 @@ def test_layer_sweep_repatches_and_reports(data, tmp_path, blur):
     base = {(x["subset"], x["doc_id"]): x for x in records if x["layers"] == 0}
     for c in r["configs"]:
         mine = [x for x in records if x["config_id"] == c["config_id"]]
-        # the median of the documents' paired ratios (issue #28 item 15)
+        # the median of the documents' paired ratios
         want = statistics.median(base[(x["subset"], x["doc_id"])]["attention_seconds"] / x["attention_seconds"]
                                  for x in mine)
         assert c["all"]["attention_speedup"] == pytest.approx(want, rel=1e-9)
@@ -263,7 +264,7 @@ def test_launcher_processes_match_one(data, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    code = ("from longpatch.eval.perplexity import run_eval_ppl; "
+    code = ("from longpatch.eval.ppl.run import run_eval_ppl; "
             f"run_eval_ppl('tiny:llama', '0', data={data!r}, out={str(two)!r}, tokenizer='bytes', "
             f"seq_len={SEQ}, warmup=0, progress=False)")
     procs = [subprocess.Popen([sys.executable, "-c", code], env=dict(
@@ -274,9 +275,9 @@ def test_launcher_processes_match_one(data, tmp_path):
 
 
 def test_configurations_are_timed_side_by_side_and_speedups_are_medians(data, tmp_path):
-    # issue #28 item 15: the demo's speedups contradicted each other under load (the whole forward 4.2x
+    # the demo's speedups contradicted each other under load (the whole forward 4.2x
     # faster, its attention 1.8x): each configuration's documents were timed in a block of their own
-    from longpatch.eval.report import summarize
+    from longpatch.eval.ppl.report import summarize
 
     out = tmp_path / "run"
     perplexity("tiny:llama", "0,1,2", method="moba", data=data, out=str(out), **FAST)

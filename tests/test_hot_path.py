@@ -1,4 +1,4 @@
-"""Issue #26 (the hot path): a decode step's non-finite guard reads only what the step attends, timing
+"""The hot path: a decode step's non-finite guard reads only what the step attends, timing
 is opt-in, ops leave the process-wide thread count alone, and the wheel holds every subpackage."""
 import threading
 import zipfile

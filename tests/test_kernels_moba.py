@@ -14,7 +14,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def _pairs(q, k, chunk, topk, causal, shared=False):
     scale = q.shape[-1] ** -0.5
-    plan = moba_cpu._Plan(q, k, chunk, topk, causal, None, scale, shared)
+    plan = moba_cpu.Plan(q, k, chunk, topk, causal, None, scale, shared)
     return M.selection_pairs(q, k, plan), scale
 
 

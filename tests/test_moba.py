@@ -67,8 +67,8 @@ def test_topk_covering_all_chunks_is_exact(causal, nq, nk):
     ref = exact_attention(q, k, v, causal=causal)
     torch.testing.assert_close(moba_attention(q, k, v, causal=causal, chunk_size=16, topk=6), ref, atol=2e-6, rtol=1e-5)
     # the op short-cuts this case to exact attention; the sparse machinery gives the same answer
-    plan = moba_cpu._Plan(q, k, 16, 6, causal, None, 0.25, False)
-    torch.testing.assert_close(moba_cpu._torch_forward(q, k, v, plan)[0], ref, atol=2e-6, rtol=1e-5)
+    plan = moba_cpu.Plan(q, k, 16, 6, causal, None, 0.25, False)
+    torch.testing.assert_close(moba_cpu.torch_forward(q, k, v, plan)[0], ref, atol=2e-6, rtol=1e-5)
 
 
 def test_topk_one_is_own_chunk_only():

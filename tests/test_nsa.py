@@ -457,7 +457,7 @@ def test_one_token_decode_path_equals_the_windowed_path(g, hk, nk, gates):
     kc, vc = nsa_compress(k, v, compress_block=8, compress_stride=4)
     cfg = SimpleNamespace(scale=8 ** -0.5, nk=nk, l=8, s=4, sb=16, num_selected=4, window=24, init_blocks=1,
                           local_blocks=2, cmp_out=True, need_lse=True)
-    ref_out, ref_lse = nsa_cpu._fast_forward(q, k, v, kc, vc, cfg, nsa_op._check_gates(gt, q))
+    ref_out, ref_lse = nsa_cpu.fast_forward(q, k, v, kc, vc, cfg, nsa_op._check_gates(gt, q))
     torch.testing.assert_close(out, ref_out, atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(lse, ref_lse, atol=2e-6, rtol=1e-5)
     g64 = gt.double() if isinstance(gt, torch.Tensor) else gt

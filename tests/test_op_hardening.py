@@ -1,4 +1,4 @@
-"""Issue #13 ("Wrong results and crashes"): float64 paths, HyperAttention's exactness rule, pickling
+"""Wrong results and crashes: float64 paths, HyperAttention's exactness rule, pickling
 a patched model, argument checks shared by the ops, and NaN/inf isolation."""
 
 import pytest
@@ -30,7 +30,7 @@ def rel(a, b):
     return float((a - b).norm() / b.norm())
 
 
-# ------------------------------------------------------------------- item 1: hyper on float64
+# ------------------------------------------------------------------- hyper on float64
 
 HYPER_APPROX = dict(block_size=8, sample_size=64, min_seq_len=16)  # every key sampled: exact
 
@@ -56,7 +56,7 @@ def test_hyper_float64_gradcheck_with_the_approximation_active(causal):
     assert lse.dtype == torch.float64  # the LSE keeps float64 precision too
 
 
-# ------------------------------------------------------------------- item 2: sparse on float64
+# ------------------------------------------------------------------- sparse on float64
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_sparse_float64_is_computed_in_float64(causal):
@@ -69,7 +69,7 @@ def test_sparse_float64_is_computed_in_float64(causal):
     assert torch.autograd.gradcheck(lambda a, b, c: sparse_attention(a, b, c, **params), small, fast_mode=True)
 
 
-# ------------------------------------------------------------------- item 3: hyper's exactness rule
+# ------------------------------------------------------------------- hyper's exactness rule
 
 def test_hyper_pieces_shorter_than_min_seq_len_are_exact():
     """n = 40, min_seq_len = 16: the square [0, 20) splits into halves of 10 < 16 rows, so it is one
@@ -85,10 +85,10 @@ def test_hyper_pieces_shorter_than_min_seq_len_are_exact():
     assert rel(out, ref[:, :, -8:]) < 1e-6
 
 
-# item 4, pickling a patched model: tests/test_contract.py (every method, llama and chatglm2)
+# pickling a patched model: tests/test_contract.py (every method, llama and chatglm2)
 
 
-# ------------------------------------------------------------------- item 5: argument checks
+# ------------------------------------------------------------------- argument checks
 
 def test_moba_rejects_more_chunk_means_than_full_chunks():
     q, k, v = qkv(70, 70, dtype=torch.float32)
@@ -125,7 +125,7 @@ def test_ops_reject_mixed_dtypes(op, which):
         op(*t)
 
 
-# ------------------------------------------------------------------- item 6: NaN / inf isolation
+# ------------------------------------------------------------------- NaN / inf isolation
 
 CALLS = {
     "exact": lambda q, k, v: exact_attention(q, k, v),

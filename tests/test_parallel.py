@@ -322,7 +322,7 @@ def test_eval_ppl_sequence_parallel_worker_error_is_one_line(tmp_path, monkeypat
 
 def test_token_nll_of_a_one_token_slice_is_empty():
     """The last rank's slice of a short document can hold one token, which predicts nothing."""
-    from longpatch.eval.scoring import token_nll
+    from longpatch.eval.ppl.scoring import token_nll
     from longpatch.testing.tiny import tiny_model
 
     model = tiny_model("llama")

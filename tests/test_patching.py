@@ -172,7 +172,7 @@ def test_chatglm2_loader_compat_fills_missing_config_attributes():
 
 
 def test_save_pretrained_of_a_patched_model_loads_into_the_unpatched_model(tmp_path):
-    """#28 item 11: the method buffers (drawn from the config) are not saved, so a plain HF save of a
+    """The method buffers (drawn from the config) are not saved, so a plain HF save of a
     patched model loads strictly, without an unexpected-keys report."""
     import warnings
 

@@ -1,4 +1,4 @@
-"""Issue #28 item 16: every plot draws a method in the same colour, counts layers in whole numbers, marks 1x on
+"""Every plot draws a method in the same colour, counts layers in whole numbers, marks 1x on
 speedup panels, keeps a one-cell heatmap's title readable, and does not call the demo data LongBench."""
 import matplotlib
 import pytest
@@ -78,7 +78,7 @@ def test_demo_figure_keeps_colours_integer_layers_and_the_1x_line(tmp_path, figu
 
 
 def test_needle_heatmap_of_one_cell_keeps_its_title(tmp_path, figures):
-    from longpatch.eval import needle as N
+    from longpatch.eval.needle import prompts as N
 
     records = [{"config": "demo-moba", "layers": 4, "length": 256, "depth": 0.5, "correct": True}]
     title = "/a/rather/long/path/to/the/shipped/demo_model: demo-moba, 4 layers replaced (passkey)"
@@ -97,8 +97,8 @@ def test_needle_heatmap_of_one_cell_keeps_its_title(tmp_path, figures):
 @pytest.fixture(scope="module")
 def demo_data_runs(tmp_path_factory):
     """eval ppl and eval longbench on --data demo (a tiny model, the byte tokenizer), their plots kept."""
-    from longpatch.eval.longbench_run import longbench
-    from longpatch.eval.perplexity import perplexity
+    from longpatch.eval.longbench.run import longbench
+    from longpatch.eval.ppl.run import perplexity
 
     out = tmp_path_factory.mktemp("plots")
     perplexity("tiny:llama", "0,1", method="moba", data="demo", seq_len=64, max_docs=2, tokenizer="bytes",
@@ -109,7 +109,8 @@ def demo_data_runs(tmp_path_factory):
 
 
 def test_eval_plots_use_the_methods_colour_and_do_not_call_demo_data_longbench(demo_data_runs, figures):
-    from longpatch.eval import longbench_run, report
+    from longpatch.eval.longbench import run as longbench_run
+    from longpatch.eval.ppl import report
 
     report.summarize(demo_data_runs / "ppl")
     longbench_run.summarize(demo_data_runs / "lb")

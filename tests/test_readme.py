@@ -1,4 +1,4 @@
-"""The README's Python snippets run as written (issue #28 item 10), on a tiny model in place of the hub's."""
+"""The README's Python snippets run as written, on a tiny model in place of the hub's."""
 import re
 from pathlib import Path
 

@@ -1,4 +1,4 @@
-"""The seams between the layers (issue #29): sequence parallelism reaches a model only through the
+"""The seams between the layers: sequence parallelism reaches a model only through the
 public family API (longpatch.families) and a method only through the registry and what the method
 declares (longpatch.methods); here its modules are read as source, and each method's declaration
 ``Method.couples_heads`` is held to what the method computes."""
@@ -171,3 +171,55 @@ def test_couples_reads_given_or_resolved_params():
     assert not moba.couples({}) and moba.couples({"shared_selection": True})
     assert moba.couples({"selection": "estimate"}) and moba.couples(moba.resolve_params({"selection": "estimate"}))
     assert available_methods()["nsa"].couples({}) and not available_methods()["exact"].couples({})
+
+
+# ---- the whole package: imports run one way ---------------------------------------------------------
+
+ROOT = Path(longpatch.__file__).parent
+
+
+def _package_imports() -> dict[str, set[tuple[str, str]]]:
+    """module -> {(imported longpatch module, name)} of every import in the package, in functions too."""
+    out: dict[str, set[tuple[str, str]]] = {}
+    for path in ROOT.rglob("*.py"):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        init = parts[-1] == "__init__"
+        module = ".".join(parts[:-1] if init else parts)
+        package = module if init else module.rsplit(".", 1)[0]
+        found = out.setdefault(module, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("longpatch")):
+                found.update((_absolute(node, package), a.name) for a in node.names)
+            elif isinstance(node, ast.Import):
+                found.update((a.name, "") for a in node.names if a.name.startswith("longpatch"))
+    return out
+
+
+def test_no_module_imports_another_modules_private_name():
+    imports = _package_imports()
+    bad = [f"{m} imports {name} from {target}" for m, found in imports.items() for target, name in found
+           if name.startswith("_") and not name.startswith("__") and target != m
+           and f"{target}.{name}" not in imports]  # `from . import _module` is a module, not a name
+    assert not bad, bad
+
+
+def test_no_import_cycle_in_the_package():
+    imports = _package_imports()
+    graph = {m: {f"{t}.{n}" if f"{t}.{n}" in imports else t for t, n in found} - {m} for m, found in imports.items()}
+    state: dict[str, int] = {}
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for t in sorted(graph.get(m, ())):
+            if t not in graph:
+                continue
+            # a package's __init__ importing its own submodules is how packages are built, not a cycle
+            if state.get(t) == 1 and not m.startswith(t + "."):
+                raise AssertionError(" -> ".join(path[path.index(t):] + [t]) if t in path else f"{m} -> {t}")
+            if t not in state:
+                visit(t, path + [t])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])

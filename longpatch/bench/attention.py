@@ -104,7 +104,7 @@ def peak_memory_mb(method: str, params: dict, n: int, causal: bool, heads: int, 
         return None
 
 
-def _status_kb(field: str) -> int:
+def status_kb(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
             return int(line.split()[1])
@@ -116,10 +116,10 @@ def _memory_worker(job_json: str) -> None:
     call, _ = _caller(job["method"], job["params"], job["head_dim"])
     q, k, v = _inputs(job["batch"], job["heads"], job["n"], job["head_dim"], DTYPES[job["dtype"]],
                       kv_heads=job.get("kv_heads"))
-    before = _status_kb("VmRSS")
+    before = status_kb("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to the current RSS
     _fwd(call, q, k, v, job["causal"])
-    peak = _status_kb("VmHWM")
+    peak = status_kb("VmHWM")
     print(json.dumps({"mem_mb": max(0, peak - before) / 1024}))
 
 

@@ -27,8 +27,8 @@ def torch_dtype(name: str) -> torch.dtype:
 def check_options(command: str, out_dir, lens_flag: str, lens, method_params: dict, benchmarked, *,
                   heads, kv_heads, head_dim, batch, repeats) -> int:
     """The checks every bench makes before any work, each error naming the CLI flag: the lengths
-    (`lens_flag`), sizes and counts are ints >= 1, kv_heads divides heads, every --set names a
-    benchmarked method, and `out_dir` can be this command's output directory. Returns kv_heads
+    (`lens_flag`), sizes and counts are ints >= 1, kv_heads divides heads, method_params names only
+    benchmarked methods, and `out_dir` can be this command's output directory. Returns kv_heads
     (default: heads)."""
     from ..outdir import check_out
 
@@ -42,9 +42,8 @@ def check_options(command: str, out_dir, lens_flag: str, lens, method_params: di
         raise ConfigError(f"--kv-heads: got {kv_heads!r}; allowed: a divisor of --heads ({heads})")
     stray = [m for m in method_params if m not in benchmarked]
     if stray:
-        key = f"{stray[0]}.{next(iter(method_params[stray[0]]), 'PARAM')}"
-        raise ConfigError(f"--set {key}: {stray[0]!r} is not a benchmarked method (see --methods), so it would be "
-                          f"ignored; allowed: {', '.join(f'{m}.PARAM=VALUE' for m in benchmarked) or 'none'}")
+        raise ConfigError(f"method_params: {stray[0]!r} is not a benchmarked method, so its params would be "
+                          f"ignored; allowed: {', '.join(benchmarked) or 'none'}")
     check_out(out_dir, command)
     return kv_heads
 

@@ -35,7 +35,7 @@ from typing import Sequence
 import torch
 
 from ..errors import ConfigError, check_int
-from ..eval.needle import filler_texts
+from ..eval.needle.prompts import filler_texts
 from ..eval.records import removed_on_failure
 from ..eval.sweep import (
     Point,
@@ -63,7 +63,7 @@ CSV_COLUMNS = ["config", "method", "layers", "context", "new_tokens", "ttft_s", 
 
 def parse_contexts(spec: "str | Sequence[int]") -> list[int]:
     """'8192,16384' or a list -> sorted distinct prompt lengths, as eval needle's --lengths (each >= 64)."""
-    from ..eval.needle_run import parse_lengths
+    from ..eval.needle.run import parse_lengths
 
     return parse_lengths(spec, "--contexts")
 
@@ -84,13 +84,13 @@ class PeakMemory:
     def __enter__(self):
         gc.collect()
         self.resettable = _reset_rss_peak()
-        self.start_kb = _status_kb("VmRSS")
+        self.start_kb = status_kb("VmRSS")
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         return self
 
     def __exit__(self, *exc):
-        peak_kb = _status_kb("VmHWM") if self.resettable else None
+        peak_kb = status_kb("VmHWM") if self.resettable else None
         if peak_kb is None:  # ru_maxrss: KiB on Linux, the peak of the whole process so far
             peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         self.peak_rss_mib = peak_kb / 1024
@@ -108,9 +108,9 @@ def _reset_rss_peak() -> bool:
         return False
 
 
-def _status_kb(field: str) -> int | None:
+def status_kb(field: str) -> int | None:
     try:
-        from .attention import _status_kb as read
+        from .attention import status_kb as read
         return read(field)
     except (OSError, KeyError):
         return None
@@ -201,7 +201,7 @@ def prompt_ids(tokenizer, loaded_tokenizer, model, model_name: str, texts: list[
                trust_remote_code: bool = False) -> list[int]:
     """The first `length` token ids of the filler texts (needle.filler_texts: documents joined by blank
     lines, repeated when shorter), tokenized as eval ppl does (tokenizer 'bytes' for tiny:* models)."""
-    from ..eval.scoring import make_encoder, vocab_size
+    from ..eval.ppl.scoring import make_encoder, vocab_size
     from ..loading import resolve_tokenizer
 
     vocab = vocab_size(model)

@@ -1,18 +1,18 @@
-"""Evaluation: LongBench perplexity (the HyperAttention paper's protocol) and needle-in-a-haystack
-retrieval, with layer sweeps, timing, resumable output and several processes.
+"""Evaluation: one subpackage per evaluation over one shared runner.
 
-`longpatch.eval.perplexity(...)` is the Python twin of `longpatch eval ppl`, `longpatch.eval.needle_run.needle(...)`
-that of `longpatch eval needle`, `longpatch.eval.longbench_run.longbench(...)` that of `longpatch eval longbench`
-(LongBench task scores; `longbench_score` is LongBench's scorer). Modules: sweep (model, configurations, layer
-counts, RunSpec), launch (processes), records (records*.jsonl, atomic writes), scoring and plan and report
-(perplexity's token losses, documents, results), needle and needle_run (the needle protocol and its run),
-longbench (data), longbench_tasks, longbench_metrics and longbench_run (the task-score protocol, metrics and
-run), demo (the offline demo job).
+- `ppl/`: LongBench perplexity, the HyperAttention paper's protocol (`longpatch eval ppl`,
+  `longpatch.eval.perplexity(...)`);
+- `needle/`: needle-in-a-haystack retrieval (`longpatch eval needle`, `longpatch.eval.needle.needle(...)`);
+- `longbench/`: LongBench task scores and LongBench's data (`longpatch eval longbench`,
+  `longpatch.eval.longbench.longbench(...)`; `longbench_score` is LongBench's scorer);
+- the runner they share: `sweep.py` (RunSpec, the layer-count sweep, resolving and loading once, the
+  patch-run-unpatch loop), `launch.py` and `worker.py` (processes), `records.py` (records*.jsonl,
+  plan.json, resume); `demo.py` is the offline demo job.
 """
-from .longbench import CATEGORIES, SUBSETS, DataError, load_longbench
-from .longbench_metrics import longbench_score
-from .perplexity import perplexity
-from .report import summarize
+from .longbench.data import CATEGORIES, SUBSETS, DataError, load_longbench
+from .longbench.metrics import longbench_score
+from .ppl.report import summarize
+from .ppl.run import perplexity
 from .sweep import RunSpec
 
 __all__ = ["CATEGORIES", "SUBSETS", "DataError", "RunSpec", "load_longbench", "longbench_score", "perplexity",

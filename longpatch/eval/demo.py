@@ -7,7 +7,7 @@ from pathlib import Path
 from ..assets import EVAL_MIN_TOKENS, demo_model_path
 from ..errors import ConfigError, LongpatchError, check_int
 from ..outdir import check_out, claim_out, write_json
-from .needle import DEFAULT_TEMPLATE as NEEDLE_TEMPLATE
+from .needle.prompts import DEFAULT_TEMPLATE as NEEDLE_TEMPLATE
 
 
 def long_context_report(model, tokenizer, docs: list[str], seq_len: int = 4096, short: int = 256,
@@ -43,7 +43,7 @@ def long_context_report(model, tokenizer, docs: list[str], seq_len: int = 4096, 
             "late_short_context": torch.cat(late_short).mean().item()}
 
 
-# The query-aware configs (issue #27), shown next to their method's paper-default config. Not
+# The query-aware configs, shown next to their method's paper-default config. Not
 # `demo-hyper-32k`: with exact 4096-token leaves it is exact attention at the demo's 4096 tokens.
 QUERY_AWARE = ("demo-moba-32k", "demo-nsa-32k")
 
@@ -87,8 +87,8 @@ def run_demo(layer_counts: str = "0:4:1", max_docs: int = 6, out: str = "runs/de
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .needle_run import needle
-    from .perplexity import perplexity
+    from .needle.run import needle
+    from .ppl.run import perplexity
 
     check_out(out, COMMAND)  # before minutes of work
     path = demo_model_path()
@@ -126,8 +126,8 @@ def run_demo(layer_counts: str = "0:4:1", max_docs: int = 6, out: str = "runs/de
 def _check_needle_options(tok, length: int, template: str, depths: str, trials: int) -> None:
     """Plan the needle prompts now, so that a bad --needle-* option fails at once (naming the demo's own
     flag) rather than after the minutes of perplexity that come first."""
-    from . import needle as N
-    from .needle_run import MIN_LENGTH, plan_trials
+    from .needle import prompts as N
+    from .needle.run import MIN_LENGTH, plan_trials
 
     def check(flag: str, fn):
         try:

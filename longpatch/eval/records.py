@@ -10,6 +10,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from ..errors import LongpatchError
+
 log = logging.getLogger("longpatch")
 
 INTERRUPTED = "longpatch: interrupted; finished work is saved in %s: run the same command again to resume"
@@ -81,3 +83,27 @@ def removed_on_failure(out: Path, keep_if_existed: bool):
         if not keep_if_existed and out.is_dir() and not any(f.stat().st_size for f in out.glob("records*.jsonl")):
             shutil.rmtree(out, ignore_errors=True)
         raise
+
+
+PLAN_FILE = "plan.json"
+
+
+def read_plan(out: Path) -> dict:
+    """The plan.json an evaluation wrote into `out` before its work: what it evaluates, for the report."""
+    try:
+        return json.loads((Path(out) / PLAN_FILE).read_text())
+    except (OSError, ValueError) as e:
+        raise LongpatchError(f"{Path(out) / PLAN_FILE}: cannot read the evaluation plan ({e}); run the evaluation "
+                             "first") from None
+
+
+def seconds_by_path(records: list[dict]) -> dict[str, dict[str, dict[str, float]]]:
+    """{side: {phase: {path: seconds}}} summed over the records' layer stats (model.longpatch.breakdown())."""
+    by_path: dict[str, dict[str, dict[str, float]]] = {}
+    for r in records:
+        for side, phases in r["attention"].items():
+            for phase, paths in phases.items():
+                for path, s in paths.items():
+                    into = by_path.setdefault(side, {}).setdefault(phase, {})
+                    into[path] = into.get(path, 0.0) + s["seconds"]
+    return by_path

@@ -330,3 +330,8 @@ def labelled_points(prep: Prepared, spec: RunSpec, n_layers: int, identity: dict
                 p.config = "exact" if p.layers == 0 else label
                 points.append((p.config, p))
     return points
+
+
+def input_device(model):
+    """The device a model takes its input ids on (its first parameter's)."""
+    return next(model.parameters()).device

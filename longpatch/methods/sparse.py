@@ -1,4 +1,4 @@
-"""Position-based sparse attention (seed 004; Longformer / BigBird style), training-free.
+"""Position-based sparse attention (Longformer / BigBird style), training-free.
 
 A query at absolute position p (queries are the last q_len positions, bottom-right) attends to the
 UNION of these key sets, with one exact softmax over the union (a key in two sets counts once):

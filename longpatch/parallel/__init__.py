@@ -1,4 +1,4 @@
-"""Sequence parallelism on torch.distributed (seed 002 section 10.4; docs/distributed.md).
+"""Sequence parallelism on torch.distributed (docs/distributed.md).
 
 ``ulysses_attention``: the op on this rank's slice of q/k/v; ``sequence_parallel``: a whole model,
 each rank holding a contiguous slice of the sequence. Prefill / scoring only.

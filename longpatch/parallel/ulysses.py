@@ -1,4 +1,4 @@
-"""Ulysses (all-to-all) sequence-parallel attention, seed 002 section 10.4.
+"""Ulysses (all-to-all) sequence-parallel attention (DeepSpeed-Ulysses).
 
 Each of N ranks holds a contiguous slice of the sequence, all heads: q [b, hq, n_r, d], k/v
 [b, hk, n_r, d]. One all-to-all turns that into all positions for a 1/N share of the heads; there

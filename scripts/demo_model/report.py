@@ -123,7 +123,7 @@ def needle_report(out: Path, templates: str, lengths: str, depths: str, trials: 
     """Run `longpatch eval needle` (exact attention) on the model in `out` for each template and record
     its accuracy per length in training.json and the model card (one template per call is fine: the
     others' figures are kept; each run resumes in work/<template>)."""
-    from longpatch.eval.needle_run import needle
+    from longpatch.eval.needle.run import needle
 
     facts = json.loads((out / "training.json").read_text())
     report = facts.get("needle") or {}

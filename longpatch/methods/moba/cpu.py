@@ -61,7 +61,7 @@ def _means_for(k1: torch.Tensor, C: int, needed: int, given: torch.Tensor | None
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
-def _prefix_means(k: torch.Tensor, C: int, count: int, given: torch.Tensor | None) -> torch.Tensor:
+def prefix_means(k: torch.Tensor, C: int, count: int, given: torch.Tensor | None) -> torch.Tensor:
     """Means [b, hk, count, d] of the first ``count`` full chunks: ``given`` as far as it goes, the
     rest computed from the keys."""
     have = 0 if given is None else min(given.shape[2], count)
@@ -71,8 +71,8 @@ def _prefix_means(k: torch.Tensor, C: int, count: int, given: torch.Tensor | Non
     return rest if have == 0 else torch.cat([given[:, :, :have].to(rest.dtype), rest], dim=2)
 
 
-def _select(qw: torch.Tensor, means: torch.Tensor, pos: torch.Tensor, C: int, topk: int, scale: float,
-            causal: bool, shared: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def select_chunks(qw: torch.Tensor, means: torch.Tensor, pos: torch.Tensor, C: int, topk: int, scale: float,
+                  causal: bool, shared: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The gate, for one window of query positions of one or more KV groups.
 
     qw [..., g, m, d] (the g query heads of a KV group); means [..., nc, d]; pos [m] absolute
@@ -193,7 +193,7 @@ def _own_tiles(p0: int, p1: int, nk: int, C: int, causal: bool, heads: int, devi
 
 # --------------------------------------------------------------------------- the torch path
 
-class _Plan:
+class Plan:
     """Windows of query positions and the gate means of every (batch, KV head)."""
 
     def __init__(self, q, k, C, topk, causal, chunk_means, scale, shared):
@@ -221,7 +221,7 @@ class _Plan:
         return _means_for(k[bi, hi], self.C, self.nc, given)
 
 
-def _torch_forward(q, k, v, plan: _Plan):
+def torch_forward(q, k, v, plan: Plan):
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=acc_dtype(q.dtype), device=q.device)
     g, C = plan.g, plan.C
@@ -233,7 +233,7 @@ def _torch_forward(q, k, v, plan: _Plan):
             for a, e in plan.windows:
                 qw = q[bi, heads, a:e]
                 pos = torch.arange(a + plan.off, e + plan.off, device=q.device)
-                own, other = _select(qw, means, pos, C, plan.topk, plan.scale, plan.causal, plan.shared)
+                own, other = select_chunks(qw, means, pos, C, plan.topk, plan.scale, plan.causal, plan.shared)
                 o_own, l_own = _own_attention(qw, k1, v1, a + plan.off, C, plan.causal, plan.scale)
                 o, l = row_sparse_attention(qw, k1, v1, other, pos, C, plan.scale, extra=(o_own, l_own),
                                             causal=plan.causal)
@@ -256,7 +256,7 @@ def _block_grads(qb, kb, vb, dob, lseb, deltab, scale, mask=None):
     return dq, dk, dv
 
 
-def _torch_backward(q, k, v, out, lse, dout, dlse, plan: _Plan):
+def _torch_backward(q, k, v, out, lse, dout, dlse, plan: Plan):
     acc = acc_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=q.device)
@@ -278,7 +278,8 @@ def _torch_backward(q, k, v, out, lse, dout, dlse, plan: _Plan):
                 dw = delta_all[bi, heads, a:e]
                 dqw = dq[bi, heads, a:e]
                 pos = torch.arange(a + plan.off, e + plan.off, device=q.device)
-                _, other = _select(q[bi, heads, a:e], means, pos, C, plan.topk, plan.scale, plan.causal, plan.shared)
+                _, other = select_chunks(q[bi, heads, a:e], means, pos, C, plan.topk, plan.scale, plan.causal,
+                                         plan.shared)
                 pos0 = a + plan.off
                 tiles = _own_tiles(max(pos0, 0), e + plan.off, plan.nk, C, plan.causal, g, q.device)
                 for t0, t1, k0, kend, mask in tiles:
@@ -311,10 +312,10 @@ def _torch_backward(q, k, v, out, lse, dout, dlse, plan: _Plan):
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-class _MobaTorch(torch.autograd.Function):
+class MobaTorch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan):
-        out, lse = _torch_forward(q, k, v, plan)
+        out, lse = torch_forward(q, k, v, plan)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan = plan
         return out, lse
@@ -344,7 +345,7 @@ def _gate_one(q, means, scale: float, shared: bool, topk: int):
     return torch.topk(key, kk, dim=-1, sorted=True).indices
 
 
-def _decode_one(q, k, v, means, C: int, topk: int, scale: float, shared: bool):
+def decode_one(q, k, v, means, C: int, topk: int, scale: float, shared: bool):
     """One causal query per head (q_len = 1) against the cache, all heads at once: the gate, then
     attention to the selected chunks and the own (partial) chunk. Reads topk*C keys per head whatever
     the cache length (plus n/C chunk means for the gate)."""
@@ -371,7 +372,7 @@ def _decode_one(q, k, v, means, C: int, topk: int, scale: float, shared: bool):
 
 
 def _decode_views(q, k, v, sel, own: int, C: int, scale: float):
-    """``_decode_one``'s attention on views of the cache (``attend_spans``): per selection group its
+    """``decode_one``'s attention on views of the cache (``attend_spans``): per selection group its
     own chunk and its picks, touching chunks joined into one call. Measured with the cache out of
     the CPU caches (a 32k cache, 2 KV heads, 4 query heads, chunk 512, top-4): 1.7 ms against
     3.3 ms gathering the chunks first, and 7.4 ms for exact attention."""

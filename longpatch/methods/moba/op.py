@@ -15,17 +15,17 @@ from ..selection import SCORINGS, check_estimate_args, decode_kept, prefill_bloc
 from .cpu import (
     DEFAULT_CHUNK_SIZE,
     DEFAULT_TOPK,
-    _decode_one,
-    _MobaTorch,
-    _Plan,
-    _prefix_means,
-    _select,
-    _torch_forward,
+    MobaTorch,
+    Plan,
+    decode_one,
+    prefix_means,
+    select_chunks,
+    torch_forward,
 )
 
 # --------------------------------------------------------------------------- the triton path
 
-def selection_pairs(q, k, plan: _Plan):
+def selection_pairs(q, k, plan: Plan):
     """Every (query row, selected chunk) pair, own chunk included, sorted by (batch, KV head, chunk):
     the work list of the block-sparse kernel. Returns a dict of int64 tensors:
     row [P] (flat index into q viewed [b*hq*nq]), slot [P] (0 = own, 1.. past), pos [P] (absolute
@@ -40,7 +40,7 @@ def selection_pairs(q, k, plan: _Plan):
                 m = e - a
                 qw = q[bi, hi * g:(hi + 1) * g, a:e]
                 pos = torch.arange(a + plan.off, e + plan.off, device=q.device)
-                own, other = _select(qw, means, pos, C, plan.topk, plan.scale, plan.causal, plan.shared)
+                own, other = select_chunks(qw, means, pos, C, plan.topk, plan.scale, plan.causal, plan.shared)
                 sel = torch.cat([own.view(1, m, 1).expand(g, m, 1), other.expand(g, m, other.shape[-1])], dim=-1)
                 ns = sel.shape[-1]
                 flat = sel.reshape(-1)
@@ -72,7 +72,7 @@ def _segments(row, slot, chunk, kv, C: int, nk: int, nq: int, off: int):
             "seg_k0": seg_chunk * C, "seg_k1": torch.clamp(seg_chunk * C + C, max=nk)}
 
 
-def _triton_path(q, k, v, plan: _Plan):
+def _triton_path(q, k, v, plan: Plan):
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     with torch.no_grad():
         pairs = selection_pairs(q, k, plan)
@@ -187,14 +187,14 @@ def moba_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
         return exact_attention(q, k, v, causal=causal, scale=scale, return_lse=return_lse, backend=backend)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if nq == 1 and causal and backend == "torch" and not needs_grad:
-        means = _prefix_means(k, chunk_size, (k.shape[2] - 1) // chunk_size, chunk_means)
-        out, lse = _decode_one(q, k, v, means, chunk_size, topk, scale, shared_selection)
+        means = prefix_means(k, chunk_size, (k.shape[2] - 1) // chunk_size, chunk_means)
+        out, lse = decode_one(q, k, v, means, chunk_size, topk, scale, shared_selection)
         return (out, lse.float()) if return_lse else out
-    plan = _Plan(q, k, chunk_size, topk, causal, chunk_means, scale, shared_selection)
+    plan = Plan(q, k, chunk_size, topk, causal, chunk_means, scale, shared_selection)
     if backend == "triton":
         out, lse = _triton_path(q, k, v, plan)
     elif needs_grad:
-        out, lse = _MobaTorch.apply(q, k, v, plan)
+        out, lse = MobaTorch.apply(q, k, v, plan)
     else:
-        out, lse = _torch_forward(q, k, v, plan)
+        out, lse = torch_forward(q, k, v, plan)
     return (out, lse.float()) if return_lse else out

@@ -12,14 +12,14 @@ from ..common import (
 
 DEFAULTS = dict(compress_block=32, compress_stride=16, select_block=64, num_selected=16, window=512,
                 init_blocks=1, local_blocks=2)
-DEFAULT_GATES = (1 / 3, 1 / 3, 1 / 3)  # the op's neutral default (issue #7's API)
+DEFAULT_GATES = (1 / 3, 1 / 3, 1 / 3)  # the op's neutral default: every branch weighted alike
 # Training-free patching of a pretrained model: the mean-pooled compressed branch only ranks the
 # selection blocks; mixing its blurred output in costs perplexity (docs/nsa.md, measured).
 TRAINING_FREE_GATES = (0.0, 0.75, 0.25)
 
 # --------------------------------------------------------------------------- parameters
 
-def _check_params(compress_block, compress_stride, select_block, num_selected, window, init_blocks, local_blocks):
+def check_params(compress_block, compress_stride, select_block, num_selected, window, init_blocks, local_blocks):
     """One-line ValueErrors for bad block parameters."""
     for name, val, low in (("compress_block", compress_block, 1), ("compress_stride", compress_stride, 1),
                            ("select_block", select_block, 1), ("num_selected", num_selected, 1),
@@ -39,7 +39,7 @@ def num_compressed(kv_len: int, compress_block: int, compress_stride: int) -> in
     return 0 if kv_len < compress_block else (kv_len - compress_block) // compress_stride + 1
 
 
-def _visible_cmp(pos: torch.Tensor, l: int, s: int) -> torch.Tensor:
+def visible_cmp(pos: torch.Tensor, l: int, s: int) -> torch.Tensor:
     """Compressed blocks visible at absolute positions pos: count of i with i*s + l - 1 <= t."""
     return torch.where(pos >= l - 1, torch.div(pos - (l - 1), s, rounding_mode="floor") + 1, torch.zeros_like(pos))
 
@@ -68,7 +68,7 @@ def nsa_compress(k: torch.Tensor, v: torch.Tensor, *, compress_block: int = 32, 
     return pool(k), pool(v)
 
 
-def _force_and_mask(imp: torch.Tensor, pos: torch.Tensor, sb: int, init_blocks: int, local_blocks: int):
+def force_and_mask(imp: torch.Tensor, pos: torch.Tensor, sb: int, init_blocks: int, local_blocks: int):
     """imp [..., r, ns] float32: forced blocks (first init_blocks, and the local_blocks ending with
     the own block) -> +inf; blocks starting after the query -> -inf."""
     ns = imp.shape[-1]

@@ -16,7 +16,7 @@ from ..common import (
     run_units,
 )
 from ..cpu_flash import additive_mask, flash_lse, hide_empty
-from .blocks import _force_and_mask, _visible_cmp, topk_blocks
+from .blocks import force_and_mask, topk_blocks, visible_cmp
 
 # Bounds of temporaries: score elements per block of rows of the compressed GEMM,
 # (row, block) pair elements and (row, selection block) scores per window of rows, rows per window
@@ -133,7 +133,7 @@ def _compressed_select(qw, kc, vc, pos, cfg, ws=None):
     lse = torch.full((g, r), float("-inf"), dtype=torch.float32, device=qw.device) if cfg.need_lse else None
     ns = int(pos[-1]) // cfg.sb + 1  # blocks that can hold a key <= the last query
     imp = torch.zeros((r, ns), dtype=torch.float32, device=qw.device)
-    nvis = _visible_cmp(pos, cfg.l, cfg.s)
+    nvis = visible_cmp(pos, cfg.l, cfg.s)
     step = max(1, _CMP_ELEMS // max(1, g * int(nvis[-1])))
     for a in range(0, r, step):
         e = min(r, a + step)
@@ -155,11 +155,11 @@ def _compressed_select(qw, kc, vc, pos, cfg, ws=None):
         if cfg.cmp_out:  # a zero compressed gate (training-free default) needs only the probabilities
             out[:, a:e] = torch.matmul(p.view(-1, nv), vc[:nv]).view(g, e - a, d).to(qw.dtype)
         imp[a:e] = _overlap_sum(p.sum(0, dtype=torch.float32), ns, cfg)
-    imp = _force_and_mask(imp, pos, cfg.sb, cfg.init_blocks, cfg.local_blocks)
+    imp = force_and_mask(imp, pos, cfg.sb, cfg.init_blocks, cfg.local_blocks)
     return out, lse, topk_blocks(imp, cfg.num_selected)
 
 
-def _fast_forward(q, k, v, k_cmp, v_cmp, cfg, gates):
+def fast_forward(q, k, v, k_cmp, v_cmp, cfg, gates):
     """The no-grad CPU path. Returns the gated output and the branch LSEs [b, hq, nq, 3] (None
     unless cfg.need_lse)."""
     b, hq, nq, d = q.shape
@@ -194,7 +194,7 @@ def _fast_forward(q, k, v, k_cmp, v_cmp, cfg, gates):
             idx = idx.masked_fill(idx > (own_blk - cfg.local_blocks)[:, None], -1)
         o_s, l_s = row_sparse_attention(qw, k1, v1, idx.unsqueeze(0), pos, cfg.sb, cfg.scale, local, per_thread.ws)
         o_w, l_w = _window_part(qw, k1, v1, off + a, cfg, local)
-        out[bi, heads, a:e] = _gated_sum((o_c, o_s, o_w), _gate_slice(gates, bi, heads, a, e)).to(q.dtype)
+        out[bi, heads, a:e] = gated_sum((o_c, o_s, o_w), _gate_slice(gates, bi, heads, a, e)).to(q.dtype)
         if lse is not None:
             lse[bi, heads, a:e] = torch.stack([l_c, l_s, l_w], -1)
 
@@ -205,8 +205,8 @@ def _fast_forward(q, k, v, k_cmp, v_cmp, cfg, gates):
     return out, lse
 
 
-def _decode_one(q, k, v, k_cmp, v_cmp, cfg, gates):
-    """``_fast_forward`` for one query per head (q_len = 1, the last position), every batch and KV
+def decode_one(q, k, v, k_cmp, v_cmp, cfg, gates):
+    """``fast_forward`` for one query per head (q_len = 1, the last position), every batch and KV
     head at once: a handful of batched calls instead of the windowed machinery, so a decode step is
     O(compressed + selected + window) tensor work with a fixed, small number of ops (each op costs
     microseconds, about what the step's arithmetic does, so the count matters). The g query heads
@@ -230,7 +230,7 @@ def _decode_one(q, k, v, k_cmp, v_cmp, cfg, gates):
         if cfg.cmp_out:
             o_c = torch.matmul(p.to(q.dtype), v_cmp.to(q.dtype))
         imp[:, :, 0] = _overlap_sum(p.sum(2).view(b * hk, nc), ns, cfg).view(b, hk, ns)
-    # forced blocks (as _force_and_mask for the last position: no block starts after it)
+    # forced blocks (as force_and_mask for the last position: no block starts after it)
     imp[..., :cfg.init_blocks] = float("inf")
     imp[..., max(0, own - cfg.local_blocks + 1):] = float("inf")
     idx = topk_blocks(imp, cfg.num_selected)[:, :, 0]  # ascending, -1 pads at the end
@@ -249,11 +249,11 @@ def _decode_one(q, k, v, k_cmp, v_cmp, cfg, gates):
     o_w, l_w = flash_lse(qg, k[:, :, w0:], v[:, :, w0:], cfg.scale)
     if isinstance(gates, torch.Tensor):
         o_c = torch.zeros_like(qg) if o_c is None else o_c
-        out = _gated_sum((o_c, o_s, o_w), gates.expand(b, hq, 1, 3).reshape(b, hk, g, 3))
+        out = gated_sum((o_c, o_s, o_w), gates.expand(b, hq, 1, 3).reshape(b, hk, g, 3))
     elif o_c is None:  # no compressed output (a zero gate, or no complete block): g_cmp * 0 left out
         out = float(gates[1]) * o_s + float(gates[2]) * o_w
     else:
-        out = _gated_sum((o_c, o_s, o_w), gates)
+        out = gated_sum((o_c, o_s, o_w), gates)
     out = out.to(q.dtype).reshape(b, hq, 1, d)
     if not cfg.need_lse:
         return out, None
@@ -270,7 +270,7 @@ def _gate_slice(gates, bi, heads, a, e):
     return gates
 
 
-def _gated_sum(outs, gates):
+def gated_sum(outs, gates):
     """sum_i gate_i * out_i; gates a 3-tuple of floats or a tensor [..., 3] broadcasting over rows."""
     if isinstance(gates, torch.Tensor):
         return sum(gates[..., i:i + 1].to(o.dtype) * o for i, o in enumerate(outs))

@@ -10,7 +10,7 @@ from ...errors import ConfigError
 from ..base import Method, Param, nonneg_int, one_of, positive_int, register_method
 from ..common import default_scale, window_summaries
 from ..selection import check_stride_config, estimate_params, estimated_pairs, scoring_of
-from .blocks import DEFAULTS, TRAINING_FREE_GATES, _check_params, _visible_cmp, nsa_compress
+from .blocks import DEFAULTS, TRAINING_FREE_GATES, check_params, nsa_compress, visible_cmp
 from .op import SELECTIONS, nsa_attention
 
 # --------------------------------------------------------------------------- decode state and method
@@ -81,7 +81,7 @@ def _pairs(q, k, causal: bool, params: dict) -> int | None:
         scoring = scoring_of(params["selection"], params["estimate_queries"], params["score_stride"])
         return estimated_pairs(q, k, sb, S - 1, params["mass"], scoring, max(0, lb - 1),
                                default_scale(None, q.shape[-1]), params["init_blocks"]) + heads * int(window.sum())
-    cmp = _visible_cmp(t, params["compress_block"], params["compress_stride"])
+    cmp = visible_cmp(t, params["compress_block"], params["compress_stride"])
     selected = torch.where(t // sb + 1 <= S, t + 1, (S - 1) * sb + t % sb + 1)
     shared = torch.clamp(t + 1, max=(lb - 1) * sb + t % sb + 1) if lb > 0 and W >= sb * lb else torch.zeros_like(t)
     return heads * int((cmp + selected + window - shared).sum())
@@ -95,7 +95,7 @@ class _NSAMethod(Method):
         blocks = {n: params[n] for n in ("compress_block", "compress_stride", "select_block", "num_selected", "window",
                                          "init_blocks", "local_blocks")}
         try:
-            _check_params(**blocks)
+            check_params(**blocks)
         except ValueError as e:
             raise ConfigError(f"params of method 'nsa': {e}") from None
         if params["selection"] != "compressed" and params["gates"][0] != 0:

@@ -19,7 +19,7 @@ import math
 import torch
 from torch import nn
 
-from .blocks import DEFAULT_GATES, DEFAULTS, _check_params, num_compressed
+from .blocks import DEFAULT_GATES, DEFAULTS, check_params, num_compressed
 from .op import nsa_attention
 
 
@@ -57,7 +57,7 @@ class NSAAttention(nn.Module):
                  local_blocks: int = DEFAULTS["local_blocks"], gates=DEFAULT_GATES, mlp_hidden: int | None = None,
                  scale: float | None = None):
         super().__init__()
-        _check_params(compress_block, compress_stride, select_block, num_selected, window, init_blocks, local_blocks)
+        check_params(compress_block, compress_stride, select_block, num_selected, window, init_blocks, local_blocks)
         if num_kv_heads < 1 or num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         if len(tuple(gates)) != 3 or not all(0 < float(x) < 1 for x in gates):

@@ -1,7 +1,7 @@
 """NSA, readable: the definitions the fast path and the Triton kernels are tested against (tests
 import them from here). ``nsa_reference`` computes the method from the paper's definitions one
 query position at a time; the four ``*_reference`` primitives (plus ``blocks.topk_blocks``) define
-it batched, and composed (``_compose``) they are the differentiable path."""
+it batched, and composed (``compose``) they are the differentiable path."""
 from __future__ import annotations
 
 import math
@@ -14,7 +14,7 @@ from ..common import (
     group_queries,
 )
 from ..lse_attention import attention_lse_reference
-from .blocks import _force_and_mask, _visible_cmp, topk_blocks
+from .blocks import force_and_mask, topk_blocks, visible_cmp
 
 # Score elements per block of query rows of the references.
 _REF_ELEMS = 1 << 22
@@ -48,7 +48,7 @@ def compressed_attention_reference(q, k_cmp, v_cmp, *, scale, compress_block, co
     outs, lses = [], []
     for s, e in _row_blocks(nq, b * hq * nc):
         pos = torch.arange(kv_len - nq + s, kv_len - nq + e, device=q.device)
-        vis = torch.arange(nc, device=q.device)[None, :] < _visible_cmp(pos, compress_block, compress_stride)[:, None]
+        vis = torch.arange(nc, device=q.device)[None, :] < visible_cmp(pos, compress_block, compress_stride)[:, None]
         p, lse = _softmax_parts(torch.matmul(qg[:, :, :, s:e], kc.transpose(-1, -2)) * scale, vis)
         outs.append(torch.matmul(p, vc))
         lses.append(lse)
@@ -76,13 +76,13 @@ def selection_scores_reference(q, k_cmp, lse_cmp, *, scale, compress_block, comp
     out = torch.empty((b, hk, nq, ns), dtype=torch.float32, device=q.device)
     for s, e in _row_blocks(nq, b * hq * max(nc, ns)):
         pos = torch.arange(kv_len - nq + s, kv_len - nq + e, device=q.device)
-        vis = torch.arange(nc, device=q.device)[None, :] < _visible_cmp(pos, compress_block, compress_stride)[:, None]
+        vis = torch.arange(nc, device=q.device)[None, :] < visible_cmp(pos, compress_block, compress_stride)[:, None]
         lse = group_queries(lse_cmp[:, :, s:e].detach().unsqueeze(-1), hk).double()
         lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
         p = torch.exp((torch.matmul(qg[:, :, :, s:e], kc.transpose(-1, -2)) * scale).float().double() - lse)
         p = p.float().double().masked_fill(~vis, 0.0)  # probabilities are float32 values, as in the fast path
         imp = torch.matmul(p.sum(2), overlap).float()
-        out[:, :, s:e] = _force_and_mask(imp, pos, select_block, init_blocks, local_blocks)
+        out[:, :, s:e] = force_and_mask(imp, pos, select_block, init_blocks, local_blocks)
     return out
 
 
@@ -150,7 +150,7 @@ REFERENCE = SimpleNamespace(compressed_attention=compressed_attention_reference,
                             window_attention=window_attention_reference)
 
 
-def _compose(prims, q, k, v, k_cmp, v_cmp, cfg):
+def compose(prims, q, k, v, k_cmp, v_cmp, cfg):
     """The method from its four primitives (references or Triton kernels) and topk_blocks. Returns
     the three branch outputs and LSEs."""
     kw = dict(scale=cfg.scale, kv_len=cfg.nk)

@@ -18,9 +18,9 @@ from ..common import (
 )
 from ..cpu_flash import flash_lse, fused_ok
 from ..selection import SCORINGS, check_estimate_args, decode_kept, prefill_blocks, scoring_of
-from .blocks import DEFAULT_GATES, _check_params, nsa_compress, num_compressed
-from .cpu import _decode_one, _fast_forward, _gated_sum
-from .naive import REFERENCE, _compose
+from .blocks import DEFAULT_GATES, check_params, nsa_compress, num_compressed
+from .cpu import decode_one, fast_forward, gated_sum
+from .naive import REFERENCE, compose
 
 # --------------------------------------------------------------------------- the op
 
@@ -128,7 +128,7 @@ def nsa_attention(q, k, v, *, causal: bool = True, scale: float | None = None, c
         raise ValueError("nsa_attention supports causal attention only (compressed and selected blocks are chosen "
                          "among past keys); use exact or moba for non-causal layers")
     check_qkv(q, k, v, causal)
-    _check_params(compress_block, compress_stride, select_block, num_selected, window, init_blocks, local_blocks)
+    check_params(compress_block, compress_stride, select_block, num_selected, window, init_blocks, local_blocks)
     gates = _check_gates(gates, q)
     scale = default_scale(scale, q.shape[-1])
     backend = resolve_backend(backend, q, k, v)
@@ -152,7 +152,7 @@ def nsa_attention(q, k, v, *, causal: bool = True, scale: float | None = None, c
         (isinstance(gates, torch.Tensor) and gates.requires_grad and torch.is_grad_enabled())
     if backend == "torch" and not needs_grad and fused_ok(q, k, v) and q.dtype != torch.float64:  # float64: references
         one = nq == 1 and k.stride(-1) == 1 and v.stride(-1) == 1  # a decode step (cache rows contiguous)
-        out, lse = (_decode_one if one else _fast_forward)(q, k, v, k_cmp, v_cmp, cfg, gates)
+        out, lse = (decode_one if one else fast_forward)(q, k, v, k_cmp, v_cmp, cfg, gates)
         return (out, lse) if return_lse else out
     if backend == "triton":
         from ...kernels import nsa as tk  # lazily: triton is optional
@@ -160,8 +160,8 @@ def nsa_attention(q, k, v, *, causal: bool = True, scale: float | None = None, c
                                 selected_attention=tk.selected_attention, window_attention=tk.window_attention)
     else:
         prims = REFERENCE
-    outs, lses = _compose(prims, q, k, v, k_cmp, v_cmp, cfg)
-    out = _gated_sum(outs, gates).to(q.dtype)
+    outs, lses = compose(prims, q, k, v, k_cmp, v_cmp, cfg)
+    out = gated_sum(outs, gates).to(q.dtype)
     if not return_lse:
         return out
     return out, torch.stack([l.to(acc_dtype(q.dtype)) for l in lses], -1)

@@ -19,7 +19,7 @@ import string
 from collections import Counter
 from typing import Callable, Sequence
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 # Chinese punctuation removed by normalize_zh (LongBench's list, with the ASCII punctuation added to it)
 _ZH_PUNCTUATION = ("！？｡。＂＃＄％＆＇（）＊＋，－／：；＜＝＞＠［＼］＾＿｀｛｜｝～｟｠｢｣"
@@ -154,7 +154,7 @@ METRICS: dict[str, Callable[..., float]] = {
 
 
 def _record_score(dataset: str, prediction: str, ground_truths: Sequence[str], all_classes) -> float:
-    from .longbench_tasks import FIRST_LINE, metric_of
+    from .tasks import FIRST_LINE, metric_of
 
     metric = METRICS[metric_of(dataset)]
     if dataset in FIRST_LINE:  # few-shot tasks: the model tends to go on with the next example

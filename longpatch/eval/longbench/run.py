@@ -26,28 +26,26 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ConfigError, LongpatchError, check_int
-from ..options import split_items
-from ..outdir import claim_out, write_csv, write_json
-from ..patching import total_seconds
-from . import longbench_tasks as T
-from .launch import Dist, run_sharded
-from .longbench import CATEGORIES, LongBench, Record, code_completion_tasks, load_longbench, source_name
-from .longbench_metrics import LENGTH_BUCKETS, longbench_score, longbench_score_e
-from .plan import PLAN_FILE, read_plan, report_problems
-from .records import read_records
-from .report import seconds_by_path
-from .scoring import input_device
-from .sweep import (
+from ...errors import ConfigError, LongpatchError, check_int
+from ...options import split_items
+from ...outdir import claim_out, write_csv, write_json
+from ...patching import total_seconds
+from ..launch import Dist, run_sharded
+from ..records import PLAN_FILE, read_plan, read_records, seconds_by_path
+from ..sweep import (
     Point,
     RunSpec,
     generation_shapes,
+    input_device,
     labelled_points,
     num_layers,
     prepare_configs,
     resolve_spec,
     run_generations,
 )
+from . import tasks as T
+from .data import CATEGORIES, LongBench, Record, code_completion_tasks, load_longbench, report_problems, source_name
+from .metrics import LENGTH_BUCKETS, longbench_score, longbench_score_e
 
 RESULTS_FILE = "results.json"
 CSV_FILE = "results.csv"
@@ -122,7 +120,7 @@ def longbench(model, layer_counts=None, *, spec: LongBenchSpec | None = None, **
     """
     spec = resolve_spec(LongBenchSpec, "longbench", spec, layer_counts, options)
     spec.task_names()
-    return run_sharded(spec, model, "longpatch.eval.longbench_run:longbench",
+    return run_sharded(spec, model, "longpatch.eval.longbench.run:longbench",
                        lambda dist, run_id: _evaluate(model, spec, dist, run_id),
                        lambda: summarize(spec.out, plots=spec.plots))
 
@@ -337,7 +335,7 @@ def _plot(results: dict, path: Path) -> str | None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    from ..plotting import layers_axis, method_color
+    from ...plotting import layers_axis, method_color
 
     baseline = [c for c in results["configs"] if c["layers"] == 0]
     series: dict[str, list[dict]] = {}

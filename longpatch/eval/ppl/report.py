@@ -6,27 +6,14 @@ import math
 import statistics
 from pathlib import Path
 
-from ..outdir import write_csv, write_json
-from ..patching import total_seconds
-from .longbench import CATEGORIES, source_name
-from .plan import read_plan
-from .records import read_records
+from ...outdir import write_csv, write_json
+from ...patching import total_seconds
+from ..longbench.data import CATEGORIES, source_name
+from ..records import read_plan, read_records, seconds_by_path
 
 RESULTS_FILE = "results.json"
 CSV_FILE = "results.csv"
 PLOTS = {"ppl": "ppl_vs_layers.png", "speedup": "speedup_vs_layers.png", "categories": "ppl_by_category.png"}
-
-
-def seconds_by_path(records: list[dict]) -> dict[str, dict[str, dict[str, float]]]:
-    """{side: {phase: {path: seconds}}} summed over the records' layer stats (model.longpatch.breakdown())."""
-    by_path: dict[str, dict[str, dict[str, float]]] = {}
-    for r in records:
-        for side, phases in r["attention"].items():
-            for phase, paths in phases.items():
-                for path, s in paths.items():
-                    into = by_path.setdefault(side, {}).setdefault(phase, {})
-                    into[path] = into.get(path, 0.0) + s["seconds"]
-    return by_path
 
 
 def summarize(out: "str | Path", plots: bool = True) -> dict:
@@ -164,7 +151,7 @@ def _plots(results: dict, out: Path) -> list[str]:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    from ..plotting import layers_axis, method_color, speedup_line
+    from ...plotting import layers_axis, method_color, speedup_line
 
     configs = sorted((c for c in results["configs"] if c["all"]["ppl"] is not None), key=lambda c: c["layers"])
     written = []

@@ -27,7 +27,7 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 TEMPLATE_KEYS = ("name", "needle", "question", "answer", "digits", "fields", "filler")
 
@@ -112,7 +112,7 @@ def load_template(spec: str) -> Template:
 
 def parse_depths(spec: str) -> list[float]:
     """'0:1:0.1' -> [0.0, 0.1, ..., 1.0] (end included); '0.05,0.5,0.95' -> those values."""
-    from ..options import parse_floats
+    from ...options import parse_floats
 
     return parse_floats("--depths", spec, 0.0, 1.0, "start:end:step (end included) or a list d1,d2,... of "
                                                     "fractions in [0, 1]")
@@ -151,10 +151,10 @@ def filler_texts(source: str) -> list[str]:
     """Texts of a filler source: 'demo' (the demo model's held-out code), a .txt file, a .jsonl file
     (field 'context', else 'text', per line), or 'longbench:<subsets>[@<data>]' (LongBench contexts)."""
     if source == "demo":
-        from ..assets import eval_documents
+        from ...assets import eval_documents
         return eval_documents()
     if source.startswith("longbench:"):
-        from .longbench import load_longbench
+        from ..longbench.data import load_longbench
         subsets, _, data = source[len("longbench:"):].partition("@")
         lb = load_longbench(data or None, subsets or "all")
         return [r.context for records in lb.records.values() for r in records]

@@ -40,26 +40,27 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from ..errors import ConfigError, LongpatchError, check_int
-from ..outdir import claim_out, write_json
-from ..patching import total_seconds
-from .launch import Dist, run_sequence_parallel, run_sharded
-from .longbench import load_longbench, resolve_subsets
-from .plan import PLAN_FILE, Doc, nothing_to_evaluate, plan_documents, report_problems
-from .records import RecordLog, announce_resume, read_records, records_file
-from .report import print_results, record_index, summarize
-from .scoring import check_loss_path, evaluate_document, input_device, make_encoder, vocab_size
-from .sweep import (
+from ...errors import ConfigError, LongpatchError, check_int
+from ...outdir import claim_out, write_json
+from ...patching import total_seconds
+from ..launch import Dist, run_sequence_parallel, run_sharded
+from ..longbench.data import load_longbench, report_problems, resolve_subsets
+from ..records import PLAN_FILE, RecordLog, announce_resume, read_records, records_file
+from ..sweep import (
     Point,
     RunSpec,
     config_id,
     eval_tokenizer,
+    input_device,
     labelled_points,
     num_layers,
     prepare,
     resolve_spec,
     run_points,
 )
+from .plan import Doc, nothing_to_evaluate, plan_documents
+from .report import print_results, record_index, summarize
+from .scoring import check_loss_path, evaluate_document, make_encoder, vocab_size
 
 __all__ = ["PerplexitySpec", "perplexity", "run_eval_ppl", "summarize"]
 
@@ -127,7 +128,7 @@ def perplexity(model, layer_counts=None, *, spec: PerplexitySpec | None = None, 
     """
     spec = resolve_spec(PerplexitySpec, "perplexity", spec, layer_counts, options)
     run = run_sequence_parallel if spec.sequence_parallel > 1 else run_sharded
-    return run(spec, model, "longpatch.eval.perplexity:perplexity",
+    return run(spec, model, "longpatch.eval.ppl.run:perplexity",
                lambda dist, run_id: _evaluate(model, spec, dist, run_id),
                lambda: summarize(spec.out, plots=spec.plots))
 
@@ -238,7 +239,7 @@ def _evaluate_document_sp(model, input_ids, chunk: int = 1024) -> dict:
     import torch
     import torch.distributed as tdist
 
-    from ..parallel import sequence_parallel
+    from ...parallel import sequence_parallel
 
     n = input_ids.shape[1]
     with sequence_parallel(model) as sp:

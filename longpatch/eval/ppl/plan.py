@@ -3,28 +3,16 @@ digest a record must match) and which are skipped and why. Rank 0 writes it to p
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 import torch
 
-from ..errors import LongpatchError
-from .longbench import LongBench
+from ...errors import LongpatchError
+from ..longbench.data import LongBench
 
 log = logging.getLogger("longpatch")
-
-PLAN_FILE = "plan.json"
-
-
-def read_plan(out: Path) -> dict:
-    try:
-        return json.loads((Path(out) / PLAN_FILE).read_text())
-    except (OSError, ValueError) as e:
-        raise LongpatchError(f"{Path(out) / PLAN_FILE}: cannot read the evaluation plan ({e}); run the evaluation "
-                             "first") from None
 
 
 @dataclass
@@ -85,13 +73,3 @@ def nothing_to_evaluate(lb: LongBench, counts: dict, skipped: list[dict], seq_le
     if short:
         parts.append(f"{len(short)} shorter than --seq-len {seq_len} tokens (the longest has {max(short)})")
     return "nothing to evaluate: " + "; ".join(parts)
-
-
-def report_problems(lb: LongBench) -> None:
-    for p in lb.problems[:20]:
-        log.warning("longpatch: skipped malformed LongBench record: %s", p)
-    if len(lb.problems) > 20:
-        log.warning("longpatch: ... and %d more malformed records (all listed in plan.json and results.json)",
-                    len(lb.problems) - 20)
-    if lb.missing:
-        log.warning("longpatch: %s has no data for subset(s) %s", lb.source, ", ".join(lb.missing))

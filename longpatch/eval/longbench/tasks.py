@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..errors import ConfigError
-from .longbench import CATEGORY_OF, SUBSETS
+from ...errors import ConfigError
+from .data import CATEGORY_OF, SUBSETS
 
 PROMPTS: dict[str, str] = {
     "narrativeqa": (
@@ -171,7 +171,7 @@ def resolve_tasks(spec: "str | Sequence[str]", e: bool = False, known: Sequence[
 
     known: the tasks the data offers (default LongBench v1's 21; with e, LongBench-E's 13)."""
     pool = list(known) if known is not None else list(LONGBENCH_E if e else SUBSETS)
-    from ..options import split_items
+    from ...options import split_items
 
     names = split_items("--tasks", spec, "all, en, zh, task names or category names")
     chosen: set[str] = set()

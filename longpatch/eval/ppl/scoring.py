@@ -8,8 +8,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ..errors import ConfigError, UnsupportedModelError
-from ..loading import BYTES, ByteTokenizer, resolve_tokenizer
+from ...errors import ConfigError, UnsupportedModelError
+from ...loading import BYTES, ByteTokenizer, resolve_tokenizer
+from ..sweep import input_device
 
 
 def make_encoder(tokenizer, loaded, vocab: int, model_name: str, trust_remote_code: bool = False):
@@ -143,10 +144,6 @@ def check_loss_path(model, n: int = 16) -> None:
         raise UnsupportedModelError(f"{type(model).__name__}: its logits are not LM-head(final hidden states); "
                                     "the chunked loss cannot reproduce them")
 
-
-
-def input_device(model) -> torch.device:
-    return next(model.parameters()).device
 
 
 

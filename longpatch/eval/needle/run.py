@@ -17,26 +17,24 @@ from typing import Sequence
 
 import torch
 
-from ..errors import ConfigError, check_int
-from ..options import parse_ints
-from ..outdir import claim_out, write_csv, write_json
-from ..patching import total_seconds
-from . import needle as N
-from .launch import Dist, run_sharded
-from .plan import PLAN_FILE, read_plan
-from .records import read_records
-from .report import seconds_by_path
-from .scoring import input_device
-from .sweep import (
+from ...errors import ConfigError, check_int
+from ...options import parse_ints
+from ...outdir import claim_out, write_csv, write_json
+from ...patching import total_seconds
+from ..launch import Dist, run_sharded
+from ..records import PLAN_FILE, read_plan, read_records, seconds_by_path
+from ..sweep import (
     Point,
     RunSpec,
     generation_shapes,
+    input_device,
     labelled_points,
     num_layers,
     prepare_configs,
     resolve_spec,
     run_generations,
 )
+from . import prompts as N
 
 RESULTS_FILE = "results.json"
 CSV_FILE = "results.csv"
@@ -113,7 +111,7 @@ def needle(model, layer_counts=None, *, spec: NeedleSpec | None = None, **option
     template = N.load_template(spec.template)
     lengths = parse_lengths(spec.lengths)
     depths = N.parse_depths(spec.depths)
-    return run_sharded(spec, model, "longpatch.eval.needle_run:needle",
+    return run_sharded(spec, model, "longpatch.eval.needle.run:needle",
                        lambda dist, run_id: _evaluate(model, spec, template, lengths, depths, dist, run_id),
                        lambda: summarize(spec.out, plots=spec.plots))
 

@@ -20,12 +20,15 @@ LongBench-E (`e=True`): the length-balanced test files `<subset>_e.jsonl` of the
 from __future__ import annotations
 
 import json
+import logging
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
 
-from ..errors import ConfigError, LongpatchError
+from ...errors import ConfigError, LongpatchError
+
+log = logging.getLogger("longpatch")
 
 HUB_REPO = "THUDM/LongBench"
 HUB_FILE = "data.zip"
@@ -132,7 +135,7 @@ def subset_categories(data=None) -> dict[str, str]:
 # ---- subsets ---------------------------------------------------------------------------------------
 
 def _names(spec, flag: str = "--subsets") -> list[str]:
-    from ..options import split_items
+    from ...options import split_items
 
     return split_items(flag, spec, "'all', subset names or category names")
 
@@ -286,7 +289,7 @@ def _locate(data) -> tuple[Path, str]:
 def _hub_zip() -> tuple[Path, str]:
     from huggingface_hub import constants, hf_hub_download
 
-    from ..loading import hub_unreachable
+    from ...loading import hub_unreachable
 
     try:  # the cache first: it needs no network
         local = hf_hub_download(repo_id=HUB_REPO, filename=HUB_FILE, repo_type="dataset", local_files_only=True)
@@ -402,7 +405,7 @@ def _parquet_rows(files: list[Path], root: Path, wanted: list[str], known: dict[
 
 
 def _demo_eval_dir():
-    from ..assets import demo_eval_path
+    from ...assets import demo_eval_path
     return demo_eval_path()
 
 
@@ -440,3 +443,14 @@ def code_completion_tasks(records: Sequence[Record], subset: str, at: float = 0.
                                     all_classes=None, where=rec.where))
                 break
     return tasks
+
+
+def report_problems(lb: LongBench) -> None:
+    """Log the malformed records that were skipped and the requested subsets the data lacks."""
+    for p in lb.problems[:20]:
+        log.warning("longpatch: skipped malformed LongBench record: %s", p)
+    if len(lb.problems) > 20:
+        log.warning("longpatch: ... and %d more malformed records (all listed in plan.json and results.json)",
+                    len(lb.problems) - 20)
+    if lb.missing:
+        log.warning("longpatch: %s has no data for subset(s) %s", lb.source, ", ".join(lb.missing))
