@@ -289,7 +289,7 @@ def bench_attention(
 
     modes = {"causal": (True,), "non-causal": (False,), "both": (True, False)}
     if mode not in modes:
-        raise LongpatchError(f"--mode: got {mode!r}; allowed: causal, non-causal, both")
+        raise ConfigError(f"--mode: got {mode!r}; allowed: causal, non-causal, both")
     _set_threads(threads)
     names = _methods(methods)
     run_attention_bench(methods=names, seq_lens=tuple(parse_ints("--seq-lens", seq_lens, 1)),

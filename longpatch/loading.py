@@ -9,7 +9,7 @@ from urllib.parse import urlparse
 import torch
 
 from .config import CONFIG_FILE, LoadSpec, PatchConfig, bundled_configs, check_runnable
-from .errors import ConfigError, LongpatchError
+from .errors import ConfigError, LongpatchError, UnsupportedModelError
 from .patching import REPORT_ATTR, patch_model, unpatch_model
 from .specs import model_config, resolve
 
@@ -199,7 +199,7 @@ def check_save_target(out_dir: str | Path) -> Path:
     out = check_creatable(Path(out_dir).expanduser(), "--save", allowed)
     if out.exists():
         if any(out.iterdir()):
-            raise LongpatchError(f"--save: {out} exists and is not empty; allowed: {allowed}")
+            raise ConfigError(f"--save: {out} exists and is not empty; allowed: {allowed}")
         check_creatable(out.parent, "--save", allowed)  # the model is written beside it, then renamed into place
     return out
 
@@ -219,7 +219,7 @@ def save_patch(model, cfg: PatchConfig, out_dir: str | Path, tokenizer=None, loa
 
     out = check_save_target(out_dir)
     if not hasattr(model, "save_pretrained"):
-        raise LongpatchError(f"--save: {type(model).__name__} has no save_pretrained; only transformers models "
+        raise UnsupportedModelError(f"--save: {type(model).__name__} has no save_pretrained; only transformers models "
                              "can be saved")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -49,6 +49,8 @@ class LayerRoute:
     bound: BoundMethod | None = None  # the method bound to params and head_dim (attach_buffers)
     buffer_names: tuple[str, ...] = ()
     state: dict = field(default_factory=dict)  # a stateful method's decode summaries
+    # the same for each sequence of a padded or packed batch: (row, first key column) -> its state
+    row_states: dict = field(default_factory=dict)
     calls: Counter = field(default_factory=Counter)  # (phase, path) -> number of calls
     seconds: Counter = field(default_factory=Counter)  # (phase, path) -> wall time, while timed
     timed: bool = False  # time each call (synchronising a GPU around it); see longpatch.timing
@@ -76,28 +78,47 @@ class LayerRoute:
             return "method" if q_len >= self.min_seq_len else "exact"
         return "method" if self.method.decode is not None else "exact"
 
-    def run(self, path: str, q, k, v, *, causal: bool, scale: float | None, original=None):
+    def run(self, path: str, q, k, v, *, causal: bool, scale: float | None, original=None, state: dict | None = None):
         """Run `path` on the shared layout, count it, and time it when ``timed``; `original` is a
-        zero-argument callable."""
+        zero-argument callable; `state`: one sequence's decode state (run_ragged), else the route's."""
         prefill = q.shape[2] == k.shape[2]
+        if state is None:
+            state = self.state
+            if prefill:
+                self.row_states.clear()
         if prefill:
-            self.state.clear()  # a prefill starts a new sequence: decode summaries of the old cache are void
+            state.clear()  # a prefill starts a new sequence: decode summaries of the old cache are void
         sync = self.timed and q.is_cuda
         if sync:
             torch.cuda.synchronize(q.device)
         t0 = time.perf_counter() if self.timed else 0.0
-        out = self._call(path, q, k, v, causal, scale, original)
+        out = self._call(path, q, k, v, causal, scale, original, state)
         if sync:
             torch.cuda.synchronize(q.device)
         key = ("prefill" if prefill else "decode", self._recorded(path, q.shape[2], k.shape[2]))
         self.calls[key] += 1
-        for kind, n in self.state.pop("work", {}).items():
+        for kind, n in state.pop("work", {}).items():
             self.work[(*key, kind)] += n
         if self.timed:
             self.seconds[key] += time.perf_counter() - t0
         return out
 
-    def _call(self, path: str, q, k, v, causal: bool, scale: float | None, original):
+    def run_ragged(self, segments, q, k, v, *, causal: bool, scale: float | None):
+        """A padded or packed batch (ragged.Segment list): each sequence runs alone, on its own query rows
+        and keys, with its own path (its own length against min_seq_len) and its own decode state, so a
+        row's result is what that sequence gives by itself. Query rows outside every segment get zeros."""
+        if q.shape[2] == k.shape[2]:
+            self.row_states.clear()  # a prefill starts new sequences
+        out = q.new_zeros(*q.shape[:3], v.shape[-1])
+        for s in segments:
+            path = self.choose(s.q1 - s.q0, s.k1 - s.k0, causal=causal)
+            state = self.row_states.setdefault((s.row, s.k0), {})
+            out[s.row:s.row + 1, :, s.q0:s.q1] = self.run(
+                path, q[s.row:s.row + 1, :, s.q0:s.q1], k[s.row:s.row + 1, :, s.k0:s.k1],
+                v[s.row:s.row + 1, :, s.k0:s.k1], causal=causal, scale=scale, state=state)
+        return out
+
+    def _call(self, path: str, q, k, v, causal: bool, scale: float | None, original, state: dict):
         if path == "original":
             return original()
         if path == "exact":
@@ -107,7 +128,7 @@ class LayerRoute:
         # read through the owner so .to(device) and load_state_dict are always seen
         bufs = {n: getattr(self.owner, BUFFER_PREFIX + n) for n in self.buffer_names} \
             if self.owner is not None else None
-        return self.bound(q, k, v, causal=causal, scale=scale, backend=self.backend, state=self.state, buffers=bufs)
+        return self.bound(q, k, v, causal=causal, scale=scale, backend=self.backend, state=state, buffers=bufs)
 
     def _recorded(self, path: str, q_len: int, kv_len: int) -> str:
         if path != "method":
@@ -144,6 +165,7 @@ def redraw_route(route: LayerRoute, seed: int) -> bool:
         for name, t in new.items():
             getattr(route.owner, BUFFER_PREFIX + name).copy_(t)
     route.state.clear()
+    route.row_states.clear()
     return True
 
 

@@ -54,7 +54,7 @@ EOF
 # 4. The CLI: the registry, then one sequence-parallel perplexity run (2 processes) on a tiny model.
 lp="$tmp/venv/bin/longpatch"
 "$lp" list
-"$lp" eval ppl --model tiny:llama --tokenizer bytes --data demo --seq-len 64 --layers 0,2 --method moba \
+"$lp" eval ppl --model tiny:llama --tokenizer bytes --data demo --seq-len 64 --layer-counts 0,2 --method moba \
     --set params.chunk_size=16 --set params.topk=2 --set min_seq_len=0 --max-docs 1 --warmup 0 --no-progress \
     --sequence-parallel 2 --out "$tmp/ppl"
 [[ -s "$tmp/ppl/results.json" ]] || fail "eval ppl --sequence-parallel 2 wrote no results.json"

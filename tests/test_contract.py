@@ -211,3 +211,130 @@ def test_integer_inputs_and_a_different_value_head_dim_are_one_line_errors(name)
         return
     with pytest.raises(ValueError, match="v's head_dim must equal q's and k's \\(16\\); got 8"):
         bound(q, k, v8)
+
+
+# ---- ragged batches: each row equals that row alone --------------------------------------------------
+
+LENGTHS = (N, 23, 31)  # one full row and two shorter ones: several chunks each, different boundaries
+
+
+def _prompts(vocab: int) -> list[torch.Tensor]:
+    return [torch.randint(0, min(vocab, 256), (n,), generator=torch.Generator().manual_seed(i))
+            for i, n in enumerate(LENGTHS)]
+
+
+def _rows(model, prompts, layout: str) -> list[torch.Tensor]:
+    """Each prompt's logits from one forward of the batch in `layout`: left- or right-padded rows, or all
+    prompts packed into one row (position ids restarting at each prompt)."""
+    with torch.no_grad():
+        if layout == "packed":
+            ids = torch.cat(prompts)[None]
+            pos = torch.cat([torch.arange(len(p)) for p in prompts])[None]
+            out = model(ids, position_ids=pos)
+            out = out[0] if isinstance(out, tuple) else out.logits
+            bounds = torch.tensor([0, *[len(p) for p in prompts]]).cumsum(0).tolist()
+            return [out[0, a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+        n = max(len(p) for p in prompts)
+        ids = torch.zeros(len(prompts), n, dtype=torch.long)
+        mask = torch.zeros(len(prompts), n, dtype=torch.long)
+        spans = []
+        for i, p in enumerate(prompts):
+            a = n - len(p) if layout == "left" else 0
+            ids[i, a:a + len(p)], mask[i, a:a + len(p)] = p, 1
+            spans.append((a, a + len(p)))
+        kwargs = {"attention_mask": mask}
+        if layout == "left":  # as generate() does: a row's positions start after its padding
+            kwargs["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = model(ids, **kwargs)
+        out = out[0] if isinstance(out, tuple) else out.logits
+        return [out[i, a:b] for i, (a, b) in enumerate(spans)]
+
+
+def _layouts(family: str) -> list[str]:
+    # the ChatGLM2 stand-in, like the remote code, takes one row of positions for the whole batch:
+    # right padding is its only layout whose positions match each row alone
+    return ["right"] if family == "chatglm2" else ["left", "right", "packed"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("name", METHODS)
+def test_ragged_batch_rows_equal_each_row_alone(name, family):
+    model = tiny_model(family)
+    patch_model(model, _config(name))
+    vocab = getattr(model.config, "padded_vocab_size", None) or model.config.vocab_size
+    prompts = _prompts(vocab)
+    with torch.no_grad():
+        alone = [(lambda o: o[0] if isinstance(o, tuple) else o.logits)(model(p[None]))[0] for p in prompts]
+    for layout in _layouts(family):
+        model.longpatch.reset_stats()
+        for got, want in zip(_rows(model, prompts, layout), alone):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=lambda m, layout=layout: f"{layout}: {m}")
+        paths = model.longpatch.breakdown()["patched"]["prefill"]
+        assert "original" not in paths and "exact" not in paths, (layout, paths)  # the method ran, per row
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("name", METHODS)
+def test_batched_generation_equals_each_prompt_alone(name, family):
+    """model.generate on a left-padded batch gives each row the tokens that prompt gives alone, through
+    every method's decode path, rows finishing (eos) at different steps included."""
+    model = tiny_model(family)
+    patch_model(model, _config(name))
+    prompts = _prompts(model.config.vocab_size)
+    n, new = max(len(p) for p in prompts), 6
+    ids = torch.zeros(len(prompts), n, dtype=torch.long)
+    mask = torch.zeros(len(prompts), n, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, n - len(p):], mask[i, n - len(p):] = p, 1
+    with torch.no_grad():
+        batch = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0)
+        for i, p in enumerate(prompts):
+            one = model.generate(p[None], attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                 max_new_tokens=new, do_sample=False, pad_token_id=0)[0, len(p):]
+            row = batch[i, n:]
+            assert torch.equal(row[:len(one)], one) and bool((row[len(one):] == 0).all()), (i, row, one)
+    decode = model.longpatch.breakdown()["patched"]["decode"]
+    assert "original" not in decode, decode
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_ragged_rows_ignore_nan_in_padding(name):
+    """Padding positions never reach a real row, NaN and inf in padded K/V included."""
+    from longpatch import ragged
+    from longpatch.routing import LayerRoute
+
+    method = available_methods()[name]
+    route = LayerRoute(0, method, method.resolve_params(SMALL.get(name, {})))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, N, 8, generator=g) for _ in range(3))
+    pad = 9
+    for t in (q, k, v):
+        t[1, :, :pad] = float("nan")
+        t[1, :, 1] = float("inf")
+    segments = [ragged.Segment(0, 0, N, 0, N), ragged.Segment(1, pad, N, pad, N)]
+    out = route.run_ragged(segments, q, k, v, causal=True, scale=None)
+    alone = LayerRoute(0, method, route.params).run("method", q[1:, :, pad:], k[1:, :, pad:], v[1:, :, pad:],
+                                                    causal=True, scale=None)
+    assert torch.isfinite(out).all() and bool((out[1, :, :pad] == 0).all())
+    torch.testing.assert_close(out[1:, :, pad:], alone, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["exact", "moba", "sparse"])
+def test_ragged_rows_on_the_triton_backend(name):
+    """The Triton kernels run each sequence of a ragged batch as its own call (under the interpreter here):
+    each row equals the torch backend's row alone."""
+    pytest.importorskip("triton")
+    from longpatch import ragged
+    from longpatch.routing import LayerRoute
+
+    method = available_methods()[name]
+    params = method.resolve_params(SMALL.get(name, {}))
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 2, 24, 16, generator=g) for _ in range(3))
+    segments = [ragged.Segment(0, 0, 24, 0, 24), ragged.Segment(1, 7, 24, 7, 24)]
+    out = LayerRoute(0, method, params, backend="triton").run_ragged(segments, q, k, v, causal=True, scale=None)
+    for s in segments:
+        alone = LayerRoute(0, method, params, backend="torch").run(
+            "method", q[s.row:s.row + 1, :, s.q0:s.q1], k[s.row:s.row + 1, :, s.k0:s.k1],
+            v[s.row:s.row + 1, :, s.k0:s.k1], causal=True, scale=None)
+        torch.testing.assert_close(out[s.row:s.row + 1, :, s.q0:s.q1], alone, atol=2e-5, rtol=2e-5)

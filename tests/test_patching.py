@@ -1,12 +1,11 @@
 """patch_model on real transformers model classes (tiny random weights) and the ChatGLM2 layout."""
-import logging
 
 import pytest
 import torch
 from helpers import PROBE_CALLS, logits
 
 import longpatch
-from longpatch import ConfigError, patch_model, patched, patched_layers, routing, unpatch_model
+from longpatch import ConfigError, patch_model, patched, patched_layers, unpatch_model
 from longpatch.testing.tiny import tiny_model
 
 HF = ["llama", "phi", "qwen2", "mistral"]
@@ -103,21 +102,21 @@ def test_generate_with_exact_patch_matches(name):
 
 
 @pytest.mark.parametrize("name", ["llama", "chatglm2"])
-def test_padding_goes_to_original_with_warning(name, caplog):
+def test_padding_runs_the_method_on_each_rows_real_tokens(name):
+    # a padded batch no longer falls back to the model's attention: each row's real tokens run alone
+    # (docs/methods.md, "Batches"); the probe records each call's (q_len, kv_len)
     model = tiny_model(name)
     ids = torch.randint(0, 256, (2, 30))
     mask = torch.ones(2, 30, dtype=torch.long)
-    mask[1, :7] = 0  # left padding
+    mask[1, 23:] = 0  # right padding: both families give rows their own positions
     ref = logits(model, ids, attention_mask=mask)
     patch_model(model, {"method": "probe", "layers": 2})
     PROBE_CALLS.clear()
-    routing._warned.clear()  # warnings are once per process
-    with caplog.at_level(logging.WARNING, logger="longpatch"):
-        out = logits(model, ids, attention_mask=mask)
-    assert PROBE_CALLS == []
-    assert model.longpatch.stats()["patched"]["original"]["calls"] == 2
-    assert any("padding" in r.message for r in caplog.records)
-    torch.testing.assert_close(out, ref)
+    out = logits(model, ids, attention_mask=mask)
+    assert PROBE_CALLS == [(30, 30), (23, 23)] * 2  # 2 patched layers, each row alone
+    assert model.longpatch.stats()["patched"]["method"]["calls"] == 4
+    torch.testing.assert_close(out[0], ref[0])
+    torch.testing.assert_close(out[1, :23], ref[1, :23], atol=1e-5, rtol=1e-5)
 
 
 def test_chatglm2_incremental_decode_matches_unpatched():

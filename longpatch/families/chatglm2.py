@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 
+from .. import ragged
 from ..errors import UnsupportedModelError
 from ..routing import LayerRoute, attach_buffers, detach_buffers
 from .base import AttentionCall, register_family
@@ -64,7 +65,18 @@ class _RoutedForward:
     def __call__(self, query_layer, key_layer, value_layer, attention_mask):
         route = self.route
         sq, skv = query_layer.shape[0], key_layer.shape[0]
-        path = route.choose(sq, skv, _unsupported(attention_mask))
+        why = _unsupported(attention_mask)
+        if why is not None and route.method is not None and attention_mask.dim() == 4:
+            # padding (True = masked): each sequence of the batch alone, in the shared layout
+            b = query_layer.shape[1]
+            segments = ragged.from_visible(~attention_mask[:, 0].expand(b, sq, skv), causal=True)
+            if segments is not None:
+                q, k, v = _shared_layout(query_layer, key_layer, value_layer, self.rep)
+                if ragged.whole(segments, b, sq, skv):
+                    return _model_layout(route.run(route.choose(sq, skv), q, k, v, causal=True, scale=None), sq)
+                return _model_layout(route.run_ragged(segments, q, k, v, causal=True, scale=None), sq)
+            why = "an attention mask that is neither padding nor packing"
+        path = route.choose(sq, skv, why)
         if path == "original":
             original = type(self.core).forward  # the class's own forward
             return route.run(path, query_layer, key_layer, value_layer, causal=True, scale=None,

@@ -17,6 +17,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from .. import ragged
 from ..errors import UnsupportedModelError
 from ..methods.common import causal_mask
 from ..routing import LayerRoute, attach_buffers, detach_buffers
@@ -78,8 +79,16 @@ def _make_attention(base: str):
         route: LayerRoute | None = getattr(module, ROUTE_ATTR, None)
         if route is None:
             return original()
-        path = route.choose(query.shape[2], key.shape[2],
-                            _unsupported(module, attention_mask, dropout, key.shape[2], kwargs), causal=causal)
+        why = _unsupported(module, None, dropout, key.shape[2], kwargs)
+        segments = None
+        if why is None and route.method is not None:
+            segments, why = _segments(attention_mask, query, key, causal, kwargs)
+        elif attention_mask is not None:
+            why = why or "a padding or custom attention mask"
+        if segments is not None:  # a padded or packed batch: each sequence alone
+            out = route.run_ragged(segments, query, key, value, causal=causal, scale=scaling)
+            return out.transpose(1, 2).contiguous(), None
+        path = route.choose(query.shape[2], key.shape[2], why, causal=causal)
         if path == "original":
             return route.run(path, query, key, value, causal=causal, scale=scaling, original=original)
         out = route.run(path, query, key, value, causal=causal, scale=scaling)
@@ -87,6 +96,32 @@ def _make_attention(base: str):
 
     longpatch_attention.__name__ = f"{PREFIX}{base}"
     return longpatch_attention
+
+
+def _segments(mask, query, key, causal: bool, kwargs) -> tuple[list | None, str | None]:
+    """(segments, None) for a padded or packed batch (ragged.py), (None, None) for a plain one, or
+    (None, why) for a mask that is neither padding nor packing."""
+    b, q_len, kv_len = query.shape[0], query.shape[2], key.shape[2]
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is not None:  # flash-attention's packed layout: one row, sequences at cumulative offsets
+        if b != 1 or cu_k is None or not torch.equal(cu_q, cu_k) or q_len != kv_len:
+            return None, "packed sequences with different query and key offsets"
+        cu = cu_q.tolist()
+        segs = [ragged.Segment(0, s, e, s, e) for s, e in zip(cu[:-1], cu[1:]) if e > s]
+    elif mask is None:
+        pos = kwargs.get("position_ids")
+        if not ragged.restarts(pos, q_len, kv_len):
+            return None, None
+        segs = ragged.from_positions(pos.expand(b, -1))
+    elif mask.dim() == 2:
+        segs = ragged.from_padding(mask, q_len, causal)
+    elif mask.dim() == 4 and mask.dtype == torch.bool:
+        segs = ragged.from_visible(mask[:, 0].expand(b, q_len, kv_len), causal)
+    else:
+        segs = None
+    if segs is None:
+        return None, "an attention mask that is neither padding nor packing"
+    return (None, None) if ragged.whole(segs, b, q_len, kv_len) else (segs, None)
 
 
 def _unsupported(module, attention_mask, dropout, kv_len: int, kwargs) -> str | None:

@@ -1,0 +1,77 @@
+"""Reading ragged batches from what a model hands its attention (longpatch/ragged.py): padding masks,
+block-diagonal (packed) masks, restarting position ids and flash-attention's cu_seq_lens, and masks
+that are none of these, which fall back to the model's own attention, said and counted."""
+import logging
+
+import pytest
+import torch
+
+from longpatch import patch_model, ragged
+from longpatch.families.hf import _segments
+from longpatch.ragged import Segment
+from longpatch.testing.tiny import tiny_model
+
+
+def _causal(pads: list[int], n: int, right: bool = False) -> torch.Tensor:
+    """[b, n, n] visibility of causal rows with `pads` padded positions (left, or right)."""
+    vis = torch.ones(n, n, dtype=torch.bool).tril()
+    rows = []
+    for p in pads:
+        real = torch.zeros(n, dtype=torch.bool)
+        if right:
+            real[: n - p] = True
+        else:
+            real[p:] = True
+        rows.append(vis & real[None, :])
+    return torch.stack(rows)
+
+
+def test_left_and_right_padding():
+    assert ragged.from_visible(_causal([0, 3], 8), causal=True) == [Segment(0, 0, 8, 0, 8), Segment(1, 3, 8, 3, 8)]
+    assert ragged.from_visible(_causal([0, 3], 8, right=True), causal=True) == [Segment(0, 0, 8, 0, 8),
+                                                                                Segment(1, 0, 5, 0, 5)]
+    # decode: one query row, the keys of the cache after the padding
+    dec = torch.ones(2, 1, 9, dtype=torch.bool)
+    dec[1, 0, :3] = False
+    assert ragged.from_visible(dec, causal=True) == [Segment(0, 0, 1, 0, 9), Segment(1, 0, 1, 3, 9)]
+    pad = torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])
+    assert ragged.from_padding(pad, 4, causal=True) == [Segment(0, 0, 4, 0, 4), Segment(1, 1, 4, 1, 4)]
+    assert ragged.from_padding(pad, 1, causal=True) == [Segment(0, 0, 1, 0, 4), Segment(1, 0, 1, 1, 4)]
+    assert ragged.whole([Segment(0, 0, 4, 0, 4)], 1, 4, 4) and not ragged.whole([Segment(0, 1, 4, 1, 4)], 1, 4, 4)
+
+
+def test_packed_sequences():
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])
+    segs = [Segment(0, 0, 3, 0, 3), Segment(0, 3, 5, 3, 5), Segment(0, 5, 9, 5, 9)]
+    assert ragged.from_positions(pos) == segs and ragged.restarts(pos, 9, 9)
+    block = torch.zeros(9, 9, dtype=torch.bool)
+    for s in segs:
+        block[s.q0:s.q1, s.k0:s.k1] = torch.ones(s.q1 - s.q0, s.k1 - s.k0, dtype=torch.bool).tril()
+    assert ragged.from_visible(block[None], causal=True) == segs
+    assert ragged.from_positions(torch.tensor([[0, 1, 3]])) is None  # not runs of 0, 1, 2, ...
+    q = torch.zeros(1, 2, 9, 4)
+    assert _segments(None, q, q, True, {"position_ids": pos})[0] == segs
+    cu = torch.tensor([0, 3, 5, 9])
+    assert _segments(None, q, q, True, {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu})[0] == segs
+
+
+@pytest.mark.parametrize("hole", ["gap", "window", "future"])
+def test_masks_that_are_not_padding_or_packing(hole):
+    vis = _causal([0], 8)
+    if hole == "gap":
+        vis[0, 6, 2] = False  # a key missing in the middle of a row
+    elif hole == "window":
+        vis[0] &= torch.ones(8, 8, dtype=torch.bool).triu(-2)  # a sliding window of 3
+    else:
+        vis[0, 2, 5] = True  # a query seeing a later key
+    assert ragged.from_visible(vis, causal=True) is None
+
+
+def test_an_unsupported_mask_is_said_and_counted(caplog):
+    model = tiny_model("llama")
+    patch_model(model, {"method": "moba", "params": {"chunk_size": 8, "topk": 2}, "layers": "all"})
+    mask = torch.ones(1, 1, 16, 16, dtype=torch.bool).tril().triu(-3)  # a sliding window: not padding
+    with caplog.at_level(logging.WARNING, logger="longpatch"), torch.no_grad():
+        model(torch.randint(0, 256, (1, 16)), attention_mask=mask)
+    assert any("neither padding nor packing" in m and "'moba'" in m for m in caplog.messages), caplog.messages
+    assert set(model.longpatch.breakdown()["patched"]["prefill"]) == {"original"}
