@@ -355,6 +355,8 @@ def eval_needle(
     out: str = out_option("runs/needle", "records, results.json/.csv, heatmaps; rerun to resume"),
     tokenizer: Optional[str] = tokenizer_option(),
     num_processes: int = typer.Option(1, help="local worker processes sharing the prompts"),
+    batch_size: int = typer.Option(1, help="prompts generated together in one left-padded batch (each row's "
+                                           "answer is what its prompt gives alone)"),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code"),
     progress: bool = typer.Option(True, "--progress/--no-progress"),
 ):
@@ -364,7 +366,8 @@ def eval_needle(
     results = needle(model, layer_counts, layers=sweep_layers(layers, "eval needle"), config=config, method=method,
                      sets=set_, template=template, lengths=lengths,
                      depths=depths, trials=trials, filler=filler, seed=seed, out=out, tokenizer=tokenizer,
-                     num_processes=num_processes, trust_remote_code=trust_remote_code, progress=progress)
+                     num_processes=num_processes, batch_size=batch_size, trust_remote_code=trust_remote_code,
+                     progress=progress)
     if results:
         print_results(results)
         console.print(f"written to {out}: results.json, results.csv, {', '.join(results['files']['heatmaps'])}",
@@ -397,6 +400,8 @@ def eval_longbench(
     out: str = out_option("runs/longbench", "records, predictions, results.json/.csv, plot; rerun to resume"),
     tokenizer: Optional[str] = tokenizer_option(),
     num_processes: int = typer.Option(1, help="local worker processes sharing the records"),
+    batch_size: int = typer.Option(1, help="records of a task generated together in one left-padded batch "
+                                           "(each prediction is what its record gives alone)"),
     strict: bool = typer.Option(False, help="a malformed record is fatal instead of reported and skipped"),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code"),
     progress: bool = typer.Option(True, "--progress/--no-progress"),
@@ -409,12 +414,52 @@ def eval_longbench(
                         method=method, sets=set_, tasks=tasks, e=e,
                         max_length=max_length, max_samples=max_samples, max_new_tokens=max_new_tokens, data=data,
                         out=out, tokenizer=tokenizer,
-                        num_processes=num_processes, strict=strict, trust_remote_code=trust_remote_code,
+                        num_processes=num_processes, batch_size=batch_size, strict=strict,
+                        trust_remote_code=trust_remote_code,
                         progress=progress)
     if results:
         print_results(results)
         console.print(f"written to {out}: {RESULTS_NAMES}, and per (config, layers) "
                       f"<dir>/pred/<task>.jsonl and <dir>/result.json", markup=False)
+
+
+@command(eval_app, "ruler")
+def eval_ruler(
+    model: str = model_option(),
+    config: Optional[str] = config_option(),
+    method: Optional[str] = method_option(),
+    set_: list[str] = set_option(),
+    layers: Optional[str] = layers_option(),
+    layer_counts: Optional[str] = layer_counts_option(),
+    tasks: str = typer.Option("all", metavar="TASKS", help="all, niah, qa, or comma-separated RULER tasks "
+                                                           "(niah_single_1, ..., vt, cwe, fwe, qa_1, qa_2)"),
+    lengths: str = typer.Option("4096,8192,16384,32768,65536,131072", metavar="N[,N...]",
+                                help="target lengths in tokens (prompt + the task's generation budget)"),
+    samples: int = typer.Option(20, help="prompts per (task, length)"),
+    essays: Optional[str] = typer.Option(None, metavar="FILE", help="essay haystack: RULER's PaulGrahamEssays.json, "
+                                                                    "a .txt file or a directory of them, or demo (a "
+                                                                    "stand-in); default: essay tasks skipped"),
+    qa: Optional[str] = typer.Option(None, metavar="DIR", help="directory with squad.json and/or hotpotqa.json, or "
+                                                               "hub; default: qa_1 and qa_2 skipped"),
+    seed: int = typer.Option(42, help="seed of every prompt"),
+    out: str = out_option("runs/ruler", "records, results.json/.csv, heatmaps, RULER data/pred files; rerun to "
+                                        "resume"),
+    tokenizer: Optional[str] = tokenizer_option(),
+    num_processes: int = typer.Option(1, help="local worker processes sharing the prompts"),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code"),
+    progress: bool = typer.Option(True, "--progress/--no-progress"),
+):
+    """RULER (NVIDIA/RULER's 13 synthetic tasks) scores per config, layer count, task and length (resumable)."""
+    from .eval.ruler.run import print_results, ruler
+
+    results = ruler(model, layer_counts, layers=sweep_layers(layers, "eval ruler"), config=config, method=method,
+                    sets=set_, tasks=tasks, lengths=lengths, samples=samples, essays=essays, qa=qa, seed=seed,
+                    out=out, tokenizer=tokenizer, num_processes=num_processes,
+                    trust_remote_code=trust_remote_code, progress=progress)
+    if results:
+        print_results(results)
+        console.print(f"written to {out}: results.json, results.csv, {', '.join(results['files']['heatmaps'])}, "
+                      "data/<length>/<task>.jsonl, pred/<config>_<layers>/<length>/<task>.jsonl", markup=False)
 
 
 RESULTS_NAMES = "results.json, results.csv, scores_vs_layers.png"

@@ -63,3 +63,34 @@ def test_run_units_keeps_the_callers_inference_mode(two_threads):
 
         run_units(fn, range(6))
     torch.testing.assert_close(out, torch.arange(6.0))
+
+
+@pytest.mark.parametrize("name", ["moba", "nsa", "sparse", "hyper"])
+def test_torch_paths_run_where_the_fused_cpu_kernel_does_not(name, monkeypatch):
+    """On a GPU the fused CPU kernel is not there: flash_lse falls back to the plain reference, so the torch
+    paths (prefill and decode) still run; here the kernel is switched off and the results must not move."""
+    from longpatch.methods import available_methods, cpu_flash
+
+    params = {"moba": {"chunk_size": 16, "topk": 2}, "sparse": {"window": 16, "block": 8, "random_blocks": 1},
+              "nsa": {"compress_block": 16, "compress_stride": 8, "select_block": 16, "num_selected": 4,
+                      "window": 16}, "hyper": {"block_size": 16, "sample_size": 16, "min_seq_len": 32}}[name]
+    bound = available_methods()[name].bind(params, 16)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 96, 16, generator=g) for h in (4, 2, 2))
+
+    def run():
+        state = {}
+        pre = bound(q[:, :, :95], k[:, :, :95], v[:, :, :95], backend="torch", state=state)
+        dec = bound(q[:, :, 95:], k, v, backend="torch", state=state) if bound.method.decode else None
+        return pre, dec
+
+    fused = run()
+    def no_kernel(*args, **kwargs):
+        raise NotImplementedError("the fused CPU kernel on a CUDA tensor")
+
+    monkeypatch.setattr(cpu_flash, "fused_ok", lambda *a: False)
+    monkeypatch.setattr(cpu_flash, "FA_CPU", no_kernel)
+    plain = run()
+    torch.testing.assert_close(plain[0], fused[0], atol=2e-5, rtol=2e-5)
+    if fused[1] is not None:
+        torch.testing.assert_close(plain[1], fused[1], atol=2e-5, rtol=2e-5)

@@ -294,3 +294,29 @@ def test_bad_data_fails_and_writes_nothing(tmp_path):
     assert r.exit_code == 2 and "lcc.jsonl:2: missing fields" in r.output and not out.exists(), r.output
     r = _cli(*base, "--data", str(tmp_path / "missing"))
     assert r.exit_code == 2 and "does not exist" in r.output and not out.exists(), r.output
+
+
+def test_batches_give_the_predictions_of_batch_size_one(tmp_path):
+    """batch_size: a task's records generated together, left-padded, each prediction the record's alone;
+    samsum's newline stop and minimum length included."""
+    from longpatch.eval.longbench.run import longbench
+    from longpatch.eval.records import read_records
+
+    recs = {"lcc": [_record("lcc", "def f(x):\n    y = x + 1\n" * k, "", ["    return y"], i=k) for k in (1, 3, 5)],
+            "samsum": [_record("samsum", "Dialogue: A: hi\nSummary: A greets.\n" * k, "Dialogue: B: bye\nSummary:",
+                               ["B leaves."], i=k) for k in (1, 4)]}
+    data = tmp_path / "lb"
+    data.mkdir()
+    for task, rows in recs.items():
+        (data / f"{task}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def preds(out):
+        return sorted((r["task"], r["doc_id"], r["pred"], r["new_tokens"]) for r in read_records(out))
+
+    opts = dict(method="moba", sets=["chunk_size=32", "topk=2", "min_seq_len=0"], data=str(data),
+                max_length=256, max_new_tokens=6, progress=False, plots=False)
+    longbench("demo", "4", out=str(tmp_path / "one"), **opts)
+    longbench("demo", "4", out=str(tmp_path / "three"), batch_size=3, **opts)
+    assert preds(tmp_path / "one") == preds(tmp_path / "three") and len(preds(tmp_path / "one")) == 5
+    # groups of 3 in task order (samsum, then lcc), each split by task: samsum 2, lcc 1, lcc 2
+    assert sorted(r["batch"] for r in read_records(tmp_path / "three")) == [1, 2, 2, 2, 2]

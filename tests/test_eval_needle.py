@@ -255,3 +255,23 @@ def test_longbench_filler_reads_the_contexts_of_the_named_subsets(tmp_path):
     assert len(N.filler_texts("longbench:code@demo")) == len(N.filler_texts("demo"))  # the embedded source
     with pytest.raises(LongpatchError, match="does not exist"):
         N.filler_texts(f"longbench:lcc@{tmp_path / 'missing'}")
+
+
+def test_batches_give_the_records_of_batch_size_one(tmp_path):
+    """--batch-size: prompts of different lengths in one left-padded batch, each row's answer what the
+    prompt gives alone, for a method with its own decode path and for exact attention."""
+    from longpatch.eval.needle.run import needle
+    from longpatch.eval.records import read_records
+
+    def records(out):
+        keep = ("config", "layers", "length", "depth", "trial", "expected", "predicted", "correct")
+        return sorted(tuple(r[k] for k in keep) for r in read_records(out))
+
+    opts = dict(config="demo-moba", lengths="256,384", depths="0.25,0.75", trials=2, progress=False, plots=False,
+                sets=["chunk_size=64", "topk=2", "min_seq_len=0"])
+    one = tmp_path / "one"
+    needle("demo", "0,4", out=str(one), **opts)
+    four = tmp_path / "four"
+    needle("demo", "0,4", out=str(four), batch_size=3, **opts)
+    assert records(one) == records(four) and len(records(one)) == 2 * 2 * 2 * 2
+    assert {r["batch"] for r in read_records(four)} == {3, 2}  # 8 prompts per point: batches of 3, 3, 2

@@ -196,14 +196,17 @@ def num_layers(model, cfg: PatchConfig) -> int:
 
 def run_points(model, todo: list[tuple[Point, list]], writer: RecordLog, bar, out,
                one: Callable[[Point, object], dict], start: Callable[[Point, list], None] | None = None,
-               label: Callable[[Point], str] = lambda p: p.label, shapes=(), interleave: bool = False) -> None:
+               label: Callable[[Point], str] = lambda p: p.label, shapes=(), interleave: bool = False,
+               batch: int = 1, many: Callable[[Point, list], list[dict]] | None = None) -> None:
     """The loop of every evaluation: patch the model for each point that has pending items, append the
     record one(point, item) of each item as it finishes, unpatch; closes writer and bar. start(point,
     items) runs after a point's first patching (warm-up). Interrupted, it says where the finished work is.
 
     shapes: the (q_len, kv_len) of the run's attention calls (say_if_exact; () says nothing).
     interleave: item by item, every point's record of an item before the next item, so the points'
-    timings of one item are taken side by side, under the same load (eval ppl's speedups)."""
+    timings of one item are taken side by side, under the same load (eval ppl's speedups).
+    batch, many: with many given and batch > 1, items go `batch` at a time to many(point, items), which
+    returns their records in order (the batched generations)."""
     say_if_exact(model, [p for p, pending in todo if pending], shapes)
     steps = _interleaved(todo) if interleave else [(p, pending) for p, pending in todo if pending]
     started: set[str] = set()
@@ -215,9 +218,12 @@ def run_points(model, todo: list[tuple[Point, list]], writer: RecordLog, bar, ou
                 if start is not None and point.config_id not in started:
                     start(point, pending)
                 started.add(point.config_id)
-                for item in pending:
-                    writer.append(one(point, item))
-                    bar.update(1)
+                size = batch if many is not None else 1
+                for i in range(0, len(pending), size):
+                    group = pending[i:i + size]
+                    for record in (many(point, group) if size > 1 else [one(point, group[0])]):
+                        writer.append(record)
+                    bar.update(len(group))
             finally:
                 unpatch_model(model)
     except KeyboardInterrupt:
@@ -268,10 +274,12 @@ def say_if_exact(model, points: list[Point], shapes) -> None:
 
 
 def run_generations(model, points: list[tuple[str, Point]], work: list, out, dist, progress: bool, desc: str,
-                    one: Callable[[str, Point, object], dict], shapes=()) -> None:
+                    one: Callable[[str, Point, object], dict], shapes=(), batch: int = 1,
+                    many: Callable[[str, Point, list], list[dict]] | None = None) -> None:
     """The generation evaluations' loop (eval needle, eval longbench): every (labelled point, work item)
-    not yet in out's records, one record each; `work` items carry a `digest`; one(label, point, item).
-    shapes: as run_points (on rank 0; generation_shapes)."""
+    not yet in out's records, one record each; `work` items carry a `digest`; one(label, point, item),
+    or many(label, point, items) `batch` items at a time. shapes: as run_points (on rank 0;
+    generation_shapes)."""
     from tqdm.auto import tqdm
 
     out = Path(out)
@@ -287,7 +295,8 @@ def run_generations(model, points: list[tuple[str, Point]], work: list, out, dis
     bar = tqdm(total=total, desc=desc, unit="gen", disable=not progress, dynamic_ncols=True)
     run_points(model, [(p, ws) for _, p, ws in todo], RecordLog(records_file(out, dist.rank, dist.world)), bar, out,
                lambda p, w: one(labels[p.config_id], p, w), label=lambda p: f"{labels[p.config_id]} {p.label}",
-               shapes=shapes if dist.main else ())
+               shapes=shapes if dist.main else (), batch=batch,
+               many=None if many is None else (lambda p, ws: many(labels[p.config_id], p, ws)))
 
 
 def prepare_configs(model, spec: RunSpec, dist) -> Prepared:
@@ -335,3 +344,37 @@ def labelled_points(prep: Prepared, spec: RunSpec, n_layers: int, identity: dict
 def input_device(model):
     """The device a model takes its input ids on (its first parameter's)."""
     return next(model.parameters()).device
+
+
+def generate_rows(model, prompts: list[list[int]], max_new: list[int], device, eos, pad: int | None = None,
+                  **generate_kwargs) -> list[list[int]]:
+    """Greedy generation of several prompts in one left-padded batch (the generation convention; each row
+    gets the positions and attention it has alone, see docs/methods.md "Batches"): each row's new tokens,
+    cut at its own budget and after its first eos (an id or a list of ids), as generating that prompt
+    alone gives them. generate_kwargs go to model.generate (e.g. min_new_tokens)."""
+    import torch
+
+    stops = set(eos) if isinstance(eos, (list, tuple)) else {eos} - {None}
+    pad = pad if pad is not None else (min(stops) if stops else 0)
+    n = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), n), pad, dtype=torch.long)
+    mask = torch.zeros(len(prompts), n, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, n - len(p):] = torch.tensor(p)
+        mask[i, n - len(p):] = 1
+    with torch.no_grad():
+        gen = model.generate(ids.to(device), attention_mask=mask.to(device), do_sample=False,
+                             max_new_tokens=max(max_new), pad_token_id=pad, **generate_kwargs)
+    rows = []
+    for i, budget in enumerate(max_new):
+        new = gen[i, n:n + budget].tolist()
+        end = next((j for j, t in enumerate(new) if t in stops), None)
+        rows.append(new if end is None else new[:end + 1])
+    return rows
+
+
+def shared_stats(breakdown: dict, rows: int) -> dict:
+    """A batch's attention breakdown as each of its `rows` records carries it: calls and seconds divided
+    evenly, so that summing the records gives the batch's totals."""
+    return {side: {phase: {path: {k: v / rows for k, v in s.items()} for path, s in paths.items()}
+                   for phase, paths in phases.items()} for side, phases in breakdown.items()}

@@ -35,6 +35,7 @@ from ..records import PLAN_FILE, read_plan, read_records, seconds_by_path
 from ..sweep import (
     Point,
     RunSpec,
+    generate_rows,
     generation_shapes,
     input_device,
     labelled_points,
@@ -42,6 +43,7 @@ from ..sweep import (
     prepare_configs,
     resolve_spec,
     run_generations,
+    shared_stats,
 )
 from . import tasks as T
 from .data import CATEGORIES, LongBench, Record, code_completion_tasks, load_longbench, report_problems, source_name
@@ -69,7 +71,8 @@ class LongBenchSpec(RunSpec):
     task (--data demo: 4). data: as `eval ppl` (None: the hub's data.zip), or 'demo' (code-completion
     tasks from the demo model's held-out code; layers default to 0,2,4). strict: a malformed record is
     fatal. max_new_tokens: a cap on every task's generation length, for quick checks only (scores made
-    with it are not LongBench's protocol; results record it).
+    with it are not LongBench's protocol; results record it). batch_size: records of a task generated
+    together in one left-padded batch (same predictions as 1).
     """
 
     COMMAND = "eval longbench"
@@ -81,6 +84,7 @@ class LongBenchSpec(RunSpec):
     data: str | None = None
     strict: bool = False
     max_new_tokens: int | None = None
+    batch_size: int = 1
 
     def __post_init__(self):
         super().__post_init__()
@@ -92,6 +96,7 @@ class LongBenchSpec(RunSpec):
             check_int("max_length", self.max_length, 16)
         if self.max_samples is not None:
             check_int("max_samples", self.max_samples, 1)
+        check_int("batch_size", self.batch_size, 1)
         if self.e and self.data == "demo":
             raise ConfigError("--e: LongBench-E needs LongBench's data; --data demo has no length-balanced set")
 
@@ -194,7 +199,9 @@ def _evaluate(model, spec: LongBenchSpec, dist: Dist, run_id: str) -> dict:
     run_generations(model, points, items[dist.rank::dist.world], out, dist, spec.progress and dist.main,
                     "eval longbench", lambda label, p, w: _generate(model, tokenizer, label, p, w, device,
                                                                     stops[w.task], dist.rank, run_id),
-                    generation_shapes((len(w.ids), w.max_new) for w in items))
+                    generation_shapes((len(w.ids), w.max_new) for w in items), batch=spec.batch_size,
+                    many=lambda label, p, ws: _generate_batch(model, tokenizer, label, p, ws, device, stops, dist.rank,
+                                                              run_id))
     dist.barrier()
     if dist.mode == "spawned" or not dist.main:
         return {}
@@ -222,6 +229,36 @@ def _generate(model, tokenizer, label: str, point: Point, w: Item, device, stop,
             "answers": list(rec.answers), "all_classes": None if rec.all_classes is None else list(rec.all_classes),
             "length": rec.length, "prompt_tokens": len(w.ids), "new_tokens": len(new), "seconds": seconds,
             "attention": stats, "attention_seconds": total_seconds(stats), "rank": rank, "run_id": run_id}
+
+
+def _generate_batch(model, tokenizer, label: str, point: Point, ws: list[Item], device, stops: dict, rank: int,
+                    run_id: str) -> list[dict]:
+    """Greedy generations of several records in left-padded batches, one per task (tasks stop differently),
+    one record each; each row's tokens are those of its record alone (generate_rows); seconds and attention
+    stats are each batch's, shared evenly between its records."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    out = {}
+    for task in dict.fromkeys(w.task for w in ws):
+        group = [w for w in ws if w.task == task]
+        eos, min_new = stops[task]
+        model.longpatch.reset_stats()
+        t0 = time.perf_counter()
+        rows = generate_rows(model, [w.ids for w in group], [w.max_new for w in group], device,
+                             eos or tokenizer.eos_token_id, pad, num_beams=1,
+                             **({"eos_token_id": eos, "min_new_tokens": min_new} if eos else {}))
+        seconds = (time.perf_counter() - t0) / len(group)
+        stats = shared_stats(model.longpatch.breakdown(), len(group))
+        for w, new in zip(group, rows):
+            rec = w.record
+            out[id(w)] = {
+                "config": label, "method": point.cfg.method if point.layers else "exact", "layers": point.layers,
+                "config_id": point.config_id, "label": point.label, "task": w.task, "doc_id": rec.doc_id,
+                "digest": w.digest, "pred": tokenizer.decode(new, skip_special_tokens=True),
+                "answers": list(rec.answers), "all_classes": None if rec.all_classes is None else list(rec.all_classes),
+                "length": rec.length, "prompt_tokens": len(w.ids), "new_tokens": len(new), "seconds": seconds,
+                "batch": len(group), "attention": stats, "attention_seconds": total_seconds(stats), "rank": rank,
+                "run_id": run_id}
+    return [out[id(w)] for w in ws]
 
 
 # ---- report ----------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from ..records import PLAN_FILE, read_plan, read_records, seconds_by_path
 from ..sweep import (
     Point,
     RunSpec,
+    generate_rows,
     generation_shapes,
     input_device,
     labelled_points,
@@ -33,6 +34,7 @@ from ..sweep import (
     prepare_configs,
     resolve_spec,
     run_generations,
+    shared_stats,
 )
 from . import prompts as N
 
@@ -49,7 +51,7 @@ class NeedleSpec(RunSpec):
     'code' or a YAML template file.
     lengths: prompt lengths in tokens ('4096,8192' or a list). depths: '0:1:0.1' (end included) or
     'd1,d2'. trials: prompts per (length, depth). filler: see needle.filler_texts. seed: of keys and
-    haystacks.
+    haystacks. batch_size: prompts generated together in one left-padded batch (same results as 1).
     """
 
     COMMAND = "eval needle"
@@ -60,11 +62,13 @@ class NeedleSpec(RunSpec):
     trials: int = 4
     filler: str = "demo"
     seed: int = 0
+    batch_size: int = 1
 
     def __post_init__(self):
         super().__post_init__()
         check_int("trials", self.trials, 1)
         check_int("seed", self.seed, 0)
+        check_int("batch_size", self.batch_size, 1)
         if isinstance(self.lengths, (list, tuple)):
             self.lengths = list(self.lengths)
 
@@ -135,7 +139,9 @@ def _evaluate(model, spec: NeedleSpec, tmpl: N.Template, lengths: list[int], dep
     shapes = generation_shapes((len(w.prompt.ids), N.answer_tokens(tokenizer, w.prompt.expected)) for w in work)
     run_generations(model, points, work[dist.rank::dist.world], out, dist, spec.progress and dist.main, "eval needle",
                     lambda label, p, w: _generate(model, tokenizer, label, p, w, device, eos, dist.rank, run_id),
-                    shapes)
+                    shapes, batch=spec.batch_size,
+                    many=lambda label, p, ws: _generate_batch(model, tokenizer, label, p, ws, device, eos, dist.rank,
+                                                              run_id))
     dist.barrier()
     if dist.mode == "spawned" or not dist.main:
         return {}
@@ -159,6 +165,29 @@ def _generate(model, tokenizer, label: str, point: Point, w: Trial, device, eos,
             "predicted": predicted, "correct": N.judge(predicted, w.prompt.expected), "config_id": point.config_id,
             "label": point.label, "digest": w.digest, "needle_token": w.prompt.needle_token, "seconds": seconds,
             "attention": stats, "attention_seconds": total_seconds(stats), "rank": rank, "run_id": run_id}
+
+
+def _generate_batch(model, tokenizer, label: str, point: Point, ws: list[Trial], device, eos, rank: int,
+                    run_id: str) -> list[dict]:
+    """Greedy generations of several prompts in one left-padded batch, one record each; each row's tokens
+    are those of its prompt alone (generate_rows); seconds and attention stats are the batch's, shared
+    evenly between its records."""
+    model.longpatch.reset_stats()
+    t0 = time.perf_counter()
+    rows = generate_rows(model, [w.prompt.ids for w in ws], [N.answer_tokens(tokenizer, w.prompt.expected) for w in ws],
+                         device, eos)
+    seconds = (time.perf_counter() - t0) / len(ws)
+    stats = shared_stats(model.longpatch.breakdown(), len(ws))
+    out = []
+    for w, new in zip(ws, rows):
+        predicted = tokenizer.decode(new, skip_special_tokens=True)
+        out.append({"config": label, "method": point.cfg.method if point.layers else "exact", "layers": point.layers,
+                    "length": len(w.prompt.ids), "depth": w.depth, "trial": w.trial, "expected": w.prompt.expected,
+                    "predicted": predicted, "correct": N.judge(predicted, w.prompt.expected),
+                    "config_id": point.config_id, "label": point.label, "digest": w.digest,
+                    "needle_token": w.prompt.needle_token, "seconds": seconds, "batch": len(ws), "attention": stats,
+                    "attention_seconds": total_seconds(stats), "rank": rank, "run_id": run_id})
+    return out
 
 
 def summarize(out: "str | Path", plots: bool = True) -> dict:

@@ -175,7 +175,8 @@ def _evaluate(model, spec: PerplexitySpec, dist: Dist, run_id: str) -> dict:
             "per_subset": counts, "skipped": skipped, "missing_subsets": lb.missing,
             "data_problems": [p.to_dict() for p in lb.problems]})
         if len(points) > 1 and not any(p.layers == 0 for p in points):
-            log.warning("longpatch: the sweep has no 0-layer point; attention speedups need one (add 0 to --layer-counts)")
+            log.warning("longpatch: the sweep has no 0-layer point; attention speedups need one "
+                        "(add 0 to --layer-counts)")
     mine = docs if dist.mode == "sequence" else docs[dist.rank::dist.world]  # sequence: every rank, every doc
     _run(model, points, mine, out, dist, spec.warmup, spec.loss_chunk, spec.progress and dist.main, run_id)
     dist.barrier()
