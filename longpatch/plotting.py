@@ -29,3 +29,37 @@ def layers_axis(ax, label: str = "number of replaced final layers") -> None:
 def speedup_line(ax) -> None:
     """The 1x line of a speedup panel: above it faster than exact attention, below it slower."""
     ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+
+
+def annotated_heatmap(data, xlabels: list[str], ylabels: list[str], path, title: str, *, vmax: float,
+                      colorbar: str, fmt: str, xlabel: str, ylabel: str | None = None, width: float,
+                      row_height: float, min_height: float = 0.0, rule_above_last: bool = False) -> None:
+    """A grid of scores (rows x columns, NaN = no cell) as a red-yellow-green heatmap with each cell's value
+    written in it, the title wrapped to the figure's width (the evaluations' heatmaps: needle, RULER).
+    rule_above_last: a line above the last row (an average row)."""
+    import textwrap
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    data = np.asarray(data, dtype=float)
+    title = textwrap.fill(title, width=int(width * 72 / (9 * 0.62)))
+    height = max(min_height, 1.0 + row_height * len(ylabels)) + 0.15 * title.count("\n")
+    fig, ax = plt.subplots(figsize=(width, height))
+    im = ax.imshow(data, cmap="RdYlGn", vmin=0, vmax=vmax, aspect="auto")
+    ax.set_xticks(range(len(xlabels)), xlabels)
+    ax.set_yticks(range(len(ylabels)), ylabels)
+    for i in range(len(ylabels)):
+        for j in range(len(xlabels)):
+            if not np.isnan(data[i, j]):
+                ax.text(j, i, format(data[i, j], fmt), ha="center", va="center", fontsize=7)
+    if rule_above_last:
+        ax.axhline(len(ylabels) - 1.5, color="black", lw=0.8)
+    ax.set(xlabel=xlabel, ylabel=ylabel)
+    ax.set_title(title, fontsize=9)
+    fig.colorbar(im, ax=ax, label=colorbar)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

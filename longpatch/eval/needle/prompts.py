@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -284,31 +285,14 @@ def accuracy_grid(records: list[dict], config: str, layers: int) -> tuple[list[i
 def heatmap(records: list[dict], config: str, layers: int, path: Path, title: str | None = None) -> None:
     """The standard NIAH picture: context length (x) by needle depth (y), accuracy as colour. However few
     the cells, the figure keeps room for its title, wrapped to the figure's width."""
-    import textwrap
-
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
+    from ...plotting import annotated_heatmap
 
     lengths, depths, grid = accuracy_grid(records, config, layers)
-    data = np.array([[np.nan if v is None else v for v in row] for row in grid], dtype=float)
-    width = max(4.5, 1.2 + 1.1 * len(lengths))
-    title = textwrap.fill(title or f"{config}, {layers} layers replaced", width=int(width * 72 / (9 * 0.62)))
-    fig, ax = plt.subplots(figsize=(width, max(2.4, 1.0 + 0.38 * len(depths)) + 0.15 * title.count("\n")))
-    im = ax.imshow(data, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
-    ax.set_xticks(range(len(lengths)), [length_label(n) for n in lengths])
-    ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
-    for i in range(len(depths)):
-        for j in range(len(lengths)):
-            if not np.isnan(data[i, j]):
-                ax.text(j, i, f"{data[i, j]:.2f}", ha="center", va="center", fontsize=7)
-    ax.set(xlabel="context length (tokens)", ylabel="needle depth")
-    ax.set_title(title, fontsize=9)
-    fig.colorbar(im, ax=ax, label="accuracy")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    data = [[math.nan if v is None else v for v in row] for row in grid]
+    annotated_heatmap(data, [length_label(n) for n in lengths], [f"{d:.0%}" for d in depths], path,
+                      title or f"{config}, {layers} layers replaced", vmax=1, colorbar="accuracy", fmt=".2f",
+                      xlabel="context length (tokens)", ylabel="needle depth", width=max(4.5, 1.2 + 1.1 * len(lengths)),
+                      row_height=0.38, min_height=2.4)
 
 
 def length_label(n: int) -> str:

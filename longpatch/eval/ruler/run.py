@@ -342,41 +342,21 @@ def _read_inputs(out: Path, length: int, task: str) -> dict:
 
 def heatmap(summary: list[dict], config: str, layers: int, path: Path, plan: dict) -> None:
     """Task (rows, the average last) by length (columns), RULER score as colour."""
-    import textwrap
-
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
+    from ...plotting import annotated_heatmap
     from ..needle.prompts import length_label
 
     rows = [s for s in summary if s["config"] == config and s["layers"] == layers]
     lengths = sorted({s["length"] for s in rows})
     tasks = [t for t in plan["tasks"] if any(s["task"] == t for s in rows)] + ["average"]
     cell = {(s["task"], s["length"]): s["score"] for s in rows}
-    data = np.array([[cell.get((t, n), np.nan) for n in lengths] for t in tasks], dtype=float)
+    data = [[cell.get((t, n), math.nan) for n in lengths] for t in tasks]
     labels = [f"{t}*" if t != "average" and "stand-in" in _haystack(t, plan) else t for t in tasks]
     title = f"{plan['model']}: RULER, {config}, {layers} layers replaced ({plan['samples']} samples)"
     if any(lb.endswith("*") for lb in labels):
         title += "; * essay haystack: demo stand-in"
-    width = max(4.5, 2.6 + 0.9 * len(lengths))
-    title = textwrap.fill(title, width=int(width * 72 / (9 * 0.62)))
-    fig, ax = plt.subplots(figsize=(width, 1.0 + 0.32 * len(tasks) + 0.15 * title.count("\n")))
-    im = ax.imshow(data, cmap="RdYlGn", vmin=0, vmax=100, aspect="auto")
-    ax.set_xticks(range(len(lengths)), [length_label(n) for n in lengths])
-    ax.set_yticks(range(len(tasks)), labels)
-    for i in range(len(tasks)):
-        for j in range(len(lengths)):
-            if not np.isnan(data[i, j]):
-                ax.text(j, i, f"{data[i, j]:.1f}", ha="center", va="center", fontsize=7)
-    ax.axhline(len(tasks) - 1.5, color="black", lw=0.8)
-    ax.set(xlabel="length (tokens)")
-    ax.set_title(title, fontsize=9)
-    fig.colorbar(im, ax=ax, label="score")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    annotated_heatmap(data, [length_label(n) for n in lengths], labels, path, title, vmax=100, colorbar="score",
+                      fmt=".1f", xlabel="length (tokens)", width=max(4.5, 2.6 + 0.9 * len(lengths)), row_height=0.32,
+                      rule_above_last=True)
 
 
 def print_results(results: dict) -> None:
