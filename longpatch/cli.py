@@ -446,6 +446,8 @@ def eval_ruler(
                                         "resume"),
     tokenizer: Optional[str] = tokenizer_option(),
     num_processes: int = typer.Option(1, help="local worker processes sharing the prompts"),
+    batch_size: int = typer.Option(1, help="prompts generated together in one left-padded batch (each row's "
+                                           "answer is what its prompt gives alone)"),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code"),
     progress: bool = typer.Option(True, "--progress/--no-progress"),
 ):
@@ -454,7 +456,7 @@ def eval_ruler(
 
     results = ruler(model, layer_counts, layers=sweep_layers(layers, "eval ruler"), config=config, method=method,
                     sets=set_, tasks=tasks, lengths=lengths, samples=samples, essays=essays, qa=qa, seed=seed,
-                    out=out, tokenizer=tokenizer, num_processes=num_processes,
+                    out=out, tokenizer=tokenizer, num_processes=num_processes, batch_size=batch_size,
                     trust_remote_code=trust_remote_code, progress=progress)
     if results:
         print_results(results)

@@ -311,3 +311,14 @@ def test_bad_options_one_line_nothing_written(tmp_path, argv, needles):
     assert len([x for x in err if x.startswith("longpatch: error:")]) == 1 and "Traceback" not in r.stderr, err
     assert all(n in err[-1] for n in needles), err
     assert not out.exists()
+
+
+def test_batches_equal_one_run(tiny_run, tmp_path):
+    out, _ = tiny_run
+    args = ["eval", "ruler", *TINY, "--tasks", "vt,fwe", "--layer-counts", "0,2", "--config", "tiny-llama",
+            "--samples", "2", "--batch-size", "3", "--out", tmp_path / "batched"]
+    r = invoke(*args)
+    assert r.exit_code == 0, r.output
+    assert _scores(tmp_path / "batched") == _scores(out)
+    batches = [json.loads(x)["batch"] for x in (tmp_path / "batched" / "records.jsonl").read_text().splitlines()]
+    assert sorted(batches) == [1, 1, 3, 3, 3, 3, 3, 3]  # 4 samples per point: a batch of 3, then 1

@@ -36,6 +36,7 @@ from ..records import PLAN_FILE, read_plan, read_records, seconds_by_path
 from ..sweep import (
     Point,
     RunSpec,
+    generate_rows,
     generation_shapes,
     input_device,
     labelled_points,
@@ -43,6 +44,7 @@ from ..sweep import (
     prepare_configs,
     resolve_spec,
     run_generations,
+    shared_stats,
 )
 from . import data as D
 from . import metrics as M
@@ -63,7 +65,8 @@ class RulerSpec(RunSpec):
     lengths in tokens (prompt plus generation budget). samples: prompts per (task, length). essays:
     the essay haystack (data.load_essays: a .json/.txt file, a directory of .txt, or 'demo', a
     stand-in); None: the essay tasks are skipped. qa: a directory with squad.json / hotpotqa.json, or
-    'hub'; None: qa_1 and qa_2 are skipped. seed: of every prompt (RULER's default 42).
+    'hub'; None: qa_1 and qa_2 are skipped. seed: of every prompt (RULER's default 42). batch_size:
+    prompts generated together in one left-padded batch (same records as 1).
     """
 
     COMMAND = "eval ruler"
@@ -74,11 +77,13 @@ class RulerSpec(RunSpec):
     essays: str | None = None
     qa: str | None = None
     seed: int = T.DEFAULT_SEED
+    batch_size: int = 1
 
     def __post_init__(self):
         super().__post_init__()
         check_int("samples", self.samples, 1)
         check_int("seed", self.seed, 0)
+        check_int("batch_size", self.batch_size, 1)
         if isinstance(self.lengths, (list, tuple)):
             self.lengths = list(self.lengths)
         T.resolve_tasks(self.tasks)
@@ -182,7 +187,9 @@ def _evaluate(model, spec: RulerSpec, sources: Sources, dist: Dist, run_id: str)
     run_generations(model, points, samples[dist.rank::dist.world], out, dist, spec.progress and dist.main,
                     "eval ruler", lambda label, p, s: _generate(model, tokenizer, label, p, s, device, dist.rank,
                                                                 run_id),
-                    generation_shapes((len(s.ids), s.tokens_to_generate) for s in samples))
+                    generation_shapes((len(s.ids), s.tokens_to_generate) for s in samples), batch=spec.batch_size,
+                    many=lambda label, p, ss: _generate_batch(model, tokenizer, label, p, ss, device, dist.rank,
+                                                              run_id))
     dist.barrier()
     if dist.mode == "spawned" or not dist.main:
         return {}
@@ -209,6 +216,29 @@ def _generate(model, tokenizer, label: str, point: Point, s: T.Sample, device, r
             "score": M.sample_score(s.task, predicted, s.outputs), "prompt_tokens": len(s.ids),
             "new_tokens": len(new), "seconds": seconds, "attention": stats, "attention_seconds": total_seconds(stats),
             "rank": rank, "run_id": run_id}
+
+
+def _generate_batch(model, tokenizer, label: str, point: Point, ss: list[T.Sample], device, rank: int,
+                    run_id: str) -> list[dict]:
+    """Several prompts in one left-padded batch (generate_rows: each row's tokens as alone), one record each;
+    seconds and attention stats are the batch's, shared evenly between its records."""
+    model.longpatch.reset_stats()
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    t0 = time.perf_counter()
+    rows = generate_rows(model, [s.ids for s in ss], [s.tokens_to_generate for s in ss], device,
+                         tokenizer.eos_token_id, pad, num_beams=1)
+    seconds = (time.perf_counter() - t0) / len(ss)
+    stats = shared_stats(model.longpatch.breakdown(), len(ss))
+    out = []
+    for s, new in zip(ss, rows):
+        predicted = tokenizer.decode(new, skip_special_tokens=True)
+        out.append({"config": label, "method": point.cfg.method if point.layers else "exact", "layers": point.layers,
+                    "config_id": point.config_id, "label": point.label, "digest": s.digest, "task": s.task,
+                    "length": s.length, "index": s.index, "outputs": s.outputs, "predicted": predicted,
+                    "score": M.sample_score(s.task, predicted, s.outputs), "prompt_tokens": len(s.ids),
+                    "new_tokens": len(new), "seconds": seconds, "batch": len(ss), "attention": stats,
+                    "attention_seconds": total_seconds(stats), "rank": rank, "run_id": run_id})
+    return out
 
 
 # ---- report ----------------------------------------------------------------------------------------
