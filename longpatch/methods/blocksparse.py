@@ -29,7 +29,7 @@ import math
 import torch
 
 from .common import acc_dtype, gather_blocks, merge_lse
-from .cpu_flash import additive_mask, attend_spans, flash_lse, fused_ok, merge_spans, spans_ok
+from .cpu_flash import additive_mask, attend_spans, fused_ok, merge_spans, spans_ok
 from .lse_attention import attend
 
 # Elements of gathered keys per call: large enough for few calls, small enough to stay in cache.
@@ -82,7 +82,7 @@ def block_sparse_prefill(q, k, v, blocks: torch.Tensor, block: int, scale: float
         for hi in range(hk):
             qh = qp[bi, hi * g:(hi + 1) * g].reshape(g, nb, block, d).transpose(0, 1)  # [nb, g, block, d]
             kh, vh = kp[bi, hi].reshape(nb, block * d), vp[bi, hi].reshape(nb, block * d)
-            o_d, l_d = flash_lse(qh, kh.view(nb, 1, block, d), vh.view(nb, 1, block, d), scale, causal=True)
+            o_d, l_d = attend(qh, kh.view(nb, 1, block, d), vh.view(nb, 1, block, d), scale, causal=True)
             out[bi, hi], lse[bi, hi] = o_d.to(acc), l_d.to(acc)
             # query blocks with the same number c of listed blocks: one maskless call per chunk of them
             for c in counts[bi, hi].unique().tolist():
@@ -95,7 +95,7 @@ def block_sparse_prefill(q, k, v, blocks: torch.Tensor, block: int, scale: float
                     idx = blocks[bi, hi].index_select(0, r)[:, :c].reshape(-1)
                     kg, vg = _gather(kh, idx, kbuf), _gather(vh, idx, vbuf)  # whole blocks: one copy each
                     kg, vg = kg.view(len(r), 1, c * block, d), vg.view(len(r), 1, c * block, d)
-                    o_s, l_s = flash_lse(qh.index_select(0, r), kg, vg, scale)
+                    o_s, l_s = attend(qh.index_select(0, r), kg, vg, scale)
                     o, l_ = merge_lse(out[bi, hi].index_select(0, r), lse[bi, hi].index_select(0, r),
                                       o_s.to(acc), l_s.to(acc))
                     out[bi, hi].index_copy_(0, r, o)
@@ -127,7 +127,7 @@ def block_sparse_decode(q, k, v, kept: torch.Tensor, block: int, local_blocks: i
     valid = ((sel >= 0).unsqueeze(-1).expand(-1, -1, -1, block).flatten(-2)) & (tok <= t)
     ks, vs = gather_blocks(k, sel, block), gather_blocks(v, sel, block)  # [b, hk, L*block, d]
     bias = torch.zeros(valid.shape, dtype=torch.float32, device=q.device).masked_fill(~valid, float("-inf"))
-    out, lse = flash_lse(q.view(b, hk, g, d), ks, vs, scale, bias.unsqueeze(2))
+    out, lse = attend(q.view(b, hk, g, d), ks, vs, scale, mask=bias.unsqueeze(2))
     return out.reshape(b, hq, 1, d).to(q.dtype), lse.reshape(b, hq, 1)
 
 
@@ -332,7 +332,7 @@ def _small_block_parts(qt, k1, v1, lst, pos, block: int, scale: float, ws, rule)
             lsel_ok = real & vis.any(-1).reshape(-1)  # a real row may see none of a pair's keys
             bias = additive_mask(vis, qt.dtype)
             bias = bias.unsqueeze(2).expand(-1, B, G, block).reshape(-1, 1, B * G, block)
-        o, l = flash_lse(qq, kk, vv, scale, bias)
+        o, l = attend(qq, kk, vv, scale, mask=bias)
         parts.append((o.view(-1, G, d), l.view(-1, G).masked_fill(~lsel_ok[:, None], float("-inf")), slot_row))
     return parts
 

@@ -46,16 +46,12 @@ def mask_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def flash_lse(q, k, v, scale: float, mask=None, causal: bool = False):
-    """(out, lse) of q [B, Hq, m, d] against k/v [B, Hk, n, d] with the fused kernel (Hk divides Hq, so
-    GQA needs no repeat; strided views are fine; m > 0); inputs the kernel does not take (``fused_ok``:
-    CUDA tensors, other dtypes) get ``attention_lse_reference``, so the torch paths also run on a GPU. ``mask`` is
+    """(out, lse) of q [B, Hq, m, d] against k/v [B, Hk, n, d] with the fused kernel (``fused_ok``
+    inputs: CPU tensors; Hk divides Hq, so GQA needs no repeat; strided views are fine; m > 0). The
+    methods call it through ``lse_attention.attend``, which takes any device (the plain reference). ``mask`` is
     additive, broadcastable to [B, Hq, m, n]; causal aligns top-left. lse is float32 (float64 for
     float64). Differentiable in out and lse when an input requires grad. A row whose keys are all
     masked gets out 0 and lse 0 from the kernel: the caller marks such rows (``hide_empty``)."""
-    if not fused_ok(q, k, v):  # a CUDA tensor (a torch-path op on the GPU) or a dtype the kernel lacks
-        from .lse_attention import attention_lse_reference  # lazy: lse_attention imports this module
-
-        return attention_lse_reference(q, k, v, scale, causal=causal, mask=mask)
     if mask is not None:  # float32 for half inputs: HyperAttention's log-weights are not 0/-inf
         mask = mask.to(mask_dtype(q.dtype))
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):

@@ -15,7 +15,8 @@ from ..common import (
     merge_lse,
     run_units,
 )
-from ..cpu_flash import additive_mask, flash_lse, hide_empty
+from ..cpu_flash import additive_mask, hide_empty
+from ..lse_attention import attend
 from .blocks import force_and_mask, topk_blocks, visible_cmp
 
 # Bounds of temporaries: score elements per block of rows of the compressed GEMM,
@@ -58,12 +59,12 @@ def _banded(qh, k1, v1, off: int, C: int, A: int, B: int, hide, scale: float):
             kk = k1[ks: ks + (m - 1) * C + ke - ks].unfold(0, ke - ks, C).transpose(1, 2).unsqueeze(1)
             vv = v1[ks: ks + (m - 1) * C + ke - ks].unfold(0, ke - ks, C).transpose(1, 2).unsqueeze(1)
             qq = qh[:, rows].unflatten(1, (m, C)).transpose(0, 1)  # [m, g, C, d]
-            o, l = hide_empty(*flash_lse(qq, kk, vv, scale, additive_mask(seen, qh.dtype)), seen.any(-1))
+            o, l = hide_empty(*attend(qq, kk, vv, scale, mask=additive_mask(seen, qh.dtype)), seen.any(-1))
             out[:, rows] = o.transpose(0, 1).flatten(1, 2)
             lse[:, rows] = l.transpose(0, 1).flatten(1, 2)
         else:
-            o, l = flash_lse(qh[None, :, rows], k1[None, None, ks:ke], v1[None, None, ks:ke], scale,
-                             additive_mask(seen, qh.dtype))
+            o, l = attend(qh[None, :, rows], k1[None, None, ks:ke], v1[None, None, ks:ke], scale,
+                          mask=additive_mask(seen, qh.dtype))
             out[:, rows], lse[:, rows] = hide_empty(o[0], l[0], seen.any(-1))
         p = e
     return out, lse
@@ -239,14 +240,14 @@ def decode_one(q, k, v, k_cmp, v_cmp, cfg, gates):
         # past blocks and the own block's rows up to t are exactly the keys, no mask needed
         ks, vs = (torch.cat([gather_blocks(x[:, :, :own * cfg.sb], idx[..., :-1], cfg.sb),
                              x[:, :, own * cfg.sb:]], 2) for x in (k, v))
-        o_s, l_s = flash_lse(qg, ks, vs, cfg.scale)
+        o_s, l_s = attend(qg, ks, vs, cfg.scale)
     else:  # fewer blocks than slots (a short cache, or blocks scored -inf): mask the empty slots
         tok = (idx.clamp(min=0).unsqueeze(-1) * cfg.sb + torch.arange(cfg.sb, device=q.device)).flatten(-2)
         seen = (idx.unsqueeze(-1) >= 0).expand(-1, -1, -1, cfg.sb).flatten(-2) & (tok <= t)
         ks, vs = gather_blocks(k, idx, cfg.sb), gather_blocks(v, idx, cfg.sb)  # rows not seen: masked
-        o_s, l_s = flash_lse(qg, ks, vs, cfg.scale, additive_mask(seen, q.dtype).unsqueeze(2))
+        o_s, l_s = attend(qg, ks, vs, cfg.scale, mask=additive_mask(seen, q.dtype).unsqueeze(2))
     w0 = max(0, nk - cfg.window)
-    o_w, l_w = flash_lse(qg, k[:, :, w0:], v[:, :, w0:], cfg.scale)
+    o_w, l_w = attend(qg, k[:, :, w0:], v[:, :, w0:], cfg.scale)
     if isinstance(gates, torch.Tensor):
         o_c = torch.zeros_like(qg) if o_c is None else o_c
         out = gated_sum((o_c, o_s, o_w), gates.expand(b, hq, 1, 3).reshape(b, hk, g, 3))

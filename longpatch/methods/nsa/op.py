@@ -16,7 +16,8 @@ from ..common import (
     guards_nonfinite,
     resolve_backend,
 )
-from ..cpu_flash import flash_lse, fused_ok
+from ..cpu_flash import fused_ok
+from ..lse_attention import attend
 from ..selection import SCORINGS, check_estimate_args, decode_kept, prefill_blocks, scoring_of
 from .blocks import DEFAULT_GATES, check_params, nsa_compress, num_compressed
 from .cpu import decode_one, fast_forward, gated_sum
@@ -51,7 +52,7 @@ def _estimated(q, k, v, scale, sb, num_selected, window, init_blocks, local_bloc
         kept = decode_kept(state, q, k, sb, num_selected - 1, past, scale, init_blocks, decode_topk=decode_topk)
         o_s, l_s = block_sparse_decode(q, k, v, kept, sb, past, scale)
         w0 = max(0, nk - window)
-        o_w, l_w = flash_lse(q.reshape(b, hk, hq // hk, d), k[:, :, w0:], v[:, :, w0:], scale)
+        o_w, l_w = attend(q.reshape(b, hk, hq // hk, d), k[:, :, w0:], v[:, :, w0:], scale)
         o_w, l_w = o_w.reshape(b, hq, 1, d), l_w.reshape(b, hq, 1)
     else:
         blocks = prefill_blocks(state, q, k, sb, num_selected - 1, mass, scoring, past, scale, init_blocks)
