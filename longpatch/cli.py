@@ -512,6 +512,7 @@ def bench_generate(
                                               "copies the whole cache every token)"),
     filler: str = typer.Option("demo", help="prompt text: demo, a .txt or .jsonl file, or longbench:<subsets>"),
     tokenizer: Optional[str] = tokenizer_option(),
+    batch_size: int = typer.Option(1, help="copies of each prompt generated together (tokens/s counts them all)"),
     threads: Optional[int] = typer.Option(None, help="torch.set_num_threads"),
     out: str = out_option("runs/bench_generate", "results.json, results.csv, generate.png"),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code"),
@@ -526,7 +527,8 @@ def bench_generate(
     results = run_generate_bench(model, config, layer_counts, contexts, new_tokens, out,
                                  layers=sweep_layers(layers, "bench generate"), method=method, sets=set_,
                                  tokenizer=tokenizer, filler=filler, repeats=repeats, warmup=warmup,
-                                 trust_remote_code=trust_remote_code, progress=progress, plots=plots, cache=cache)
+                                 trust_remote_code=trust_remote_code, progress=progress, plots=plots, cache=cache,
+                                 batch_size=batch_size)
     print_table(results)
     files = [RESULTS_FILE, results["files"]["csv"]] + [f for f in [results["files"]["plot"]] if f]
     console.print(f"written to {out}: {', '.join(files)}", markup=False)

@@ -119,3 +119,17 @@ def test_an_unusable_out_is_refused_before_loading(tmp_path, monkeypatch, kind):
                                 "--out", str(target), "--no-progress"])
     _one_line_error(r, "--out", "is not a directory" if kind == "file" else "longpatch bench decode")
     assert before == {p.name: p.read_bytes() for p in ([target] if target.is_file() else target.iterdir())}
+
+
+def test_batch_size_generates_copies_together(tmp_path, configs, one_thread):
+    moba, _ = configs
+    one = run_generate_bench("tiny:llama", moba, None, "256", NEW, tmp_path / "one", tokenizer="bytes", progress=False,
+                             plots=False)["records"]
+    three = run_generate_bench("tiny:llama", moba, None, "256", NEW, tmp_path / "three", tokenizer="bytes",
+                               progress=False, plots=False, batch_size=3)["records"]
+    assert [r["batch"] for r in one] == [1, 1] and [r["batch"] for r in three] == [3, 3]
+    # the same greedy tokens (the first row's), the method in every patched layer, tokens/s over all rows
+    assert [r["tokens"] for r in one] == [r["tokens"] for r in three]
+    m = next(r for r in three if r["config"] == moba)
+    assert m["paths"]["decode"] == {"method": 2 * (NEW - 1)}
+    assert m["tokens_per_s"] == pytest.approx(3 * NEW / m["total_s"])

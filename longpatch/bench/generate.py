@@ -56,7 +56,7 @@ PLOT_FILE = "generate.png"
 UNPATCHED = "unpatched"
 COMMAND = "bench generate"  # marks its --out (outdir.claim_out)
 CACHES = ("growing", "dynamic")  # --cache: longpatch.cache.GrowingCache, transformers' DynamicCache
-CSV_COLUMNS = ["config", "method", "layers", "context", "new_tokens", "ttft_s", "decode_ms_per_token",
+CSV_COLUMNS = ["config", "method", "layers", "context", "batch", "new_tokens", "ttft_s", "decode_ms_per_token",
                "decode_tokens_per_s", "tokens_per_s", "total_s", "ttft_speedup", "decode_speedup", "peak_rss_mib",
                "rss_increase_mib", "peak_cuda_mib", "tokens_match_unpatched"]
 
@@ -165,7 +165,7 @@ def greedy_generate(model, ids: torch.Tensor, new_tokens: int, cache: str = "dyn
             steps.append(time.perf_counter() - t0)
             tokens.append(tok)
         del past
-    return {"tokens": torch.cat(tokens, 1)[0].tolist(), "ttft_s": ttft, "step_s": steps}
+    return {"tokens": torch.cat(tokens, 1)[0].tolist(), "ttft_s": ttft, "step_s": steps, "rows": ids.shape[0]}
 
 
 def takes_cache_objects(model) -> bool:
@@ -188,9 +188,10 @@ def summarize(runs: list[dict]) -> dict:
     ttft = statistics.median(r["ttft_s"] for r in runs)
     step_ms = statistics.median(s for r in runs for s in r["step_s"]) * 1e3
     total = statistics.median(r["ttft_s"] + sum(r["step_s"]) for r in runs)
-    new_tokens = len(runs[0]["tokens"])
-    return {"ttft_s": ttft, "decode_ms_per_token": step_ms, "decode_tokens_per_s": 1e3 / step_ms,
-            "tokens_per_s": new_tokens / total, "total_s": total, "peak_rss_mib": mem.peak_rss_mib,
+    new_tokens, rows = len(runs[0]["tokens"]), runs[0].get("rows", 1)  # tokens/s: every row of a batch
+    return {"ttft_s": ttft, "decode_ms_per_token": step_ms, "decode_tokens_per_s": rows * 1e3 / step_ms,
+            "tokens_per_s": rows * new_tokens / total, "batch": rows, "total_s": total,
+            "peak_rss_mib": mem.peak_rss_mib,
             "rss_increase_mib": mem.rss_increase_mib, "peak_cuda_mib": mem.peak_cuda_mib,
             "tokens": runs[0]["tokens"]}
 
@@ -227,12 +228,13 @@ def run_generate_bench(model: str, config=None, layer_counts=None, contexts="819
                        out: "str | os.PathLike" = "runs/bench_generate", *, layers=None, method: str | None = None,
                        sets: Sequence[str] = (), tokenizer=None, filler: str = "demo", repeats: int = 1,
                        warmup: int = 1, trust_remote_code: bool = False, progress: bool = True,
-                       plots: bool = True, cache: str = "growing") -> dict:
+                       plots: bool = True, cache: str = "growing", batch_size: int = 1) -> dict:
     """Greedy generation after a prompt of each context length, unpatched and patched per each config
     and layer count, in one run. model: what --model takes; config: one config, 'a,b' or a list;
     layer_counts: a sweep as eval ppl's (None: each config's layers); layers: which layers every config
     replaces, instead of a sweep. Every option is checked before the model is loaded; out is written only
-    when every row is done. Returns the dict written to results.json."""
+    when every row is done. batch_size: the prompt's copies generated together (tokens/s counts them all;
+    TTFT and ms/token are the batch's). Returns the dict written to results.json."""
     from ..loading import load_model
     from ..specs import resolve
 
@@ -240,6 +242,7 @@ def run_generate_bench(model: str, config=None, layer_counts=None, contexts="819
     check_int("new_tokens", new_tokens, 2)
     check_int("repeats", repeats, 1)
     check_int("warmup", warmup, 0)
+    check_int("batch_size", batch_size, 1)
     if cache not in CACHES:
         raise ConfigError(f"cache: got {cache!r}; allowed: {', '.join(CACHES)}")
     if layers is not None and layer_counts is not None:
@@ -267,10 +270,11 @@ def run_generate_bench(model: str, config=None, layer_counts=None, contexts="819
         log.warning("longpatch: %s keeps its own KV cache (not transformers' Cache classes): --cache growing "
                     "does not apply, the model's own cache is timed", type(loaded).__name__)
         cache = "model's own"
-    records = _run(loaded, points, ids, ctx, new_tokens, repeats, warmup, device, progress, cache)
+    records = _run(loaded, points, ids, ctx, new_tokens, repeats, warmup, device, progress, cache, batch_size)
     meta = machine_meta(model=str(model), filler=filler, contexts=ctx, new_tokens=new_tokens, repeats=repeats,
-                        warmup=warmup, cache=cache,
-                        note="greedy, batch 1; ttft_s: the prompt's forward pass (it yields the first token); "
+                        warmup=warmup, cache=cache, batch_size=batch_size,
+                        note="greedy, batch_size copies of the prompt in one batch; ttft_s: the prompt's forward pass "
+                             "(it yields the first token); "
                              "decode_ms_per_token: median of the per-token forward passes with the KV cache; "
                              "tokens_per_s: new_tokens / (ttft + decode time); cache: the KV cache of the decode steps "
                              "(growing: longpatch.cache.GrowingCache; dynamic: transformers' DynamicCache)")
@@ -296,7 +300,7 @@ def _say_if_beyond_positions(model, longest: int) -> None:
 
 
 def _run(model, points, ids: list[int], contexts: list[int], new_tokens: int, repeats: int, warmup: int,
-         device, progress: bool, cache: str) -> list[dict]:
+         device, progress: bool, cache: str, batch_size: int = 1) -> list[dict]:
     """Context by context, the unpatched model then each patched configuration: rows compared with each
     other are measured minutes apart at most, not a whole sweep apart (load drifts on shared machines)."""
     from tqdm.auto import tqdm
@@ -310,7 +314,7 @@ def _run(model, points, ids: list[int], contexts: list[int], new_tokens: int, re
                disable=not progress, dynamic_ncols=True)
     try:
         for n in contexts:
-            prompt = torch.tensor([ids[:n]], device=device)
+            prompt = torch.tensor([ids[:n]] * batch_size, device=device)  # same-length rows: no padding
             runs: dict[int, list[dict]] = {i: [] for i in range(len(points))}
             # round by round, every row once per round: drift in the machine's speed (shared hosts
             # move by tens of percent over minutes) reaches every row alike instead of one row
