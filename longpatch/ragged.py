@@ -15,7 +15,9 @@ its own decode state. Query rows outside every segment (padding) get zeros.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -42,17 +44,18 @@ def from_visible(visible: torch.Tensor, causal: bool) -> list[Segment] | None:
     off = kv_len - q_len
     out: list[Segment] = []
     own = torch.arange(q_len, device=visible.device) + off  # each query's own key column
-    for row in range(b):  # one row at a time: a [q_len, kv_len] integer copy at most, not the batch's
+    for row in range(b):  # one row at a time
         vis = visible[row]
-        count = vis.sum(-1)
+        flags = vis.view(torch.uint8)  # no copy; int32 sums and uint8 argmax are the fast CPU reductions
+        count = flags.sum(-1, dtype=torch.int32)
         seen = count > 0
-        first = vis.to(torch.uint8).argmax(-1)  # the first visible key of each query
+        first = flags.argmax(-1)  # the first visible key of each query
         if causal:
             real = vis.gather(-1, own[:, None]).squeeze(-1)  # a real query sees itself
             last = own
         else:
             real = seen
-            last = kv_len - 1 - vis.flip(-1).to(torch.uint8).argmax(-1)
+            last = kv_len - 1 - flags.flip(-1).argmax(-1)
         if bool((real & (count != last - first + 1)).any()):
             return None  # a real query whose visible keys have a hole (or, causal, reach past itself)
         idx = real.nonzero().squeeze(-1).tolist()
@@ -74,6 +77,24 @@ def from_visible(visible: torch.Tensor, causal: bool) -> list[Segment] | None:
                 out.append(Segment(row, start, i + 1, k0, k1))
                 start = None
     return out
+
+
+_last: tuple = (None, None, None)  # (weak reference to a mask, its key, its segments)
+
+
+def memo(mask: torch.Tensor, key: tuple, read: Callable[[], "list[Segment] | None"]):
+    """read()'s segments of `mask`, read once for all the layers of a forward: a model hands every layer
+    the same mask object, and reading a long prompt's mask costs a pass over it. One entry, keyed by the
+    mask's identity and version (an in-place change is a new version) and `key`; held weakly, so it never
+    keeps a mask alive."""
+    global _last
+    ref, last_key, segments = _last
+    key = (mask._version, *key)
+    if ref is not None and ref() is mask and last_key == key:
+        return segments
+    segments = read()
+    _last = (weakref.ref(mask), key, segments)
+    return segments
 
 
 def from_padding(padding: torch.Tensor, q_len: int, causal: bool) -> list[Segment] | None:

@@ -75,3 +75,18 @@ def test_an_unsupported_mask_is_said_and_counted(caplog):
         model(torch.randint(0, 256, (1, 16)), attention_mask=mask)
     assert any("neither padding nor packing" in m and "'moba'" in m for m in caplog.messages), caplog.messages
     assert set(model.longpatch.breakdown()["patched"]["prefill"]) == {"original"}
+
+
+def test_a_forward_reads_its_mask_once(monkeypatch):
+    """Every layer gets the same mask object: its segments are read once per forward, not once per layer
+    (reading a long prompt's mask is a pass over [batch, n, n])."""
+    model = tiny_model("llama")
+    patch_model(model, {"method": "moba", "params": {"chunk_size": 8, "topk": 2}, "layers": "all"})
+    reads = []
+    real = ragged.from_visible
+    monkeypatch.setattr(ragged, "from_visible", lambda *a, **k: reads.append(1) or real(*a, **k))
+    mask = torch.ones(2, 24, dtype=torch.long)
+    mask[1, :5] = 0
+    with torch.no_grad():
+        model(torch.randint(0, 256, (2, 24)), attention_mask=mask)
+    assert len(reads) == 1 and model.longpatch.num_layers == 4

@@ -69,13 +69,15 @@ class _RoutedForward:
         if why is not None and route.method is not None and attention_mask.dim() == 4:
             # padding (True = masked): each sequence of the batch alone, in the shared layout
             b = query_layer.shape[1]
-            segments = ragged.from_visible(~attention_mask[:, 0].expand(b, sq, skv), causal=True)
-            if segments is not None:
+            segments = ragged.memo(attention_mask, (b, sq, skv), lambda: ragged.from_visible(
+                ~attention_mask[:, 0].expand(b, sq, skv), causal=True))
+            if segments is None:
+                why = "an attention mask that is neither padding nor packing"
+            elif ragged.whole(segments, b, sq, skv):
+                why = None  # plain causal attention: the path below
+            else:
                 q, k, v = _shared_layout(query_layer, key_layer, value_layer, self.rep)
-                if ragged.whole(segments, b, sq, skv):
-                    return _model_layout(route.run(route.choose(sq, skv), q, k, v, causal=True, scale=None), sq)
                 return _model_layout(route.run_ragged(segments, q, k, v, causal=True, scale=None), sq)
-            why = "an attention mask that is neither padding nor packing"
         path = route.choose(sq, skv, why)
         if path == "original":
             original = type(self.core).forward  # the class's own forward

@@ -81,10 +81,8 @@ def _make_attention(base: str):
             return original()
         why = _unsupported(module, None, dropout, key.shape[2], kwargs)
         segments = None
-        if why is None and route.method is not None:
+        if why is None and route.method is not None:  # (an unpatched layer keeps the model's attention)
             segments, why = _segments(attention_mask, query, key, causal, kwargs)
-        elif attention_mask is not None:
-            why = why or "a padding or custom attention mask"
         if segments is not None:  # a padded or packed batch: each sequence alone
             out = route.run_ragged(segments, query, key, value, causal=causal, scale=scaling)
             return out.transpose(1, 2).contiguous(), None
@@ -114,9 +112,10 @@ def _segments(mask, query, key, causal: bool, kwargs) -> tuple[list | None, str 
             return None, None
         segs = ragged.from_positions(pos.expand(b, -1))
     elif mask.dim() == 2:
-        segs = ragged.from_padding(mask, q_len, causal)
+        segs = ragged.memo(mask, (b, q_len, kv_len, causal), lambda: ragged.from_padding(mask, q_len, causal))
     elif mask.dim() == 4 and mask.dtype == torch.bool:
-        segs = ragged.from_visible(mask[:, 0].expand(b, q_len, kv_len), causal)
+        segs = ragged.memo(mask, (b, q_len, kv_len, causal),
+                           lambda: ragged.from_visible(mask[:, 0].expand(b, q_len, kv_len), causal))
     else:
         segs = None
     if segs is None:
