@@ -281,6 +281,7 @@ def bench_attention(
     max_exact_len: Optional[int] = typer.Option(None, help="skip exact attention above this length"),
     memory: bool = typer.Option(True, "--memory/--no-memory", help="peak memory per call (one subprocess each)"),
     threads: Optional[int] = typer.Option(None, help="torch.set_num_threads"),
+    device: str = typer.Option("cpu", help="cpu, or cuda: the Triton kernels against torch SDPA"),
 ):
     """Time each method against exact attention in the same run; writes JSON + a PNG plot."""
     from .bench.attention import run_attention_bench
@@ -296,7 +297,7 @@ def bench_attention(
                         causal_modes=modes[mode], heads=heads, head_dim=head_dim, batch=batch, dtype=dtype,
                         backward=backward, repeats=repeats, out_dir=out,
                         method_params=method_params_from_sets(("exact", *names), set_),
-                        kv_heads=kv_heads, max_exact_len=max_exact_len, memory=memory)
+                        kv_heads=kv_heads, max_exact_len=max_exact_len, memory=memory, device=device)
 
 
 @command(eval_app, "ppl")
@@ -480,6 +481,7 @@ def bench_decode(
     set_: list[str] = typer.Option([], "--set", metavar="KEY=VALUE",
                                    help="a method param for every benchmarked method that has it, repeatable: topk=3"),
     errors: bool = typer.Option(True, "--errors/--no-errors", help="error columns vs exact attention"),
+    device: str = typer.Option("cpu", help="cpu, or cuda: the Triton kernels against torch SDPA"),
 ):
     """Time one decode step against caches of each length (decode state given) vs exact decode."""
     from .bench.common import method_params_from_sets
@@ -491,7 +493,7 @@ def bench_decode(
     run_decode_bench(methods=names, cache_lens=tuple(parse_ints("--cache-lens", cache_lens, 1)), heads=heads,
                      head_dim=head_dim, repeats=repeats, out_dir=out,
                      method_params=method_params_from_sets(("exact", *names), set_),
-                     kv_heads=kv_heads, batch=batch, dtype=dtype, errors=errors)
+                     kv_heads=kv_heads, batch=batch, dtype=dtype, errors=errors, device=device)
 
 
 @command(bench_app, "generate")

@@ -16,7 +16,12 @@ Error inputs:
 
 Peak memory (``mem_mb``): the increase of the peak resident set size (VmHWM, reset through
 /proc/self/clear_refs) during one forward call, measured in a fresh subprocess so that earlier
-allocations do not hide it. Linux only; ``None`` elsewhere.
+allocations do not hide it. Linux only; ``None`` elsewhere. On a GPU (``device="cuda"``): the
+peak of torch's CUDA allocator during one call beyond what was allocated before it.
+
+On a GPU the methods run their Triton kernels (backend auto) and the exact baseline is torch SDPA
+(flash-attn when installed), never longpatch's own Triton flash kernel: the speedups are against
+what a user runs without longpatch. Timings drain the GPU's queue before each clock reading.
 """
 from __future__ import annotations
 
@@ -34,7 +39,10 @@ from .common import (
     DTYPES,
     SLOW_CALL_S,
     annotate_speedups,
+    bench_device,
     check_options,
+    cuda_peak_mb,
+    device_label,
     figure,
     fmt,
     machine_meta,
@@ -43,6 +51,7 @@ from .common import (
     show_table,
     speedup_axis,
     structured_inputs,
+    synchronizer,
     time_calls,
     torch_dtype,
     wide_console,
@@ -54,25 +63,29 @@ DEFAULT_SEQ_LENS = (4096, 8192, 16384, 32768, 65536, 131072)
 COMMAND = "bench attention"  # marks its --out (outdir.claim_out)
 
 
-def _inputs(batch, heads, n, d, dtype, seed=0, kv_heads=None):
-    """q [batch, heads, n, d] and k, v [batch, kv_heads (default heads), n, d], all N(0, 1)."""
+def _inputs(batch, heads, n, d, dtype, seed=0, kv_heads=None, device="cpu"):
+    """q [batch, heads, n, d] and k, v [batch, kv_heads (default heads), n, d], all N(0, 1) (drawn on
+    the CPU, so that every device gets the same numbers)."""
     g = torch.Generator().manual_seed(seed)
     kv_heads = heads if kv_heads is None else kv_heads
-    return tuple(torch.randn(batch, h, n, d, generator=g).to(dtype) for h in (heads, kv_heads, kv_heads))
+    return tuple(torch.randn(batch, h, n, d, generator=g).to(device=device, dtype=dtype)
+                 for h in (heads, kv_heads, kv_heads))
 
 
-def _structured(batch, heads, kv_heads, n, d, dtype):
+def _structured(batch, heads, kv_heads, n, d, dtype, device="cpu"):
     """``structured_inputs`` for GQA: each KV head's queries are shared by its group of query heads."""
-    q, k, v = structured_inputs(batch, kv_heads, n, d, dtype)
+    q, k, v = (t.to(device) for t in structured_inputs(batch, kv_heads, n, d, dtype))
     return q.repeat_interleave(heads // kv_heads, 1), k, v
 
 
 def _caller(name: str, params: dict, head_dim: int):
     from ..methods import get_method
     bound = get_method(name).bind(params, head_dim)
+    # the baseline is what runs without longpatch: SDPA (flash-attn when installed), not our Triton kernel
+    backend = "torch" if name == "exact" else "auto"
 
     def call(q, k, v, causal):
-        return bound(q, k, v, causal=causal)
+        return bound(q, k, v, causal=causal, backend=backend)
 
     return call, bound.params
 
@@ -128,14 +141,17 @@ def run_attention_bench(methods=("exact", "hyper"), seq_lens=DEFAULT_SEQ_LENS, c
                         backward: bool = False, repeats: int = 3, out_dir: str | os.PathLike = "runs/bench",
                         method_params: dict[str, dict] | None = None, progress: bool = True,
                         max_exact_len: int | None = None, memory: bool = True, errors: bool = True,
-                        kv_heads: int | None = None) -> list[dict]:
+                        kv_heads: int | None = None, device: str = "cpu") -> list[dict]:
     """Benchmark ``methods`` (registry names) against exact attention; returns one row per
     (method, length, mask mode) and writes JSON + PNG into ``out_dir``. ``kv_heads`` (default
-    ``heads``) < ``heads`` benchmarks GQA: K/V have kv_heads heads, never repeated."""
+    ``heads``) < ``heads`` benchmarks GQA: K/V have kv_heads heads, never repeated. ``device``:
+    cpu, or cuda (the Triton kernels against SDPA)."""
     from rich.progress import Progress
 
     from ..methods import get_method
 
+    dev = bench_device(device)
+    sync = synchronizer(dev)
     method_params = dict(method_params or {})
     tdtype = torch_dtype(dtype)
     others = [m for m in methods if m != "exact"]
@@ -153,8 +169,8 @@ def run_attention_bench(methods=("exact", "hyper"), seq_lens=DEFAULT_SEQ_LENS, c
         task = bar.add_task("attention bench", total=steps)
         for causal in causal_modes:
             for n in seq_lens:
-                q, k, v = _inputs(batch, heads, n, head_dim, tdtype, kv_heads=kv_heads)
-                structured = _structured(batch, heads, kv_heads, n, head_dim, tdtype) if errors else None
+                q, k, v = _inputs(batch, heads, n, head_dim, tdtype, kv_heads=kv_heads, device=dev)
+                structured = _structured(batch, heads, kv_heads, n, head_dim, tdtype, dev) if errors else None
                 mode = "causal" if causal else "non-causal"
                 ref = ref_s = None
                 exact_row = None
@@ -168,10 +184,11 @@ def run_attention_bench(methods=("exact", "hyper"), seq_lens=DEFAULT_SEQ_LENS, c
                     row = dict(method=name, n=n, causal=causal, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                                batch=batch,
                                dtype=dtype, params=resolved)
-                    row["fwd_ms"], row["fwd_ms_min"], out = time_calls(partial(_fwd, call, q, k, v, causal), repeats)
+                    row["fwd_ms"], row["fwd_ms_min"], out = time_calls(partial(_fwd, call, q, k, v, causal), repeats,
+                                                                       sync)
                     if backward:
                         row["fwd_bwd_ms"], row["fwd_bwd_ms_min"], _ = time_calls(
-                            partial(_fwd_bwd, call, q, k, v, causal), repeats)
+                            partial(_fwd_bwd, call, q, k, v, causal), repeats, sync)
                     if name == "exact":
                         ref = out
                         if errors:
@@ -192,8 +209,13 @@ def run_attention_bench(methods=("exact", "hyper"), seq_lens=DEFAULT_SEQ_LENS, c
                     if backward:
                         row["speedup_fwd_bwd"] = (exact_row["fwd_bwd_ms"] / row["fwd_bwd_ms"]) if exact_row else None
                     del out
-                    row["mem_mb"] = peak_memory_mb(name, method_params.get(name) or {}, n, causal, heads, head_dim,
-                                                   batch, dtype, kv_heads) if memory else None
+                    if not memory:
+                        row["mem_mb"] = None
+                    elif dev.type == "cuda":
+                        row["mem_mb"] = cuda_peak_mb(partial(_fwd, call, q, k, v, causal), dev)
+                    else:
+                        row["mem_mb"] = peak_memory_mb(name, method_params.get(name) or {}, n, causal, heads,
+                                                       head_dim, batch, dtype, kv_heads)
                     rows.append(row)
                     bar.advance(task)
                     if log_lines:
@@ -201,14 +223,14 @@ def run_attention_bench(methods=("exact", "hyper"), seq_lens=DEFAULT_SEQ_LENS, c
                               f"{fmt(row.get('speedup_fwd'), '.2f')}, err {fmt(row.get('err_random'), '.3f')}/"
                               f"{fmt(row.get('err_structured'), '.3f')}, mem {fmt(row.get('mem_mb'), '.0f')} MiB",
                               flush=True)
-    meta = machine_meta(repeats=repeats, note="median of repeats after one warm-up; "
+    meta = machine_meta(dev, repeats=repeats, note="median of repeats after one warm-up; "
                         f"one timed call when a call takes > {SLOW_CALL_S:.0f} s")
     out_path = claim_out(out_dir, COMMAND)
     write_json(out_path / "attention_bench.json", {"meta": meta, "rows": rows})
     print_table(rows, console)
     title = (f"speedup over exact attention (torch SDPA), {dtype}, batch {batch}, {heads} head(s)"
              f"{'' if kv_heads == heads else f' sharing {kv_heads} KV head(s)'}, d={head_dim}, "
-             f"CPU, {meta['threads']} thread(s)")
+             f"{device_label(dev)}" + (f", {meta['threads']} thread(s)" if dev.type == "cpu" else ""))
     plot(rows, out_path / "attention_bench.png", backward=backward, title=title)
     console.print(f"wrote {out_path / 'attention_bench.json'} and {out_path / 'attention_bench.png'}")
     return rows

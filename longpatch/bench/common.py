@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 import os
 import statistics
+import textwrap
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -74,21 +76,61 @@ def method_params_from_sets(methods, sets) -> dict[str, dict]:
     return out
 
 
+def bench_device(device: str) -> torch.device:
+    """--device: 'cpu', or 'cuda' / 'cuda:N' when that GPU is visible (then the methods run their Triton
+    kernels, backend auto, and exact attention is torch SDPA or flash-attn)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device: got {device!r}; allowed: cpu, cuda, cuda:N")
+    if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
+        raise ConfigError(f"--device: got {device!r}, but no such CUDA device is visible; allowed: cpu")
+    return dev
+
+
+def synchronizer(device: torch.device) -> Callable[[], None]:
+    """What a timer calls before reading the clock: kernels on a GPU run after their launch returns."""
+    if device.type == "cuda":
+        return partial(torch.cuda.synchronize, device)
+    return lambda: None
+
+
+def device_label(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+
+
+def cuda_peak_mb(fn: Callable[[], Any], device: torch.device) -> float:
+    """Peak GPU memory (MiB) that one call allocates beyond what was allocated before it."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return max(0, torch.cuda.max_memory_allocated(device) - before) / 2**20
+
+
 def _is_count(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 1
 
 
-def time_calls(fn: Callable[[], Any], repeats: int) -> tuple[float, float, Any]:
+def time_calls(fn: Callable[[], Any], repeats: int, sync: Callable[[], None] = lambda: None
+               ) -> tuple[float, float, Any]:
     """(median ms, min ms, result of the warm-up call) of ``repeats`` calls after one warm-up; the
-    warm-up's result is returned so that a reference output costs no extra call."""
+    warm-up's result is returned so that a reference output costs no extra call. ``sync`` runs
+    before each clock reading (``synchronizer``: a GPU's queue drained)."""
+    sync()
     t0 = time.perf_counter()
     first = fn()
+    sync()
     warm = time.perf_counter() - t0
     n = 1 if warm > SLOW_CALL_S else max(1, repeats)
     times = []
     for _ in range(n):
         t0 = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3, min(times) * 1e3, first
 
@@ -133,10 +175,20 @@ def cpu_name():
     return None
 
 
-def machine_meta(**extra) -> dict:
-    """What a timing depends on besides the code: threads, torch, load (other jobs), CPU."""
-    return dict(threads=torch.get_num_threads(), torch=torch.__version__, loadavg=loadavg(), cpu=cpu_name(),
-                device="cpu", **extra)
+def machine_meta(device: torch.device | None = None, **extra) -> dict:
+    """What a timing depends on besides the code: threads, torch, load (other jobs), CPU, GPU."""
+    device = device or torch.device("cpu")
+    meta = dict(threads=torch.get_num_threads(), torch=torch.__version__, loadavg=loadavg(), cpu=cpu_name(),
+                device=str(device), **extra)
+    if device.type == "cuda":
+        import importlib.util
+
+        meta.update(gpu=torch.cuda.get_device_name(device), cuda=torch.version.cuda,
+                    flash_attn=importlib.util.find_spec("flash_attn") is not None)
+        if importlib.util.find_spec("triton") is not None:
+            import triton
+            meta["triton"] = triton.__version__
+    return meta
 
 
 def wide_console(width: int):
@@ -168,8 +220,8 @@ def figure(nrows: int, ncols: int, figsize):
 def save_figure(fig, path, title: str | None = None) -> None:
     import matplotlib.pyplot as plt
 
-    if title:
-        fig.suptitle(title, fontsize=10)
+    if title:  # wrapped to the figure's width (about 13 characters an inch at this size)
+        fig.suptitle(textwrap.fill(title, max(40, int(fig.get_figwidth() * 13))), fontsize=10)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

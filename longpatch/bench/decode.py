@@ -11,6 +11,9 @@ an existing cache, paid once per sequence, not per token), and the relative erro
 output vs exact (‖o − o_exact‖ / ‖o_exact‖) on the timed random inputs and on the last query of
 ``longpatch.bench.common.structured_inputs`` (one dominant key n/3 positions back).
 
+On a GPU (``device="cuda"``) the methods run their Triton kernels (backend auto) and exact attention
+is torch SDPA (flash-attn when installed); timings drain the GPU's queue before each clock reading.
+
 Prints a table, writes ``decode_bench.json`` and ``decode_bench.png`` into ``out_dir``.
 """
 from __future__ import annotations
@@ -25,6 +28,7 @@ from ..errors import ConfigError
 from ..outdir import claim_out, write_json
 from .common import (
     annotate_speedups,
+    bench_device,
     check_options,
     figure,
     fmt,
@@ -34,6 +38,7 @@ from .common import (
     show_table,
     speedup_axis,
     structured_inputs,
+    synchronizer,
     time_calls,
     torch_dtype,
     wide_console,
@@ -57,23 +62,27 @@ def _decoder(name: str, params: dict, head_dim: int):
     return call, bound.init_state, bound.params
 
 
-def _inputs(batch, heads, kv_heads, n, d, dtype, seed=0):
+def _inputs(batch, heads, kv_heads, n, d, dtype, seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, heads, 1, d, generator=g)
     k = torch.randn(batch, kv_heads, n, d, generator=g)
     v = torch.randn(batch, kv_heads, n, d, generator=g)
-    return q.to(dtype), k.to(dtype), v.to(dtype)
+    return tuple(t.to(device=device, dtype=dtype) for t in (q, k, v))
 
 
 def run_decode_bench(methods=("moba",), cache_lens=DEFAULT_CACHE_LENS, heads: int = 1, head_dim: int = 64,
                      repeats: int = 20, out_dir: str | os.PathLike = "runs/bench_decode",
                      method_params: dict[str, dict] | None = None, kv_heads: int | None = None, batch: int = 1,
-                     dtype: str = "float32", errors: bool = True, progress: bool = True) -> list[dict]:
+                     dtype: str = "float32", errors: bool = True, progress: bool = True,
+                     device: str = "cpu") -> list[dict]:
     """Time one decode step of each method against caches of ``cache_lens`` tokens, vs exact
     attention in the same run; returns one row per (method, cache length), writes JSON + PNG."""
     from ..methods.exact import exact_attention
 
     tdtype = torch_dtype(dtype)
+    dev = bench_device(device)
+    sync = synchronizer(dev)
+    exact = partial(exact_attention, causal=True, backend="torch")  # SDPA / flash-attn, not our kernel
     method_params = dict(method_params or {})
     names = [m for m in methods if m != "exact"]
     kv_heads = check_options(COMMAND, out_dir, "--cache-lens", cache_lens, method_params, names, heads=heads,
@@ -83,18 +92,20 @@ def run_decode_bench(methods=("moba",), cache_lens=DEFAULT_CACHE_LENS, heads: in
     rows: list[dict] = []
     with torch.no_grad():
         for n in cache_lens:
-            q, k, v = _inputs(batch, heads, kv_heads, n, head_dim, tdtype)
-            exact_ms, _, ref = time_calls(partial(exact_attention, q, k, v, causal=True), repeats)
+            q, k, v = _inputs(batch, heads, kv_heads, n, head_dim, tdtype, device=dev)
+            exact_ms, _, ref = time_calls(partial(exact, q, k, v), repeats, sync)
             if errors:
-                qs, ks, vs = structured_inputs(batch, kv_heads, n, head_dim, tdtype)
+                qs, ks, vs = (t.to(dev) for t in structured_inputs(batch, kv_heads, n, head_dim, tdtype))
                 qs = qs[:, :, -1:].repeat_interleave(heads // kv_heads, 1)
-                ref_s = exact_attention(qs, ks, vs, causal=True)
+                ref_s = exact(qs, ks, vs)
             for name in names:
                 call, make_state, resolved = decoders[name]
+                sync()
                 t0 = time.perf_counter()
                 state = make_state(k, v)
+                sync()
                 init_ms = (time.perf_counter() - t0) * 1e3
-                ms = time_calls(partial(call, q, k, v, state), repeats)[0]
+                ms = time_calls(partial(call, q, k, v, state), repeats, sync)[0]
                 row = dict(method=name, cache_len=n, heads=heads, kv_heads=kv_heads, head_dim=head_dim, batch=batch,
                            dtype=dtype, params=resolved, decode_ms=ms, exact_ms=exact_ms, speedup=exact_ms / ms,
                            init_state_ms=init_ms if state is not None else None,
@@ -105,7 +116,7 @@ def run_decode_bench(methods=("moba",), cache_lens=DEFAULT_CACHE_LENS, heads: in
                 if progress:
                     console.print(f"[bench decode] {name} cache={n}: {ms:.3f} ms vs exact {exact_ms:.3f} ms "
                                   f"({exact_ms / ms:.1f}×)")
-    meta = machine_meta(repeats=repeats, note="median of repeats after one warm-up; state built once per cache "
+    meta = machine_meta(dev, repeats=repeats, note="median of repeats after one warm-up; state built once per cache "
                         "by init_state (not timed in decode_ms)")
     out = claim_out(out_dir, COMMAND)
     write_json(out / "decode_bench.json", {"meta": meta, "rows": rows})

@@ -1,0 +1,64 @@
+"""The GPU checks' code on the CPU: scripts/gpu_kernels.py (Triton vs torch, under the interpreter at
+small shapes) and the benchmarks' --device option (cpu explicit; cuda refused where none is visible)."""
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from longpatch import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["--device", "cpu", "--n", "80", "--heads", "2", "--kv-heads", "1", "--head-dims", "16", "--dtypes",
+         "float32", "--grad-n", "48"]
+
+
+def _script(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_gpu_kernels_pairs_every_triton_path_with_its_twin(tmp_path, capsys):
+    mod = _script("gpu_kernels")
+    assert mod.main([*SMALL, "--methods", "exact,moba,nsa,sparse", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert {r["method"] for r in rows} == {"exact", "moba", "nsa", "sparse"}
+    assert all(r["ok"] and r["err_out"] < 1e-4 for r in rows)
+    grads = [r for r in rows if r["grad"]]
+    assert len(grads) == 4 and all(r["err_dq"] < 1e-4 and r["err_dv"] < 1e-4 for r in grads)
+    assert any("err_decode" in r for r in rows)
+    assert "[gpu_kernels] moba n=80" in capsys.readouterr().out  # a line per case as it ends
+
+
+def test_gpu_kernels_fails_when_a_path_disagrees(tmp_path, monkeypatch):
+    mod = _script("gpu_kernels")
+    monkeypatch.setattr(mod, "TOL", {"float32": 0.0, "bfloat16": 0.0, "float16": 0.0})
+    assert mod.main([*SMALL, "--methods", "moba", "--grad-n", "0", "--out", str(tmp_path)]) == 1
+    assert not all(r["ok"] for r in json.loads((tmp_path / "results.json").read_text())["rows"])
+
+
+def test_gpu_kernels_rejects_unknown_methods(tmp_path, capsys):
+    assert _script("gpu_kernels").main(["--device", "cpu", "--methods", "nope", "--out", str(tmp_path / "x")]) == 2
+    assert "--methods: got 'nope'" in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+@pytest.mark.parametrize("command", ["attention", "decode"])
+def test_bench_device_cuda_is_refused_without_a_gpu(tmp_path, command):
+    r = CliRunner().invoke(cli.app, ["bench", command, "--device", "cuda", "--out", str(tmp_path / "o")])
+    assert r.exit_code == 2 and "--device: got 'cuda'" in r.stderr and r.stderr.count("\n") == 1
+    assert not (tmp_path / "o").exists()
+
+
+def test_bench_device_names_the_device_in_the_results(tmp_path):
+    r = CliRunner().invoke(cli.app, ["bench", "decode", "--methods", "sparse", "--cache-lens", "256", "--repeats",
+                                     "1", "--device", "cpu", "--no-errors", "--out", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    meta = json.loads((tmp_path / "decode_bench.json").read_text())["meta"]
+    assert meta["device"] == "cpu"
+    r = CliRunner().invoke(cli.app, ["bench", "attention", "--device", "tpu", "--out", str(tmp_path / "a")])
+    assert r.exit_code == 2 and "--device: got 'tpu'; allowed: cpu, cuda, cuda:N" in r.stderr
