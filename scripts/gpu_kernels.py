@@ -114,6 +114,10 @@ def main(argv=None) -> int:
             for c in (True, False) if c or not get_method(m).causal_only]
     if args.grad_n:
         jobs += [(m, args.grad_n, args.head_dims[0], torch.float32, True, True) for m in methods]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = dict(device=str(device), gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+                torch=torch.__version__, tolerance=TOL)
     rows = []
     for m, n, d, dt, causal, grad in jobs:
         t0 = time.perf_counter()
@@ -134,11 +138,7 @@ def main(argv=None) -> int:
               f"{' grad' if grad else ''}: {'ok' if row['ok'] else 'FAIL'} "
               f"{row.get('error') or ' '.join(f'{k[4:]}={v:.1e}' for k, v in errs.items())} "
               f"({row['seconds']:.1f} s)", flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    meta = dict(device=str(device), gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-                torch=torch.__version__, tolerance=TOL)
-    write_json(out / "results.json", {"meta": meta, "rows": rows})
+        write_json(out / "results.json", {"meta": meta, "rows": rows})  # after each case: a cut run keeps them
 
     def f(r, k):
         return "–" if r.get(k) is None else f"{r[k]:.1e}"

@@ -1,5 +1,9 @@
-"""Shared test helpers: a dense attention oracle, logits of a model, and a probe method that records its calls."""
+"""Shared test helpers: a dense attention oracle, logits of a model, a probe method that records its calls,
+and scripts/*.py loaded as modules."""
 from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
 
 import torch
 
@@ -44,3 +48,12 @@ PROBE = register_method(Method(
     params={"level": Param(1, (int,), "a test param", lambda x: x >= 0, "an int >= 0")},
     make_buffers=lambda head_dim, level, **_: {"marker": torch.full((head_dim,), float(level))},
 ))
+
+
+def load_script(name: str):
+    """scripts/<name>.py as a module (the scripts are not a package)."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

@@ -1,29 +1,20 @@
 """The GPU checks' code on the CPU: scripts/gpu_kernels.py (Triton vs torch, under the interpreter at
 small shapes) and the benchmarks' --device option (cpu explicit; cuda refused where none is visible)."""
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import load_script
 from typer.testing import CliRunner
 
 from longpatch import cli
 
-ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--device", "cpu", "--n", "80", "--heads", "2", "--kv-heads", "1", "--head-dims", "16", "--dtypes",
          "float32", "--grad-n", "48"]
 
 
-def _script(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_gpu_kernels_pairs_every_triton_path_with_its_twin(tmp_path, capsys):
-    mod = _script("gpu_kernels")
+    mod = load_script("gpu_kernels")
     assert mod.main([*SMALL, "--methods", "exact,moba,nsa,sparse", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
     assert {r["method"] for r in rows} == {"exact", "moba", "nsa", "sparse"}
@@ -35,14 +26,14 @@ def test_gpu_kernels_pairs_every_triton_path_with_its_twin(tmp_path, capsys):
 
 
 def test_gpu_kernels_fails_when_a_path_disagrees(tmp_path, monkeypatch):
-    mod = _script("gpu_kernels")
+    mod = load_script("gpu_kernels")
     monkeypatch.setattr(mod, "TOL", {"float32": 0.0, "bfloat16": 0.0, "float16": 0.0})
     assert mod.main([*SMALL, "--methods", "moba", "--grad-n", "0", "--out", str(tmp_path)]) == 1
     assert not all(r["ok"] for r in json.loads((tmp_path / "results.json").read_text())["rows"])
 
 
 def test_gpu_kernels_rejects_unknown_methods(tmp_path, capsys):
-    assert _script("gpu_kernels").main(["--device", "cpu", "--methods", "nope", "--out", str(tmp_path / "x")]) == 2
+    assert load_script("gpu_kernels").main(["--device", "cpu", "--methods", "nope", "--out", str(tmp_path / "x")]) == 2
     assert "--methods: got 'nope'" in capsys.readouterr().err and not (tmp_path / "x").exists()
 
 

@@ -1,17 +1,12 @@
 """scripts/needle_budgets.py (retrieval against attention budget): the budget formula and one tiny run."""
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("needle_budgets", ROOT / "scripts" / "needle_budgets.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("needle_budgets")
 
 
 def test_keys_per_query():
