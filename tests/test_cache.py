@@ -148,3 +148,66 @@ def test_model_generate_takes_a_growing_cache(one_thread):
     name = _forward_names(model)[1]  # `cache` in newer transformers, `past_key_values` before
     grown = model.generate(ids, max_new_tokens=8, do_sample=False, **{name: GrowingCache(reserve=8)})
     assert torch.equal(grown, model.generate(ids, max_new_tokens=8, do_sample=False))
+
+
+@pytest.mark.parametrize("layout", ["buffer", "transposed", "expanded"])
+def test_attend_rows_is_one_softmax_over_listed_rows_read_in_place(layout):
+    """The sparse one-token attention (two sparse calls for all heads): per query head, one softmax
+    over its listed rows of its KV head, on any layout whose rows are contiguous; None otherwise.
+    Lists shared by a KV head's query heads and lists of every head give the same result."""
+    from longpatch.methods.cpu_flash import attend_rows, cache_rows, row_scores, row_sum, softmax_lse
+    from longpatch.methods.lse_attention import attention_lse_reference
+
+    b, hq, hk, n, d = 2, 4, 2, 60, 8
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(b, hq, 1, d, generator=g)
+    if layout == "buffer":
+        k, v = _buffer_view(b, hk, n, d, 80), _buffer_view(b, hk, n, d, 80, seed=1)
+    elif layout == "transposed":  # transformers' [b, n, h, d] seen as [b, h, n, d]
+        k, v = (torch.randn(b, n, hk, d, generator=g).transpose(1, 2) for _ in range(2))
+    else:  # one KV head broadcast to two
+        k, v = (torch.randn(b, 1, n, d, generator=g).expand(b, hk, n, d) for _ in range(2))
+    pos = torch.stack([torch.randperm(n, generator=g)[:12].sort().values for _ in range(b * hq)]).view(b, hq, 12)
+    out, lse = attend_rows(q, k, v, pos, 0.3)
+    for bi in range(b):
+        for h in range(hq):
+            mask = torch.zeros(n, dtype=torch.bool)
+            mask[pos[bi, h]] = True
+            kv = slice(h // 2, h // 2 + 1)
+            ro, rl = attention_lse_reference(q[bi:bi + 1, h:h + 1], k[bi:bi + 1, kv], v[bi:bi + 1, kv], 0.3,
+                                             mask=mask.view(1, 1, 1, n))
+            torch.testing.assert_close(out[bi, h], ro[0, 0], atol=1e-6, rtol=1e-5)
+            torch.testing.assert_close(lse[bi, h], rl[0, 0], atol=1e-6, rtol=1e-5)
+    # two lists, one per KV head and one shared by all heads, each its own softmax
+    shared = pos[:, ::2]
+    window = torch.arange(n - 10, n)
+    rows = cache_rows(k, v, hq, shared, window)
+    s_a, s_b = row_scores(q, rows, 0.3)
+    out2 = row_sum(rows, [softmax_lse(s_a)[0], softmax_lse(s_b)[0]]).view(b, hq, 1, d)
+    o_a = attend_rows(q, k, v, shared.repeat_interleave(2, 1), 0.3)[0]
+    o_b = attend_rows(q, k, v, window.expand(b, hq, -1), 0.3)[0]
+    torch.testing.assert_close(out2, o_a + o_b, atol=1e-6, rtol=1e-5)
+    assert attend_rows(q, torch.randn(b, hk, n, 2 * d)[..., ::2], v, pos, 0.3) is None  # rows not contiguous
+
+
+def test_window_summaries_append_in_place_and_keep_handed_out_views():
+    """Summaries grow inside buffers with spare room (a completed window copies only itself), and
+    views handed out earlier keep their data when the cache is cut and the summaries rebuilt."""
+    from longpatch.methods.common import window_summaries
+
+    k = torch.randn(1, 2, 200, 4)
+
+    def summarize(kk, _):
+        return (kk.unflatten(2, (-1, 8)).sum(3),)
+
+    state: dict = {}
+    first = window_summaries(state, ("sums",), k[:, :, :100], None, 8, 8, summarize)[0]
+    before = first.clone()
+    grown = window_summaries(state, ("sums",), k[:, :, :130], None, 8, 8, summarize)[0]
+    assert grown.data_ptr() == first.data_ptr()  # appended in place
+    torch.testing.assert_close(grown, summarize(k[:, :, :128], None)[0], rtol=0, atol=0)
+    k2 = k.clone()
+    k2[:, :, 50:] += 1  # another cache from position 50: rebuilt, in new buffers
+    again = window_summaries(state, ("sums",), k2[:, :, :130], None, 8, 8, summarize)[0]
+    torch.testing.assert_close(again, summarize(k2[:, :, :128], None)[0], rtol=0, atol=0)
+    torch.testing.assert_close(first, before, rtol=0, atol=0)

@@ -132,8 +132,11 @@ def guards_nonfinite(op):
 
 
 def all_finite(t: torch.Tensor) -> bool:
-    """Whether every element of t is finite (one pass over a small output)."""
-    return bool(torch.isfinite(t).all())
+    """Whether every element of t is finite (one pass over a small output). A NaN or inf element
+    makes the float64 sum non-finite, and finite float32/half values cannot overflow it: one
+    reduction and one sync (isfinite, all and bool cost 4x that on a decode step's output); only a
+    non-finite sum (or float64 values near its limit) pays the elementwise check."""
+    return math.isfinite(t.sum(dtype=torch.float64).item()) or bool(torch.isfinite(t).all())
 
 
 def default_scale(scale: float | None, head_dim: int) -> float:
@@ -238,21 +241,47 @@ def window_summaries(state: dict, names: tuple[str, ...], k, v, size: int, strid
     parts, probe = None, state.get(tag)
     if probe is not None and state.get(tag + "_of") == key:
         m = min(probe.shape[2], count)
-        pos = torch.tensor(probe_positions(m), dtype=torch.long, device=k.device)
-        if torch.equal(probe.index_select(2, pos), k.index_select(2, pos * stride + size - 1)):
-            parts, probe = tuple(state[nm][:, :, :m] for nm in names), probe[:, :, :m]
+        at = state.get(tag + "_at")
+        if at is None or at[:2] != (m, key):  # the probed rows change only when a window completes: kept
+            pos = torch.tensor(probe_positions(m), dtype=torch.long, device=k.device)
+            at = state[tag + "_at"] = (m, key, pos, pos * stride + size - 1)
+        if torch.equal(probe.index_select(2, at[2]), k.index_select(2, at[3])):
+            parts = tuple(state[nm] if state[nm].shape[2] == m else state[nm][:, :, :m] for nm in names)
+            probe = probe if probe.shape[2] == m else probe[:, :, :m]
     if parts is None:
         probe = k[:, :, :0]
         parts = summarize(k[:, :, :0], None if v is None else v[:, :, :0])
+        state.pop(tag + "_bufs", None)  # another cache: new buffers (views handed out keep their data)
     m = probe.shape[2]
     if m < count:
         lo, hi = m * stride, (count - 1) * stride + size
-        new = summarize(k[:, :, lo:hi], None if v is None else v[:, :, lo:hi])
-        parts = tuple(torch.cat([old, add], 2) for old, add in zip(parts, new))
-        probe = torch.cat([probe, k[:, :, lo + size - 1: hi: stride]], 2)
+        new = (*summarize(k[:, :, lo:hi], None if v is None else v[:, :, lo:hi]), k[:, :, lo + size - 1: hi: stride])
+        *parts, probe = _appended(state, tag + "_bufs", (*parts, probe), new)
+        parts = tuple(parts)
     state.update(zip(names, parts))
     state[tag], state[tag + "_of"] = probe, key
     return parts
+
+
+def _appended(state: dict, name: str, olds: tuple, news: tuple) -> tuple:
+    """Each old [b, h, m, ...] followed by its new windows along dim 2, written into buffers with
+    spare capacity kept in ``state[name]`` (with their filled length), as ``GrowingCache`` keeps
+    K/V: a completed window costs a copy of itself, not of every summary before it (a 32k cache's
+    NSA blocks complete every 16 tokens, and their compressed K/V and probe rows are MBs). The olds
+    are prefixes of those buffers unless the state was rebuilt or cut (then new buffers)."""
+    m = olds[0].shape[2]
+    end = m + news[0].shape[2]
+    filled, bufs = state.get(name, (None, ()))
+    if filled != m or any(buf.shape[2] < end for buf in bufs):
+        bufs = []
+        for old in olds:
+            buf = old.new_empty((*old.shape[:2], end + max(64, end // 4), *old.shape[3:]))
+            buf[:, :, :m] = old
+            bufs.append(buf)
+    for buf, add in zip(bufs, news):
+        buf[:, :, m:end] = add
+    state[name] = (end, tuple(bufs))
+    return tuple(buf[:, :, :end] for buf in bufs)
 
 
 def causal_mask(q_len: int, kv_len: int, device, q_offset: int | None = None) -> torch.Tensor:

@@ -5,8 +5,17 @@ needed, LSE dtype), mostly by way of ``lse_attention.attend``.
 
 The aten op is private; where a torch build lacks it, FA_CPU is None and callers use plain PyTorch.
 Its causal flag aligns top-left: use it for squares (q_len == kv_len) or non-causal calls only.
+
+A one-token decode step (MoBA, NSA) reads its rows of the cache in place without this kernel:
+``cache_rows`` lists them, ``row_scores`` and ``row_sum`` are one sparse call each for all heads
+and blocks (``attend_rows`` composes them), where the kernel would be one call per block and head.
 """
 from __future__ import annotations
+
+import functools
+import itertools
+import warnings
+from typing import NamedTuple
 
 import torch
 
@@ -145,3 +154,139 @@ def attend_spans(q, k, v, groups, scale: float):
     lse = torch.stack(lses).view(len(groups), width, gh).to(acc)
     out = (torch.softmax(lse, 1).unsqueeze(-1) * parts).sum(1)  # each part's weight exp(lse_part - lse_all)
     return out.view(b, hq, 1, d).to(q.dtype), torch.logsumexp(lse, 1).view(b, hq, 1)
+
+
+# --------------------------------------------------------------------------- rows of the cache, read in place
+
+@functools.lru_cache(maxsize=64)
+def _key0_rows(b: int, h: int, group: int, s0: int, s1: int, device: torch.device) -> torch.Tensor:
+    """[b, h, 1]: the flat row (``_as_rows``) of key 0 of the KV head each of h heads reads (head j:
+    KV head j // group); cached, as every decode step of a cache asks the same ones."""
+    return torch.tensor([[[bi * s0 + (j // group) * s1] for j in range(h)] for bi in range(b)], device=device)
+
+
+def _as_rows(x: torch.Tensor):
+    """(x2, s0, s1, step): x [b, h, n, d] as a 2-D [rows, d] view of its storage, in which x[bi, hi, t]
+    is row bi * s0 + hi * s1 + t * step; None when x's strides are not whole rows. Any batch, head
+    and sequence strides that are multiples of d, with rows contiguous, qualify: every KV cache
+    layout (GrowingCache's views, transformers' transposed [b, n, h, d], expanded heads)."""
+    b, h, n, d = x.shape
+    if x.stride(-1) != 1 and d > 1:
+        return None
+    strides = [0 if size == 1 else s for size, s in zip(x.shape[:3], x.stride()[:3])]  # size 1: never stepped
+    if any(s % d for s in strides):
+        return None
+    s0, s1, step = (s // d for s in strides)
+    return x.as_strided(((b - 1) * s0 + (h - 1) * s1 + (n - 1) * step + 1, d), (d, 1)), s0, s1, step
+
+
+class CacheRows(NamedTuple):
+    """Lists of cache rows per query head, as ``row_scores`` and ``row_sum`` read them: k2/v2 the
+    [rows, d] views, k_rows/v_rows the flat rows of every list, list by list and in each head by
+    head, starts [lists * heads + 1] where each (list, head) begins (the CSR row pointers, the bag
+    offsets), lengths the lists' lengths L_i."""
+    k2: torch.Tensor
+    v2: torch.Tensor
+    k_rows: torch.Tensor
+    v_rows: torch.Tensor
+    starts: torch.Tensor
+    lengths: tuple[int, ...]
+    heads: int
+
+
+def cache_rows(k: torch.Tensor, v: torch.Tensor, hq: int, *pos: torch.Tensor) -> CacheRows | None:
+    """The rows of k/v [b, kv_heads, n, d] at the key positions of one or more lists, for hq query
+    heads (head j reads KV head j // (hq / kv_heads)). Each list: [b, hq, L] (per query head),
+    [b, kv_heads, L] (shared by a KV head's query heads) or [L] (shared by all heads), positions
+    distinct within a list; each list gets its own softmax. None when k's or v's strides are not
+    whole rows (``_as_rows``)."""
+    b, hk = k.shape[:2]
+    tk = _as_rows(k)
+    same = v.shape == k.shape and v.stride() == k.stride()  # the usual case: v's rows are k's rows
+    tv = tk if same else _as_rows(v)
+    if tk is None or tv is None:
+        return None
+
+    def rows(table):
+        _, s0, s1, step = table
+        flat = []
+        for p in pos:
+            h = p.shape[1] if p.dim() == 3 else hk
+            r = _key0_rows(b, h, h // hk, s0, s1, k.device) + (p if step == 1 else p * step)  # [b, h, L]
+            if h != hq:  # a KV head's list, for each of its query heads
+                r = r.unsqueeze(2).expand(b, hk, hq // hk, -1)
+            flat.append(r.reshape(-1))
+        return flat[0] if len(flat) == 1 else torch.cat(flat)
+
+    heads, lengths = b * hq, tuple(p.shape[-1] for p in pos)
+    if len(lengths) == 1:
+        starts = torch.arange(0, heads * lengths[0] + 1, lengths[0], device=k.device)
+    else:
+        at = itertools.accumulate((heads * L for L in lengths), initial=0)
+        starts = torch.tensor([a + j * L for a, L in zip(at, lengths) for j in range(heads)] + [heads * sum(lengths)],
+                              device=k.device)
+    k_rows = rows(tk)
+    return CacheRows(tk[0], v.as_strided(tk[0].shape, (k.shape[-1], 1)) if same else tv[0], k_rows,
+                     k_rows if same else rows(tv), starts, lengths, heads)
+
+
+@functools.cache
+def _sparse_csr_ready() -> bool:
+    """Build one CSR tensor with torch's one-time 'sparse CSR support is in beta' warning silenced:
+    the warning is printed once per process and says nothing about these calls."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.sparse_csr_tensor(torch.zeros(2, dtype=torch.long), torch.zeros(0, dtype=torch.long), torch.zeros(0),
+                                size=(1, 1), check_invariants=False)
+    return True
+
+
+def row_scores(q: torch.Tensor, rows: CacheRows, scale: float) -> list[torch.Tensor]:
+    """Scaled scores of one query per head q [b, hq, 1, d] against its listed rows, [b * hq, L_i]
+    float32 per list: one sparse call for all (``sampled_addmm``: q·k at the listed (list and head,
+    row) entries of a [lists * heads, rows] score matrix)."""
+    _sparse_csr_ready()
+    nl = len(rows.lengths)
+    # zeros, not garbage: the CPU kernel adds beta * value even with beta=0 (0 * NaN = NaN)
+    pattern = torch.sparse_csr_tensor(rows.starts, rows.k_rows, q.new_zeros(rows.k_rows.shape),
+                                      size=(nl * rows.heads, rows.k2.shape[0]), check_invariants=False)
+    q2 = q.reshape(rows.heads, -1)
+    q2 = q2 if nl == 1 else torch.cat([q2] * nl)
+    s = torch.sparse.sampled_addmm(pattern, q2, rows.k2.t(), beta=0.0, alpha=scale).values()
+    if nl == 1:
+        return [s.view(rows.heads, -1)]
+    return [part.view(rows.heads, L) for part, L in zip(s.split([rows.heads * L for L in rows.lengths]), rows.lengths)]
+
+
+def row_sum(rows: CacheRows, weights: list[torch.Tensor]) -> torch.Tensor:
+    """sum over the lists i and their rows r of weights[i][h, r] * v[row r of head h] -> [heads, d]
+    float32 (weights [heads, L_i] float32): one ``embedding_bag`` call reading only those rows."""
+    w = weights[0].reshape(-1) if len(weights) == 1 else torch.cat([x.reshape(-1) for x in weights])
+    out = torch.nn.functional.embedding_bag(rows.v_rows, rows.v2, rows.starts, mode="sum", per_sample_weights=w,
+                                            include_last_offset=True)
+    return out if len(weights) == 1 else out.view(len(weights), rows.heads, -1).sum(0)
+
+
+def softmax_lse(s: torch.Tensor, need_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(softmax, logsumexp [..., 1] or None) along the last dim. The LSE from the largest score,
+    whose probability exp(max - lse) >= 1 / L does not underflow: 3 small ops, where logsumexp then
+    exp(s - lse) take about twice as long."""
+    p = torch.softmax(s, -1)
+    return p, (s.amax(-1, keepdim=True) - p.amax(-1, keepdim=True).log_()) if need_lse else None
+
+
+def attend_rows(q, k, v, pos: torch.Tensor, scale: float, need_lse: bool = True):
+    """(out [b, hq, 1, d], lse [b, hq, 1] or None) of one float32 query per head against the key
+    positions pos of its KV head (``cache_rows``: one list, the same length for every head), read
+    in place; None for other dtypes or where the cache's strides are not whole rows.
+
+    For a one-token decode step: q·k at the listed rows in one sparse call, one softmax, the
+    weighted sum of the listed value rows in one call. A fixed handful of ops whatever the number
+    of heads and blocks: a fused attention call per block and head costs ~30 us of fixed overhead
+    on the CPU here, more than reading its block."""
+    b, hq, _, d = q.shape
+    rows = cache_rows(k, v, hq, pos) if q.dtype == torch.float32 else None
+    if rows is None:
+        return None
+    p, lse = softmax_lse(row_scores(q, rows, scale)[0], need_lse)
+    return row_sum(rows, [p]).view(b, hq, 1, d), None if lse is None else lse.view(b, hq, 1)

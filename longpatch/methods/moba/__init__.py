@@ -36,7 +36,8 @@ Gradients: a custom autograd function recomputes the blocks in plain PyTorch wit
 Decoding (q_len < kv_len): queries choose among the full chunks of the cache before their own
 chunk; the chunk means live in the patched layer's ``state`` (computed once per chunk, checked
 against the cache every step) or come as ``chunk_means``. A single token per head takes
-``decode_one``: cost O(topk * C * d) plus an O(n / C * d) gate, not O(n * d).
+``decode_one``: cost O(topk * C * d) plus an O(n / C * d) gate, not O(n * d); its selected rows
+are read in place by two sparse calls for all heads (``cpu_flash.attend_rows``).
 
 The Triton backend (``longpatch.kernels.moba``) runs the same pairs, own chunk included, in one
 block-sparse kernel (forward with LSE and backward) and merges in PyTorch.

@@ -10,7 +10,7 @@ import torch
 
 from ..blocksparse import block_runs, pairs_by_block, row_sparse_attention
 from ..common import acc_dtype, gather_blocks, ordered_int
-from ..cpu_flash import additive_mask, attend_spans, merge_spans, spans_ok
+from ..cpu_flash import additive_mask, attend_rows, attend_spans, merge_spans, spans_ok
 from ..lse_attention import attend
 
 DEFAULT_CHUNK_SIZE = 2048
@@ -345,10 +345,11 @@ def _gate_one(q, means, scale: float, shared: bool, topk: int):
     return torch.topk(key, kk, dim=-1, sorted=True).indices
 
 
-def decode_one(q, k, v, means, C: int, topk: int, scale: float, shared: bool):
+def decode_one(q, k, v, means, C: int, topk: int, scale: float, shared: bool, need_lse: bool = True):
     """One causal query per head (q_len = 1) against the cache, all heads at once: the gate, then
     attention to the selected chunks and the own (partial) chunk. Reads topk*C keys per head whatever
-    the cache length (plus n/C chunk means for the gate)."""
+    the cache length (plus n/C chunk means for the gate). Returns (out, lse); lse may be None
+    without ``need_lse``."""
     b, hq, _, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     g = hq // hk
@@ -359,7 +360,7 @@ def decode_one(q, k, v, means, C: int, topk: int, scale: float, shared: bool):
         out, lse = attend(q, ko, vo, scale)
         return out, lse
     if spans_ok(q, k, v):
-        return _decode_views(q, k, v, sel, own, C, scale)
+        return _decode_views(q, k, v, sel, own, C, scale, need_lse)
     hs, kk = sel.shape[2], sel.shape[3]
     # per selection group (query head, or KV head if shared): its own chunk first, then its picks
     ids = torch.cat([torch.full_like(sel[..., :1], own), sel], -1).flatten(2)  # [b, hk, hs*(kk+1)]
@@ -371,12 +372,19 @@ def decode_one(q, k, v, means, C: int, topk: int, scale: float, shared: bool):
     return attend(q, ks, vs, scale, mask=bias)
 
 
-def _decode_views(q, k, v, sel, own: int, C: int, scale: float):
-    """``decode_one``'s attention on views of the cache (``attend_spans``): per selection group its
-    own chunk and its picks, touching chunks joined into one call. Measured with the cache out of
-    the CPU caches (a 32k cache, 2 KV heads, 4 query heads, chunk 512, top-4): 1.7 ms against
-    3.3 ms gathering the chunks first, and 7.4 ms for exact attention."""
+def _decode_views(q, k, v, sel, own: int, C: int, scale: float, need_lse: bool):
+    """``decode_one``'s attention on the cache in place: per selection group (query head, or KV head
+    if shared) the rows of its picks and of its own chunk up to the query, as one softmax
+    (``attend_rows``: two sparse calls for all heads). Where the cache's layout does not allow it,
+    fused calls on views of the chunks (``attend_spans``), touching chunks joined."""
+    b, hk, hs, kk = sel.shape
     nk = k.shape[2]
+    picks = sel.sort(-1).values  # ascending rows (the order CSR rows list their entries in)
+    pos = torch.cat([(picks.unsqueeze(-1) * C + torch.arange(C, device=q.device)).flatten(-2),
+                     torch.arange(own * C, nk, device=q.device).expand(b, hk, hs, -1)], -1)
+    res = attend_rows(q, k, v, pos.view(b, hk * hs, -1), scale, need_lse)
+    if res is not None:
+        return res
     groups = [(bi, hi, merge_spans([(own * C, nk)] + [(c * C, c * C + C) for c in chunks]))
               for bi, per_head in enumerate(sel.tolist())
               for hi, per_group in enumerate(per_head)

@@ -25,33 +25,32 @@ from .cpu import (
 
 # --------------------------------------------------------------------------- the triton path
 
-def selection_pairs(q, k, plan: Plan):
+def selection_pairs(q, k, plan: Plan, groups=None):
     """Every (query row, selected chunk) pair, own chunk included, sorted by (batch, KV head, chunk):
-    the work list of the block-sparse kernel. Returns a dict of int64 tensors:
-    row [P] (flat index into q viewed [b*hq*nq]), slot [P] (0 = own, 1.. past), pos [P] (absolute
-    query position), seg_start/seg_end [S] (pair ranges), seg_kv [S] (flat b*hk index),
-    seg_k0/seg_k1 [S] (key range of the chunk)."""
+    the work list of the block-sparse kernel, for the (batch row, KV head) ``groups`` (default: all).
+    Returns a dict of int64 tensors: row [P] (flat index into q viewed [b*hq*nq]), slot [P] (0 = own,
+    1.. past), pos [P] (absolute query position), seg_start/seg_end [S] (pair ranges), seg_kv [S]
+    (flat b*hk index), seg_k0/seg_k1 [S] (key range of the chunk)."""
     g, C, nq = plan.g, plan.C, plan.nq
     rows, slots, chunks, kvs = [], [], [], []
-    for bi in range(plan.b):
-        for hi in range(plan.hk):
-            means = plan.means(k, bi, hi)
-            for a, e in plan.windows:
-                m = e - a
-                qw = q[bi, hi * g:(hi + 1) * g, a:e]
-                pos = torch.arange(a + plan.off, e + plan.off, device=q.device)
-                own, other = select_chunks(qw, means, pos, C, plan.topk, plan.scale, plan.causal, plan.shared)
-                sel = torch.cat([own.view(1, m, 1).expand(g, m, 1), other.expand(g, m, other.shape[-1])], dim=-1)
-                ns = sel.shape[-1]
-                flat = sel.reshape(-1)
-                ent = torch.nonzero(flat >= 0).squeeze(1)
-                hrow = torch.div(ent, ns, rounding_mode="floor")  # h * m + i
-                h = torch.div(hrow, m, rounding_mode="floor")
-                i = hrow % m
-                rows.append(((bi * plan.hq + hi * g + h) * nq) + a + i)
-                slots.append(ent % ns)
-                chunks.append(flat[ent])
-                kvs.append(torch.full_like(ent, bi * plan.hk + hi))
+    for bi, hi in groups or [(bi, hi) for bi in range(plan.b) for hi in range(plan.hk)]:
+        means = plan.means(k, bi, hi)
+        for a, e in plan.windows:
+            m = e - a
+            qw = q[bi, hi * g:(hi + 1) * g, a:e]
+            pos = torch.arange(a + plan.off, e + plan.off, device=q.device)
+            own, other = select_chunks(qw, means, pos, C, plan.topk, plan.scale, plan.causal, plan.shared)
+            sel = torch.cat([own.view(1, m, 1).expand(g, m, 1), other.expand(g, m, other.shape[-1])], dim=-1)
+            ns = sel.shape[-1]
+            flat = sel.reshape(-1)
+            ent = torch.nonzero(flat >= 0).squeeze(1)
+            hrow = torch.div(ent, ns, rounding_mode="floor")  # h * m + i
+            h = torch.div(hrow, m, rounding_mode="floor")
+            i = hrow % m
+            rows.append(((bi * plan.hq + hi * g + h) * nq) + a + i)
+            slots.append(ent % ns)
+            chunks.append(flat[ent])
+            kvs.append(torch.full_like(ent, bi * plan.hk + hi))
     row, slot, chunk, kv = (torch.cat(x) for x in (rows, slots, chunks, kvs))
     return _segments(row, slot, chunk, kv, C, plan.nk, nq, plan.off)
 
@@ -73,27 +72,39 @@ def _segments(row, slot, chunk, kv, C: int, nk: int, nq: int, off: int):
 
 
 def _triton_path(q, k, v, plan: Plan):
+    """The kernel one KV group (batch row, KV head) at a time: a group's pair list and its partial
+    outputs (one float32 row per (query, selected chunk) pair, merged afterwards) then take 1/(b*hk)
+    of the memory they would take for the whole call (25 GB at 131k tokens, 32/8 heads, d = 128)."""
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    with torch.no_grad():
-        pairs = selection_pairs(q, k, plan)
-    return _run_pairs(q, k, v, pairs, plan.scale, plan.causal)
+    outs, lses = [], []
+    for bi in range(plan.b):
+        for hi in range(plan.hk):
+            with torch.no_grad():
+                pairs = selection_pairs(q, k, plan, [(bi, hi)])
+            base = (bi * plan.hq + hi * plan.g) * plan.nq  # the group's first row in q viewed [b*hq*nq]
+            o, lse = _run_pairs(q, k, v, pairs, plan.scale, plan.causal, base, plan.g * plan.nq)
+            outs.append(o)
+            lses.append(lse)
+    b, hq, nq, d = q.shape
+    return torch.cat(outs).view(b, hq, nq, d).to(q.dtype), torch.cat(lses).view(b, hq, nq)
 
 
-def _run_pairs(q, k, v, pairs: dict, scale: float, causal: bool):
-    """The Triton kernel on a pair list, its partial results merged per query row by their LSEs."""
+def _run_pairs(q, k, v, pairs: dict, scale: float, causal: bool, base: int, count: int):
+    """The Triton kernel on a pair list whose rows are ``base .. base + count - 1`` of q viewed
+    [b*hq*nq]: their float32 outputs [count, d] and LSEs [count], the partial results merged per
+    query row by their LSEs."""
     from ...kernels.moba import pairs_attention  # lazily: triton is optional
     o_p, l_p = pairs_attention(q, k, v, pairs, scale=scale, causal=causal)
-    b, hq, nq, d = q.shape
+    d = q.shape[-1]
     ns = int(pairs["slot"].max()) + 1  # own + past slots; every row has at least one pair
-    flat = pairs["row"] * ns + pairs["slot"]
-    o_all = torch.zeros(b * hq * nq * ns, d, dtype=torch.float32, device=q.device).index_copy(0, flat, o_p)
-    l_all = torch.full((b * hq * nq * ns,), float("-inf"), dtype=torch.float32, device=q.device)
+    flat = (pairs["row"] - base) * ns + pairs["slot"]
+    o_all = torch.zeros(count * ns, d, dtype=torch.float32, device=q.device).index_copy(0, flat, o_p)
+    l_all = torch.full((count * ns,), float("-inf"), dtype=torch.float32, device=q.device)
     l_all = l_all.index_copy(0, flat, l_p).view(-1, ns)
     lse = torch.logsumexp(l_all, -1)
     safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
     w = torch.exp(l_all - safe.unsqueeze(-1))
-    out = torch.einsum("rs,rsd->rd", w, o_all.view(-1, ns, d))
-    return out.view(b, hq, nq, d).to(q.dtype), lse.view(b, hq, nq)
+    return torch.einsum("rs,rsd->rd", w, o_all.view(-1, ns, d)), lse
 
 
 # --------------------------------------------------------------------------- the op
@@ -186,9 +197,11 @@ def moba_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
         # every query's union is every chunk it may see: exact (causal) attention, done densely
         return exact_attention(q, k, v, causal=causal, scale=scale, return_lse=return_lse, backend=backend)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    if nq == 1 and causal and backend == "torch" and not needs_grad:
+    # a one-token step on every backend: the gate and one attention on the selected rows, a fixed
+    # handful of ops; on a GPU the kernel's pair list (a loop per KV head, host syncs) cost 40x exact
+    if nq == 1 and causal and not needs_grad:
         means = prefix_means(k, chunk_size, (k.shape[2] - 1) // chunk_size, chunk_means)
-        out, lse = decode_one(q, k, v, means, chunk_size, topk, scale, shared_selection)
+        out, lse = decode_one(q, k, v, means, chunk_size, topk, scale, shared_selection, need_lse=return_lse)
         return (out, lse.float()) if return_lse else out
     plan = Plan(q, k, chunk_size, topk, causal, chunk_means, scale, shared_selection)
     if backend == "triton":

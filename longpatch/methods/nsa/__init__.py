@@ -44,8 +44,10 @@ as single-threaded workers (``run_units``), each with its own warm workspace for
    views of the cache, no copy), merged with the local part.
 
 Decoding: ``compressed=(k_cmp, v_cmp)`` (``nsa_compress``) are reused instead of pooling the cache;
-the registered method keeps them in the layer state and appends the newly completed blocks, so a
-step costs O(compressed + selected + window), not O(cache).
+the registered method keeps them in the layer state and appends the newly completed blocks (in
+place, in buffers with spare room), so a step costs O(compressed + selected + window), not
+O(cache). A one-token step (``cpu.decode_one``) reads its selected and window rows in place: one
+sparse score call and one weighted sum for all heads and both branches (``cpu_flash.cache_rows``).
 """
 from .blocks import DEFAULT_GATES, DEFAULTS, TRAINING_FREE_GATES, nsa_compress, num_compressed, topk_blocks
 from .method import NSA, init_state

@@ -13,9 +13,10 @@ from ..blocksparse import row_sparse_attention, workspace_buffer
 from ..common import (
     gather_blocks,
     merge_lse,
+    ordered_int,
     run_units,
 )
-from ..cpu_flash import additive_mask, hide_empty
+from ..cpu_flash import additive_mask, cache_rows, hide_empty, row_scores, row_sum, softmax_lse
 from ..lse_attention import attend
 from .blocks import force_and_mask, topk_blocks, visible_cmp
 
@@ -206,12 +207,30 @@ def fast_forward(q, k, v, k_cmp, v_cmp, cfg, gates):
     return out, lse
 
 
+def _best_blocks(imp: torch.Tensor, num_selected: int) -> torch.Tensor | None:
+    """``topk_blocks`` of imp [r, ns] when every row has num_selected blocks scored above -inf (a
+    decode step's usual case): ascending ids [r, num_selected] by its rule (one int64 key per block:
+    NaN as -inf, ties to the later block); None otherwise (``topk_blocks`` pads with -1)."""
+    ns = imp.shape[-1]
+    if ns < num_selected:
+        return None
+    key = (ordered_int(imp).to(torch.int64) << 32) | torch.arange(ns, device=imp.device)
+    pick = torch.topk(key, num_selected, dim=-1).indices  # best first
+    if not bool((imp.gather(-1, pick[:, -1:]) > float("-inf")).all()):
+        return None
+    return pick.sort(-1).values
+
+
 def decode_one(q, k, v, k_cmp, v_cmp, cfg, gates):
     """``fast_forward`` for one query per head (q_len = 1, the last position), every batch and KV
     head at once: a handful of batched calls instead of the windowed machinery, so a decode step is
     O(compressed + selected + window) tensor work with a fixed, small number of ops (each op costs
     microseconds, about what the step's arithmetic does, so the count matters). The g query heads
-    of a KV group are the rows of one attention call (they share the selection and K/V)."""
+    of a KV group share the selection and K/V.
+
+    The selected and window branches read their rows of the cache in place, both in one sparse
+    score call and one weighted sum (``cpu_flash.cache_rows``): two softmaxes over one row list,
+    their probabilities times the gates are the weights of one sum, which is the gated output."""
     b, hq, _, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     g, t = hq // hk, nk - 1
@@ -220,7 +239,6 @@ def decode_one(q, k, v, k_cmp, v_cmp, cfg, gates):
     own = t // cfg.sb
     ns = own + 1
     o_c = l_c = None
-    imp = torch.zeros((b, hk, 1, ns), dtype=torch.float32, device=q.device)
     if nc:  # every complete block ends at or before the last position: all are visible
         sc = torch.matmul(qg * cfg.scale, k_cmp.to(q.dtype).transpose(-1, -2)).float()  # [b, hk, g, nc]
         if cfg.need_lse or cfg.cmp_out:
@@ -230,11 +248,22 @@ def decode_one(q, k, v, k_cmp, v_cmp, cfg, gates):
             p = torch.softmax(sc, -1)
         if cfg.cmp_out:
             o_c = torch.matmul(p.to(q.dtype), v_cmp.to(q.dtype))
-        imp[:, :, 0] = _overlap_sum(p.sum(2).view(b * hk, nc), ns, cfg).view(b, hk, ns)
+        imp = _overlap_sum(p.sum(2).view(b * hk, nc), ns, cfg)  # [b * hk, ns], a fresh tensor
+    else:
+        imp = torch.zeros((b * hk, ns), dtype=torch.float32, device=q.device)
     # forced blocks (as force_and_mask for the last position: no block starts after it)
-    imp[..., :cfg.init_blocks] = float("inf")
-    imp[..., max(0, own - cfg.local_blocks + 1):] = float("inf")
-    idx = topk_blocks(imp, cfg.num_selected)[:, :, 0]  # ascending, -1 pads at the end
+    imp[:, :cfg.init_blocks] = float("inf")
+    imp[:, max(0, own - cfg.local_blocks + 1):] = float("inf")
+    picks = _best_blocks(imp, cfg.num_selected)
+    w0 = max(0, nk - cfg.window)
+    if picks is not None and q.dtype == torch.float32:  # every slot holds a block, the own one last
+        # per KV head: the picked blocks, the own one up to t (the same rows: one list), the window
+        sel = (picks.view(b, hk, -1, 1) * cfg.sb + torch.arange(cfg.sb, device=q.device)).flatten(2)
+        rows = cache_rows(k, v, hq, sel[..., :(cfg.num_selected - 1) * cfg.sb + t % cfg.sb + 1],
+                          torch.arange(w0, nk, device=q.device))
+        if rows is not None:
+            return _gated_rows(q, rows, o_c, l_c, cfg, gates)
+    idx = topk_blocks(imp.view(b, hk, 1, ns), cfg.num_selected)[:, :, 0]  # ascending, -1 pads at the end
     if bool((idx >= 0).all()):
         # every slot holds a block and the last is the own one (forced, the largest): the full
         # past blocks and the own block's rows up to t are exactly the keys, no mask needed
@@ -246,7 +275,6 @@ def decode_one(q, k, v, k_cmp, v_cmp, cfg, gates):
         seen = (idx.unsqueeze(-1) >= 0).expand(-1, -1, -1, cfg.sb).flatten(-2) & (tok <= t)
         ks, vs = gather_blocks(k, idx, cfg.sb), gather_blocks(v, idx, cfg.sb)  # rows not seen: masked
         o_s, l_s = attend(qg, ks, vs, cfg.scale, mask=additive_mask(seen, q.dtype).unsqueeze(2))
-    w0 = max(0, nk - cfg.window)
     o_w, l_w = attend(qg, k[:, :, w0:], v[:, :, w0:], cfg.scale)
     if isinstance(gates, torch.Tensor):
         o_c = torch.zeros_like(qg) if o_c is None else o_c
@@ -262,6 +290,31 @@ def decode_one(q, k, v, k_cmp, v_cmp, cfg, gates):
         l_c = torch.full((b, hk, g), float("-inf"), dtype=torch.float32, device=q.device)
     lse = torch.stack([l_c, l_s, l_w], -1).reshape(b, hq, 1, 3)
     return out, lse
+
+
+def _gated_rows(q, rows, o_c, l_c, cfg, gates):
+    """``decode_one``'s selected and window branches on ``rows`` (``cpu_flash.cache_rows``: the
+    selected rows, then the window), gated and summed with the compressed output o_c [b, hk, g, d]
+    (None: left out): one softmax per branch, whose probabilities times the gates weigh one sum.
+    Returns (out [b, hq, 1, d], branch LSEs [b, hq, 1, 3] or None)."""
+    b, hq, _, d = q.shape
+    s_sel, s_win = row_scores(q, rows, cfg.scale)
+    (p_s, l_s), (p_w, l_w) = softmax_lse(s_sel, cfg.need_lse), softmax_lse(s_win, cfg.need_lse)
+    if isinstance(gates, torch.Tensor):  # per-head gates [b * hq, 3]
+        gates = gates.expand(b, hq, 1, 3).reshape(b * hq, 3).to(torch.float32)
+        g_c, g_s, g_w = gates[:, :1], gates[:, 1:2], gates[:, 2:]
+        o_c = torch.zeros_like(q) if o_c is None else o_c
+    else:
+        g_c, g_s, g_w = (float(x) for x in gates)
+    out = row_sum(rows, [p_s.mul_(g_s), p_w.mul_(g_w)])  # g_s * selected + g_w * window
+    if o_c is not None:
+        out = out + g_c * o_c.reshape(b * hq, d).to(torch.float32)
+    out = out.to(q.dtype).view(b, hq, 1, d)
+    if not cfg.need_lse:
+        return out, None
+    if l_c is None:
+        l_c = torch.full((b * hq, 1), float("-inf"), dtype=torch.float32, device=q.device)
+    return out, torch.cat([l_c.reshape(b * hq, 1), l_s, l_w], 1).view(b, hq, 1, 3)
 
 
 def _gate_slice(gates, bi, heads, a, e):
