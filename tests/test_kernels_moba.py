@@ -88,3 +88,24 @@ def test_triton_decode_with_chunk_means():
     kernel = moba_attention(q.clone().requires_grad_(), k, v, chunk_size=16, topk=3, chunk_means=means,
                             backend="triton")
     torch.testing.assert_close(kernel.detach(), out, atol=1e-5, rtol=1e-5)
+
+
+def test_triton_path_runs_one_kv_group_per_kernel_call(monkeypatch):
+    """The per-pair partial outputs are float32 rows of d values, topk per query: the kernel sees one
+    (batch row, KV head) group's pairs at a time, so they never take the whole call's memory at once."""
+    import longpatch.kernels.moba as km
+
+    seen = []
+
+    def spy(q, k, v, pairs, **kw):
+        seen.append(sorted(set(pairs["seg_kv"].tolist())))
+        return pairs_attention(q, k, v, pairs, **kw)
+
+    monkeypatch.setattr(km, "pairs_attention", spy)
+    q = torch.randn(2, 4, 64, 16)
+    k = torch.randn(2, 2, 64, 16)
+    v = torch.randn(2, 2, 64, 16)
+    out = moba_attention(q, k, v, chunk_size=16, topk=2, backend="triton")
+    assert seen == [[0], [1], [2], [3]]  # b * hk groups, flat index b * hk + h, one per call
+    torch.testing.assert_close(out, moba_attention(q, k, v, chunk_size=16, topk=2, backend="torch"),
+                               atol=1e-5, rtol=1e-5)
