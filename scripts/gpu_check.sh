@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements in docs/gpu.md, in one run from the repository root on a CUDA machine with torch,
-# triton and transformers installed (no install step: PYTHONPATH points at this checkout).
-# Writes under ${OUT:-runs/gpu}: log.txt, kernels.json (Triton vs torch, scripts/gpu_kernels.py),
+# triton and transformers installed (it installs this checkout editable, without dependencies or network).
+# Writes under ${OUT:-runs/gpu}: log.txt, kernels_bf16/fp32.json (Triton vs torch, scripts/gpu_kernels.py),
 # throughput.json (eval needle at batch 1/4/8), attention.json/.png, decode.json/.png, generate.json.
 # Each step has its own time limit, so that one failing step leaves the others' results.
 set -u
@@ -17,8 +17,12 @@ step() { local limit=$1; shift; echo "=== $* (limit ${limit}s)"; local t0=$SECON
   nvidia-smi -L
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
 'transformers', transformers.__version__, torch.cuda.get_device_name())"
-  step 150 python3 scripts/gpu_kernels.py --device cuda --n 4100 --head-dims 64 128 --out "$TMP/k"
-  cp "$TMP/k/results.json" "$OUT/kernels.json"
+  step 120 python3 scripts/gpu_kernels.py --device cuda --n 4100 --head-dims 128 --dtypes bfloat16 --grad-n 0 \
+    --out "$TMP/kb"
+  cp "$TMP/kb/results.json" "$OUT/kernels_bf16.json"
+  step 300 python3 scripts/gpu_kernels.py --device cuda --n 4100 --head-dims 64 --dtypes float32 --grad-n 1024 \
+    --out "$TMP/kf"
+  cp "$TMP/kf/results.json" "$OUT/kernels_fp32.json"
   step 120 python3 scripts/batch_throughput.py --batch-sizes 1,4,8 --rounds 2 --out "$OUT/throughput.json"
   step 120 $LP bench attention --device cuda --dtype bfloat16 --methods hyper,moba,nsa,sparse --heads 32 \
     --kv-heads 8 --head-dim 128 --seq-lens 8192,16384,32768,65536,131072 --mode causal --repeats 5 \
