@@ -483,3 +483,28 @@ def test_attended_pairs_counts_each_branch_per_query():
         want += cmp + selected + min(W, t + 1) - shared
     assert get_method("nsa").attended_pairs(q, k, True, params) == 3 * want
     assert get_method("nsa").attended_pairs(q, k, False, params) is None
+
+
+def test_decode_best_blocks_matches_topk_blocks():
+    """The decode step's 2-op selection key (float bits as int32, valid for the importance values a
+    decode step has: +0, positives, +inf, NaN) picks exactly what ``topk_blocks`` picks, ties to the
+    later block and NaN as -inf included; None where a pick would be -inf."""
+    from longpatch.methods.nsa.blocks import topk_blocks
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        ns = int(torch.randint(8, 40, (1,), generator=g))
+        imp = torch.rand(3, ns, generator=g)
+        if trial % 4 == 1:  # ties: few distinct values, zeros among them
+            imp = (imp * 3).floor() / 3
+        if trial % 4 == 2:  # NaN rows or entries
+            imp[imp < 0.2] = float("nan")
+        if trial % 4 == 3:
+            imp[:, :1] = float("inf")
+            imp[:, -2:] = float("inf")
+        got = nsa_cpu._best_blocks(imp, 8, torch.arange(ns))
+        want = topk_blocks(imp, 8)
+        if got is None:
+            assert bool((want < 0).any())
+        else:
+            assert torch.equal(got, want)

@@ -159,3 +159,24 @@ def test_rows_before_a_non_finite_key_or_value_do_not_depend_on_it(name, bad, wh
     torch.testing.assert_close(out[:, :2], ref[:, :2], atol=1e-5, rtol=1e-5)
     if name in ("exact", "linear", "performer"):  # every later row sees position p: the NaN shows
         assert not torch.isfinite(out[:, 2:, p:]).any(-1).all()
+
+
+@pytest.mark.parametrize("b", [1, 2])
+@pytest.mark.parametrize("nq", [63, 1])
+def test_nonfinite_isolation_with_lse_per_branch(b, nq):
+    """NSA's LSE holds one value per branch ([b, hq, nq, 3]): the rows that attend to a NaN key get NaN
+    in all three, the others keep theirs (this used to raise on the LSE's extra dimension)."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(b, 4, nq, 16, generator=g)
+    k, v = torch.randn(b, 2, 63, 16, generator=g), torch.randn(b, 2, 63, 16, generator=g)
+    kw = dict(return_lse=True, compress_block=8, compress_stride=4, select_block=8, num_selected=3, window=8)
+    out_ref, lse_ref = nsa_attention(q, k, v, **kw)
+    k[0, 0, 21, 5] = float("nan")
+    out, lse = nsa_attention(q, k, v, **kw)
+    assert lse.shape == lse_ref.shape == (b, 4, nq, 3)
+    hit = torch.isnan(out).any(-1)  # [b, hq, nq]
+    assert hit.any() and torch.equal(torch.isnan(lse).all(-1), hit)
+    torch.testing.assert_close(lse[~hit], lse_ref[~hit])
+    torch.testing.assert_close(out[:, 2:], out_ref[:, 2:])  # the other KV head never sees it
+    if b == 2:
+        torch.testing.assert_close(out[1], out_ref[1])  # nor does the other batch row

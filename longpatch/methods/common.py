@@ -90,7 +90,9 @@ def isolate_nonfinite(op, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bad
     if not return_lse:
         return res.masked_fill(hit, float("nan"))
     out, lse = res
-    return out.masked_fill(hit, float("nan")), lse.masked_fill(hit[..., 0], float("nan"))
+    rows = hit[..., 0]  # [b, hq, nq]; an lse may carry more per row (NSA's: one per branch)
+    rows = rows.view(*rows.shape, *(1,) * (lse.dim() - rows.dim()))
+    return out.masked_fill(hit, float("nan")), lse.masked_fill(rows, float("nan"))
 
 
 def guards_nonfinite(op):

@@ -180,6 +180,17 @@ def _as_rows(x: torch.Tensor):
     return x.as_strided(((b - 1) * s0 + (h - 1) * s1 + (n - 1) * step + 1, d), (d, 1)), s0, s1, step
 
 
+@functools.lru_cache(maxsize=128)
+def _row_starts(heads: int, lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """``CacheRows.starts`` for lists of these lengths: cached, as the layers of a decode step (and
+    the steps a select block apart) ask the same ones, and building it is a fixed cost per call."""
+    if len(lengths) == 1:
+        return torch.arange(0, heads * lengths[0] + 1, lengths[0], device=device)
+    at = itertools.accumulate((heads * L for L in lengths), initial=0)
+    return torch.tensor([a + j * L for a, L in zip(at, lengths) for j in range(heads)] + [heads * sum(lengths)],
+                        device=device)
+
+
 class CacheRows(NamedTuple):
     """Lists of cache rows per query head, as ``row_scores`` and ``row_sum`` read them: k2/v2 the
     [rows, d] views, k_rows/v_rows the flat rows of every list, list by list and in each head by
@@ -219,12 +230,7 @@ def cache_rows(k: torch.Tensor, v: torch.Tensor, hq: int, *pos: torch.Tensor) ->
         return flat[0] if len(flat) == 1 else torch.cat(flat)
 
     heads, lengths = b * hq, tuple(p.shape[-1] for p in pos)
-    if len(lengths) == 1:
-        starts = torch.arange(0, heads * lengths[0] + 1, lengths[0], device=k.device)
-    else:
-        at = itertools.accumulate((heads * L for L in lengths), initial=0)
-        starts = torch.tensor([a + j * L for a, L in zip(at, lengths) for j in range(heads)] + [heads * sum(lengths)],
-                              device=k.device)
+    starts = _row_starts(heads, lengths, k.device)
     k_rows = rows(tk)
     return CacheRows(tk[0], v.as_strided(tk[0].shape, (k.shape[-1], 1)) if same else tv[0], k_rows,
                      k_rows if same else rows(tv), starts, lengths, heads)

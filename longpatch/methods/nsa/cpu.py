@@ -13,7 +13,6 @@ from ..blocksparse import row_sparse_attention, workspace_buffer
 from ..common import (
     gather_blocks,
     merge_lse,
-    ordered_int,
     run_units,
 )
 from ..cpu_flash import additive_mask, cache_rows, hide_empty, row_scores, row_sum, softmax_lse
@@ -105,12 +104,13 @@ def _window_part(qw, k1, v1, p0: int, cfg, local):
 
 @functools.lru_cache(maxsize=64)
 def _overlap_cols(ns: int, nv: int, sb: int, l: int, s: int, device: torch.device):
-    """(lo, hi) [ns] int64: the prefix-sum columns that bound each selection block's overlapping
-    compressed blocks (see ``_overlap_sum``); cached, as a decode step asks the same ones each time."""
+    """[2 * ns] int64, hi then lo: the prefix-sum columns that bound each selection block's
+    overlapping compressed blocks (see ``_overlap_sum``), concatenated so that both are read in one
+    index_select; cached, as a decode step asks the same ones each time."""
     j = torch.arange(ns, device=device)
     lo = torch.clamp(torch.div(j * sb - l, s, rounding_mode="floor") + 1, min=0, max=nv)
     hi = torch.clamp(torch.div((j + 1) * sb - 1, s, rounding_mode="floor") + 1, min=0, max=nv)
-    return lo, hi
+    return torch.cat([hi, lo])
 
 
 def _overlap_sum(grp: torch.Tensor, ns: int, cfg) -> torch.Tensor:
@@ -121,8 +121,9 @@ def _overlap_sum(grp: torch.Tensor, ns: int, cfg) -> torch.Tensor:
     r, nv = grp.shape
     csum = torch.zeros((r, nv + 1), dtype=torch.float64, device=grp.device)
     torch.cumsum(grp, -1, dtype=torch.float64, out=csum[:, 1:])
-    lo, hi = _overlap_cols(ns, nv, cfg.sb, cfg.l, cfg.s, grp.device)
-    return (csum.index_select(1, hi) - csum.index_select(1, lo)).float()
+    cols = _overlap_cols(ns, nv, cfg.sb, cfg.l, cfg.s, grp.device)  # [hi, lo]: one gather, not two
+    hi, lo = csum.index_select(1, cols).view(r, 2, ns).unbind(1)
+    return (hi - lo).float()
 
 
 def _compressed_select(qw, kc, vc, pos, cfg, ws=None):
@@ -207,16 +208,36 @@ def fast_forward(q, k, v, k_cmp, v_cmp, cfg, gates):
     return out, lse
 
 
-def _best_blocks(imp: torch.Tensor, num_selected: int) -> torch.Tensor | None:
+@functools.lru_cache(maxsize=8)
+def _decode_consts(nk: int, sb: int, window: int, init_blocks: int, local_blocks: int, device: torch.device):
+    """The index tensors of a decode step at cache length nk, made once per length and shared by the
+    model's layers (each arange/tensor call is ~5-10 us of fixed cost, about what the step's
+    arithmetic costs): block ids [ns], the forced blocks' ids (the first init_blocks and the
+    local_blocks ending with the own one), the row offsets [sb] within a block, the window's key
+    positions."""
+    own = (nk - 1) // sb
+    ids = torch.arange(own + 1, device=device)
+    forced = torch.cat([ids[:init_blocks], ids[max(0, own - local_blocks + 1):]])
+    return ids, forced, torch.arange(sb, device=device), torch.arange(max(0, nk - window), nk, device=device)
+
+
+def _best_blocks(imp: torch.Tensor, num_selected: int, ids: torch.Tensor) -> torch.Tensor | None:
     """``topk_blocks`` of imp [r, ns] when every row has num_selected blocks scored above -inf (a
     decode step's usual case): ascending ids [r, num_selected] by its rule (one int64 key per block:
-    NaN as -inf, ties to the later block); None otherwise (``topk_blocks`` pads with -1)."""
+    NaN as -inf, ties to the later block); None otherwise (``topk_blocks`` pads with -1). ids:
+    arange(ns).
+
+    imp must hold only +0, positive numbers, +inf and NaN (``decode_one``'s: sums of probabilities,
+    differences of a monotone prefix sum, forced blocks): for these the float32 bits read as int32
+    already sort like the floats, and NaN -> -inf has negative bits, below all of them, so the key
+    is ``ordered_int``'s order in 2 ops (not 8): bits * 2^32 + id, one add with alpha."""
     ns = imp.shape[-1]
     if ns < num_selected:
         return None
-    key = (ordered_int(imp).to(torch.int64) << 32) | torch.arange(ns, device=imp.device)
-    pick = torch.topk(key, num_selected, dim=-1).indices  # best first
-    if not bool((imp.gather(-1, pick[:, -1:]) > float("-inf")).all()):
+    bits = torch.nan_to_num(imp, nan=float("-inf")).view(torch.int32)
+    key = torch.add(ids, bits, alpha=1 << 32)  # int64: (bits << 32) | id, as 0 <= id < 2^32
+    top, pick = torch.topk(key, num_selected, dim=-1)
+    if int(top.min()) < 0:  # a picked block scored -inf (or NaN): topk_blocks' -1 padding applies
         return None
     return pick.sort(-1).values
 
@@ -238,29 +259,32 @@ def decode_one(q, k, v, k_cmp, v_cmp, cfg, gates):
     nc = k_cmp.shape[2]
     own = t // cfg.sb
     ns = own + 1
+    ids, forced, blk_rows, win = _decode_consts(nk, cfg.sb, cfg.window, cfg.init_blocks, cfg.local_blocks, q.device)
     o_c = l_c = None
     if nc:  # every complete block ends at or before the last position: all are visible
-        sc = torch.matmul(qg * cfg.scale, k_cmp.to(q.dtype).transpose(-1, -2)).float()  # [b, hk, g, nc]
+        # one bmm over the (batch, KV head) pairs: what matmul does for these shapes (the same
+        # products), without its broadcasting and reshaping steps, a fixed cost per call here
+        kc = k_cmp.to(q.dtype).flatten(0, 1).transpose(1, 2)  # [b * hk, d, nc], a view of the cache
+        sc = torch.bmm((qg * cfg.scale).view(b * hk, g, d), kc).float()  # [b * hk, g, nc]
         if cfg.need_lse or cfg.cmp_out:
             l_c = torch.logsumexp(sc, -1)
             p = torch.exp(sc - l_c.unsqueeze(-1))
+            l_c = l_c.view(b, hk, g)
         else:  # the training-free default: the branch only ranks the blocks
             p = torch.softmax(sc, -1)
         if cfg.cmp_out:
-            o_c = torch.matmul(p.to(q.dtype), v_cmp.to(q.dtype))
-        imp = _overlap_sum(p.sum(2).view(b * hk, nc), ns, cfg)  # [b * hk, ns], a fresh tensor
+            o_c = torch.matmul(p.view(b, hk, g, nc).to(q.dtype), v_cmp.to(q.dtype))
+        imp = _overlap_sum(p.sum(1), ns, cfg)  # [b * hk, ns], a fresh tensor
     else:
         imp = torch.zeros((b * hk, ns), dtype=torch.float32, device=q.device)
     # forced blocks (as force_and_mask for the last position: no block starts after it)
-    imp[:, :cfg.init_blocks] = float("inf")
-    imp[:, max(0, own - cfg.local_blocks + 1):] = float("inf")
-    picks = _best_blocks(imp, cfg.num_selected)
+    imp.index_fill_(1, forced, float("inf"))
+    picks = _best_blocks(imp, cfg.num_selected, ids)
     w0 = max(0, nk - cfg.window)
     if picks is not None and q.dtype == torch.float32:  # every slot holds a block, the own one last
         # per KV head: the picked blocks, the own one up to t (the same rows: one list), the window
-        sel = (picks.view(b, hk, -1, 1) * cfg.sb + torch.arange(cfg.sb, device=q.device)).flatten(2)
-        rows = cache_rows(k, v, hq, sel[..., :(cfg.num_selected - 1) * cfg.sb + t % cfg.sb + 1],
-                          torch.arange(w0, nk, device=q.device))
+        sel = torch.add(blk_rows, picks.view(b, hk, -1, 1), alpha=cfg.sb).flatten(2)
+        rows = cache_rows(k, v, hq, sel[..., :(cfg.num_selected - 1) * cfg.sb + t % cfg.sb + 1], win)
         if rows is not None:
             return _gated_rows(q, rows, o_c, l_c, cfg, gates)
     idx = topk_blocks(imp.view(b, hk, 1, ns), cfg.num_selected)[:, :, 0]  # ascending, -1 pads at the end
