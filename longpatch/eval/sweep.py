@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Callable
@@ -373,7 +374,19 @@ def generate_rows(model, prompts: list[list[int]], max_new: list[int], device, e
     return rows
 
 
-def shared_stats(breakdown: dict, rows: int) -> dict:
+def timed_rows(model, prompts: list[list[int]], max_new: list[int], device, eos, pad: int | None = None,
+               **generate_kwargs) -> tuple[list[list[int]], float, dict]:
+    """``generate_rows`` on a patched model, with what each row's record carries of the batch's cost:
+    (rows, seconds per row, attention stats per row): the batch's wall time and attention breakdown
+    shared evenly between its rows, so that summing the records gives the batch's totals."""
+    model.longpatch.reset_stats()
+    t0 = time.perf_counter()
+    rows = generate_rows(model, prompts, max_new, device, eos, pad, **generate_kwargs)
+    seconds = (time.perf_counter() - t0) / len(prompts)
+    return rows, seconds, _shared_stats(model.longpatch.breakdown(), len(prompts))
+
+
+def _shared_stats(breakdown: dict, rows: int) -> dict:
     """A batch's attention breakdown as each of its `rows` records carries it: calls and seconds divided
     evenly, so that summing the records gives the batch's totals."""
     return {side: {phase: {path: {k: v / rows for k, v in s.items()} for path, s in paths.items()}

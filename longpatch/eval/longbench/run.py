@@ -35,7 +35,6 @@ from ..records import PLAN_FILE, read_plan, read_records, seconds_by_path
 from ..sweep import (
     Point,
     RunSpec,
-    generate_rows,
     generation_shapes,
     input_device,
     labelled_points,
@@ -43,7 +42,7 @@ from ..sweep import (
     prepare_configs,
     resolve_spec,
     run_generations,
-    shared_stats,
+    timed_rows,
 )
 from . import tasks as T
 from .data import CATEGORIES, LongBench, Record, code_completion_tasks, load_longbench, report_problems, source_name
@@ -241,13 +240,9 @@ def _generate_batch(model, tokenizer, label: str, point: Point, ws: list[Item], 
     for task in dict.fromkeys(w.task for w in ws):
         group = [w for w in ws if w.task == task]
         eos, min_new = stops[task]
-        model.longpatch.reset_stats()
-        t0 = time.perf_counter()
-        rows = generate_rows(model, [w.ids for w in group], [w.max_new for w in group], device,
-                             eos or tokenizer.eos_token_id, pad, num_beams=1,
-                             **({"eos_token_id": eos, "min_new_tokens": min_new} if eos else {}))
-        seconds = (time.perf_counter() - t0) / len(group)
-        stats = shared_stats(model.longpatch.breakdown(), len(group))
+        rows, seconds, stats = timed_rows(model, [w.ids for w in group], [w.max_new for w in group], device,
+                                          eos or tokenizer.eos_token_id, pad, num_beams=1,
+                                          **({"eos_token_id": eos, "min_new_tokens": min_new} if eos else {}))
         for w, new in zip(group, rows):
             rec = w.record
             out[id(w)] = {

@@ -26,7 +26,6 @@ from ..records import PLAN_FILE, read_plan, read_records, seconds_by_path
 from ..sweep import (
     Point,
     RunSpec,
-    generate_rows,
     generation_shapes,
     input_device,
     labelled_points,
@@ -34,7 +33,7 @@ from ..sweep import (
     prepare_configs,
     resolve_spec,
     run_generations,
-    shared_stats,
+    timed_rows,
 )
 from . import prompts as N
 
@@ -172,12 +171,8 @@ def _generate_batch(model, tokenizer, label: str, point: Point, ws: list[Trial],
     """Greedy generations of several prompts in one left-padded batch, one record each; each row's tokens
     are those of its prompt alone (generate_rows); seconds and attention stats are the batch's, shared
     evenly between its records."""
-    model.longpatch.reset_stats()
-    t0 = time.perf_counter()
-    rows = generate_rows(model, [w.prompt.ids for w in ws], [N.answer_tokens(tokenizer, w.prompt.expected) for w in ws],
-                         device, eos)
-    seconds = (time.perf_counter() - t0) / len(ws)
-    stats = shared_stats(model.longpatch.breakdown(), len(ws))
+    rows, seconds, stats = timed_rows(model, [w.prompt.ids for w in ws],
+                                      [N.answer_tokens(tokenizer, w.prompt.expected) for w in ws], device, eos)
     out = []
     for w, new in zip(ws, rows):
         predicted = tokenizer.decode(new, skip_special_tokens=True)

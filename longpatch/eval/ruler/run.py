@@ -36,7 +36,6 @@ from ..records import PLAN_FILE, read_plan, read_records, seconds_by_path
 from ..sweep import (
     Point,
     RunSpec,
-    generate_rows,
     generation_shapes,
     input_device,
     labelled_points,
@@ -44,7 +43,7 @@ from ..sweep import (
     prepare_configs,
     resolve_spec,
     run_generations,
-    shared_stats,
+    timed_rows,
 )
 from . import data as D
 from . import metrics as M
@@ -222,13 +221,9 @@ def _generate_batch(model, tokenizer, label: str, point: Point, ss: list[T.Sampl
                     run_id: str) -> list[dict]:
     """Several prompts in one left-padded batch (generate_rows: each row's tokens as alone), one record each;
     seconds and attention stats are the batch's, shared evenly between its records."""
-    model.longpatch.reset_stats()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    t0 = time.perf_counter()
-    rows = generate_rows(model, [s.ids for s in ss], [s.tokens_to_generate for s in ss], device,
-                         tokenizer.eos_token_id, pad, num_beams=1)
-    seconds = (time.perf_counter() - t0) / len(ss)
-    stats = shared_stats(model.longpatch.breakdown(), len(ss))
+    rows, seconds, stats = timed_rows(model, [s.ids for s in ss], [s.tokens_to_generate for s in ss], device,
+                                      tokenizer.eos_token_id, pad, num_beams=1)
     out = []
     for s, new in zip(ss, rows):
         predicted = tokenizer.decode(new, skip_special_tokens=True)
