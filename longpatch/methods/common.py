@@ -248,8 +248,7 @@ def window_summaries(state: dict, names: tuple[str, ...], k, v, size: int, strid
             pos = torch.tensor(probe_positions(m), dtype=torch.long, device=k.device)
             at = state[tag + "_at"] = (m, key, pos, pos * stride + size - 1)
         if torch.equal(probe.index_select(2, at[2]), k.index_select(2, at[3])):
-            parts = tuple(state[nm] if state[nm].shape[2] == m else state[nm][:, :, :m] for nm in names)
-            probe = probe if probe.shape[2] == m else probe[:, :, :m]
+            parts, probe = tuple(state[nm][:, :, :m] for nm in names), probe[:, :, :m]
     if parts is None:
         probe = k[:, :, :0]
         parts = summarize(k[:, :, :0], None if v is None else v[:, :, :0])

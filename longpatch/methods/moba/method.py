@@ -36,7 +36,7 @@ def _run(q, k, v, *, causal=True, scale=None, backend="auto", buffers=None, stat
                               state=state, backend=backend)
     means = None
     if state is not None and causal:
-        means = _state_means(state, k.detach() if k.requires_grad else k, chunk_size)
+        means = _state_means(state, k.detach(), chunk_size)
     return moba_attention(q, k, v, causal=causal, scale=scale, chunk_size=chunk_size, topk=topk,
                           shared_selection=shared_selection, chunk_means=means, backend=backend)
 

@@ -38,7 +38,7 @@ def _run(q, k, v, *, causal=True, scale=None, backend="auto", buffers=None, stat
     compressed = None
     if state is not None and causal:
         l, s = params["compress_block"], params["compress_stride"]
-        compressed = _state_compressed(state, *(x.detach() if x.requires_grad else x for x in (k, v)), l, s)
+        compressed = _state_compressed(state, k.detach(), v.detach(), l, s)
     return nsa_attention(q, k, v, causal=causal, scale=scale, gates=tuple(gates), compressed=compressed,
                          backend=backend, **params)
 

@@ -86,7 +86,7 @@ def _compressed_for(k, v, compress, compressed, l, s):
                 or vc.shape[-1] != v.shape[-1] or kc.shape[2] < nc:
             raise ValueError(f"compressed must be (k_cmp, v_cmp) [b, kv_heads, >= {nc}, d] for {k.shape[2]} keys with "
                              f"compress_block={l}, compress_stride={s}; got {tuple(kc.shape)}, {tuple(vc.shape)}")
-        return (kc, vc) if kc.shape[2] == nc else (kc[:, :, :nc], vc[:, :, :nc])
+        return kc[:, :, :nc], vc[:, :, :nc]
     if compress == "mean":
         return nsa_compress(k, v, compress_block=l, compress_stride=s)
     if callable(compress):
