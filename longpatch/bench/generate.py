@@ -46,7 +46,7 @@ from ..eval.sweep import (
 )
 from ..options import parse_layer_counts
 from ..outdir import check_out, claim_out, write_csv, write_json
-from .common import figure, fmt, machine_meta, save_figure, show_table, wide_console
+from .common import figure, fmt, machine_meta, save_figure, show_table, synchronizer, wide_console
 
 log = logging.getLogger("longpatch")
 
@@ -69,11 +69,6 @@ def parse_contexts(spec: "str | Sequence[int]") -> list[int]:
 
 
 # ---- measurement ------------------------------------------------------------------------------------
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
 
 class PeakMemory:
     """Peak memory of a block: host resident set (MiB) and, on CUDA, the peak allocation."""
@@ -146,22 +141,22 @@ def greedy_generate(model, ids: torch.Tensor, new_tokens: int, cache: str = "dyn
     forward per further token with the KV cache. cache: "growing" hands the prefill a
     longpatch GrowingCache (where the model takes transformers' Cache objects), "dynamic" leaves
     the model its default. -> {"tokens", "ttft_s", "step_s": [...]}."""
-    device = ids.device
+    sync = synchronizer(ids.device)
     keep, cache_arg = _forward_names(model)
     if cache == "growing" and takes_cache_objects(model):
         from ..cache import GrowingCache
         keep = {**keep, cache_arg: GrowingCache(reserve=new_tokens)}
     with torch.no_grad():
-        _sync(device)
+        sync()
         t0 = time.perf_counter()
         tok, past = _next_and_cache(model(input_ids=ids, use_cache=True, **keep))
-        _sync(device)
+        sync()
         ttft = time.perf_counter() - t0
         tokens, steps = [tok], []
         for _ in range(new_tokens - 1):
             t0 = time.perf_counter()
             tok, past = _next_and_cache(model(input_ids=tok, use_cache=True, **{cache_arg: past}))
-            _sync(device)
+            sync()
             steps.append(time.perf_counter() - t0)
             tokens.append(tok)
         del past
