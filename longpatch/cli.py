@@ -154,13 +154,14 @@ def apply(
     method: Optional[str] = method_option(),
     config: Optional[str] = config_option(sweep=False),
     set_: list[str] = set_option(),
-    save: Optional[str] = typer.Option(None, metavar="DIR",
+    save: Optional[str] = typer.Option(None, "--save", metavar="DIR",
                                        help="new directory: the model (save_pretrained: weights, config, "
                                             "tokenizer) + longpatch.yaml to re-apply the patch"),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code",
                                            help="allow remote code (bundled aliases set it themselves)"),
-    prefill: int = typer.Option(0, metavar="N", help="run one forward pass on this many random tokens and report "
-                                                     "where attention time went"),
+    prefill: int = typer.Option(0, "--prefill", metavar="N",
+                                help="run one forward pass on this many random tokens and report "
+                        "where attention time went"),
 ):
     """Load a model, patch it, and print which layers run which method."""
     from . import loading
@@ -227,11 +228,14 @@ def _run_prefill(model, n: int):
 @command(app)
 def demo(
     layer_counts: str = layer_counts_option("0:4:1"),
-    max_docs: int = typer.Option(6, help="held-out documents of 4096 tokens to score"),
+    max_docs: int = typer.Option(6, "--max-docs", help="held-out documents of 4096 tokens to score"),
     out: str = out_option("runs/demo", "eval results per config, demo.json, figure3.png"),
-    needle_length: int = typer.Option(NEEDLE_LENGTH, help="needle prompt length in tokens (0: no retrieval column)"),
-    needle_template: str = typer.Option(NEEDLE_TEMPLATE, help="passkey, code or a YAML template file"),
-    needle_trials: int = typer.Option(NEEDLE_TRIALS, help="needle prompts per depth (5 depths, 10% to 90%)"),
+    needle_length: int = typer.Option(NEEDLE_LENGTH, "--needle-length",
+                                      help="needle prompt length in tokens (0: no retrieval column)"),
+    needle_template: str = typer.Option(NEEDLE_TEMPLATE, "--needle-template",
+                                        help="passkey, code or a YAML template file"),
+    needle_trials: int = typer.Option(NEEDLE_TRIALS, "--needle-trials",
+                                      help="needle prompts per depth (5 depths, 10% to 90%)"),
     progress: bool = typer.Option(True, "--progress/--no-progress"),
 ):
     """Offline main job: each method on the shipped demo model: perplexity, attention speed and needle
@@ -265,23 +269,26 @@ def demo(
 
 @command(bench_app, "attention")
 def bench_attention(
-    methods: str = typer.Option("exact,hyper", metavar="METHOD[,METHOD...]",
+    methods: str = typer.Option("exact,hyper", "--methods", metavar="METHOD[,METHOD...]",
                                 help="comma-separated methods; exact is always the baseline"),
-    seq_lens: str = typer.Option("4096,8192,16384,32768,65536,131072", metavar="N[,N...]",
+    seq_lens: str = typer.Option("4096,8192,16384,32768,65536,131072", "--seq-lens", metavar="N[,N...]",
                                  help="sequence lengths (comma-separated; ranges start:end:step, end included)"),
-    mode: str = typer.Option("both", help="causal, non-causal or both"),
-    heads: int = typer.Option(1),
-    kv_heads: Optional[int] = typer.Option(None, help="GQA: K/V heads (default: = heads)"),
-    head_dim: int = typer.Option(64), batch: int = typer.Option(1),
-    dtype: str = typer.Option("float32"), backward: bool = typer.Option(False, help="also time forward+backward"),
-    repeats: int = typer.Option(3), out: str = out_option("runs/bench", "JSON + PNG"),
+    mode: str = typer.Option("both", "--mode", help="causal, non-causal or both"),
+    heads: int = typer.Option(1, "--heads", help="query heads"),
+    kv_heads: Optional[int] = typer.Option(None, "--kv-heads", help="GQA: K/V heads (default: = heads)"),
+    head_dim: int = typer.Option(64, "--head-dim", help="dimension per head"),
+    batch: int = typer.Option(1, "--batch", help="sequences per call"),
+    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16"),
+    backward: bool = typer.Option(False, "--backward/--no-backward", help="also time forward+backward"),
+    repeats: int = typer.Option(3, "--repeats", help="timed calls per cell (the median is reported)"),
+    out: str = out_option("runs/bench", "JSON + PNG"),
     set_: list[str] = typer.Option([], "--set", metavar="KEY=VALUE",
                                    help="a method param for every benchmarked method that has it, repeatable: "
                                         "block_size=128"),
-    max_exact_len: Optional[int] = typer.Option(None, help="skip exact attention above this length"),
+    max_exact_len: Optional[int] = typer.Option(None, "--max-exact-len", help="skip exact attention above this length"),
     memory: bool = typer.Option(True, "--memory/--no-memory", help="peak memory per call (one subprocess each)"),
-    threads: Optional[int] = typer.Option(None, help="torch.set_num_threads"),
-    device: str = typer.Option("cpu", help="cpu, or cuda: the Triton kernels against torch SDPA"),
+    threads: Optional[int] = typer.Option(None, "--threads", help="torch.set_num_threads"),
+    device: str = typer.Option("cpu", "--device", help="cpu, or cuda: the Triton kernels against torch SDPA"),
 ):
     """Time each method against exact attention in the same run; writes JSON + a PNG plot."""
     from .bench.attention import run_attention_bench
@@ -308,23 +315,28 @@ def eval_ppl(
     set_: list[str] = set_option(),
     layers: Optional[str] = layers_option(),
     layer_counts: Optional[str] = layer_counts_option(),
-    subsets: str = typer.Option("all", metavar="SUBSETS", help="all, or comma-separated subsets/categories"),
-    seq_len: int = typer.Option(32768, metavar="N", help="tokens per document (shorter documents are skipped)"),
-    max_docs: Optional[int] = typer.Option(None, metavar="N", help="at most N documents per subset"),
-    data: Optional[str] = typer.Option(None, metavar="DATA", help="data.zip, dir of <subset>.jsonl, parquet, demo; "
-                                                                  "default: hub THUDM/LongBench"),
+    subsets: str = typer.Option("all", "--subsets", metavar="SUBSETS",
+                                help="all, or comma-separated subsets/categories"),
+    seq_len: int = typer.Option(32768, "--seq-len", metavar="N",
+                                help="tokens per document (shorter documents are skipped)"),
+    max_docs: Optional[int] = typer.Option(None, "--max-docs", metavar="N", help="at most N documents per subset"),
+    data: Optional[str] = typer.Option(None, "--data", metavar="DATA",
+                                       help="data.zip, dir of <subset>.jsonl, parquet, demo; "
+                                  "default: hub THUDM/LongBench"),
     out: str = out_option("runs/eval", "records, results.json/.csv, plots; rerun to resume"),
     tokenizer: Optional[str] = tokenizer_option(),
-    device_map: Optional[str] = typer.Option(None, metavar="auto", help="auto: spread one model over this "
-                                                                        "machine's GPUs"),
-    num_processes: int = typer.Option(1, help="local worker processes sharing the documents"),
+    device_map: Optional[str] = typer.Option(None, "--device-map", metavar="auto",
+                                             help="auto: spread one model over this "
+                                  "machine's GPUs"),
+    num_processes: int = typer.Option(1, "--num-processes", help="local worker processes sharing the documents"),
     sequence_parallel: int = typer.Option(1, "--sequence-parallel",
                                           help="split every document over N processes (torch.distributed.run; "
                                                "docs/distributed.md); not with --num-processes"),
-    strict: bool = typer.Option(False, help="a malformed record is fatal instead of reported and skipped"),
+    strict: bool = typer.Option(False, "--strict/--no-strict",
+                                help="a malformed record is fatal instead of reported and skipped"),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code"),
-    warmup: int = typer.Option(1, help="untimed warm-up forward passes per configuration"),
-    loss_chunk: int = typer.Option(1024, help="positions per LM-head chunk of the loss"),
+    warmup: int = typer.Option(1, "--warmup", help="untimed warm-up forward passes per configuration"),
+    loss_chunk: int = typer.Option(1024, "--loss-chunk", help="positions per LM-head chunk of the loss"),
     progress: bool = typer.Option(True, "--progress/--no-progress"),
 ):
     """LongBench perplexity and attention speed for one layer count or a sweep (resumable)."""
@@ -345,19 +357,21 @@ def eval_needle(
     set_: list[str] = set_option(),
     layers: Optional[str] = layers_option(),
     layer_counts: Optional[str] = layer_counts_option(),
-    template: str = typer.Option(NEEDLE_TEMPLATE, help="passkey (the demo's), code, or a YAML template file"),
-    lengths: str = typer.Option("4096,8192,16384,32768", metavar="N[,N...]",
+    template: str = typer.Option(NEEDLE_TEMPLATE, "--template",
+                                 help="passkey (the demo's), code, or a YAML template file"),
+    lengths: str = typer.Option("4096,8192,16384,32768", "--lengths", metavar="N[,N...]",
                                 help="prompt lengths in tokens, comma-separated"),
-    depths: str = typer.Option("0:1:0.1", metavar="DEPTHS",
+    depths: str = typer.Option("0:1:0.1", "--depths", metavar="DEPTHS",
                                help="needle depths: start:end:step (end included) or d1,d2,..."),
-    trials: int = typer.Option(4, help="prompts per (length, depth), each with its own key and haystack"),
-    filler: str = typer.Option("demo", help="demo, a .txt or .jsonl file, or longbench:<subsets>[@<data>]"),
-    seed: int = typer.Option(0, help="seed of the keys and haystacks"),
+    trials: int = typer.Option(4, "--trials", help="prompts per (length, depth), each with its own key and haystack"),
+    filler: str = typer.Option("demo", "--filler", help="demo, a .txt or .jsonl file, or longbench:<subsets>[@<data>]"),
+    seed: int = typer.Option(0, "--seed", help="seed of the keys and haystacks"),
     out: str = out_option("runs/needle", "records, results.json/.csv, heatmaps; rerun to resume"),
     tokenizer: Optional[str] = tokenizer_option(),
-    num_processes: int = typer.Option(1, help="local worker processes sharing the prompts"),
-    batch_size: int = typer.Option(1, help="prompts generated together in one left-padded batch (each row's "
-                                           "answer is what its prompt gives alone)"),
+    num_processes: int = typer.Option(1, "--num-processes", help="local worker processes sharing the prompts"),
+    batch_size: int = typer.Option(1, "--batch-size",
+                                   help="prompts generated together in one left-padded batch (each row's "
+                        "answer is what its prompt gives alone)"),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code"),
     progress: bool = typer.Option(True, "--progress/--no-progress"),
 ):
@@ -386,24 +400,30 @@ def eval_longbench(
                                                help="counts of final layers, one run each: 0,4,8 or 0:28:4 (end "
                                                     "included), 'all'; default: the config's layers (--data demo: "
                                                     "0,2,4)"),
-    tasks: str = typer.Option("all", metavar="TASKS", help="all, en, zh, or comma-separated tasks/categories"),
+    tasks: str = typer.Option("all", "--tasks", metavar="TASKS",
+                              help="all, en, zh, or comma-separated tasks/categories"),
     e: bool = typer.Option(False, "--e", help="evaluate LongBench-E instead (its 13 tasks on length-balanced data, "
                                               "scores per length bucket 0-4k/4-8k/8k+)"),
-    max_length: Optional[int] = typer.Option(None, help="prompt budget in tokens, cut in the middle (default: "
-                                                        "LongBench's for the model, else its positions - 500; "
-                                                        "--data demo: 2048)"),
-    max_samples: Optional[int] = typer.Option(None, help="at most the first N records per task (--data demo: 4)"),
-    max_new_tokens: Optional[int] = typer.Option(None, help="cap every task's generation length (quick checks "
-                                                            "only: not LongBench's protocol)"),
-    data: Optional[str] = typer.Option(None, help="data.zip, dir of <task>.jsonl, parquet, or demo (code "
+    max_length: Optional[int] = typer.Option(None, "--max-length",
+                                             help="prompt budget in tokens, cut in the middle (default: "
+                                  "LongBench's for the model, else its positions - 500; "
+                                  "--data demo: 2048)"),
+    max_samples: Optional[int] = typer.Option(None, "--max-samples",
+                                              help="at most the first N records per task (--data demo: 4)"),
+    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens",
+                                                 help="cap every task's generation length (quick checks "
+                                  "only: not LongBench's protocol)"),
+    data: Optional[str] = typer.Option(None, "--data", help="data.zip, dir of <task>.jsonl, parquet, or demo (code "
                                                   "completion from the demo model's held-out code); "
                                                   "default: hub THUDM/LongBench"),
     out: str = out_option("runs/longbench", "records, predictions, results.json/.csv, plot; rerun to resume"),
     tokenizer: Optional[str] = tokenizer_option(),
-    num_processes: int = typer.Option(1, help="local worker processes sharing the records"),
-    batch_size: int = typer.Option(1, help="records of a task generated together in one left-padded batch "
-                                           "(each prediction is what its record gives alone)"),
-    strict: bool = typer.Option(False, help="a malformed record is fatal instead of reported and skipped"),
+    num_processes: int = typer.Option(1, "--num-processes", help="local worker processes sharing the records"),
+    batch_size: int = typer.Option(1, "--batch-size",
+                                   help="records of a task generated together in one left-padded batch "
+                        "(each prediction is what its record gives alone)"),
+    strict: bool = typer.Option(False, "--strict/--no-strict",
+                                help="a malformed record is fatal instead of reported and skipped"),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code"),
     progress: bool = typer.Option(True, "--progress/--no-progress"),
 ):
@@ -432,23 +452,26 @@ def eval_ruler(
     set_: list[str] = set_option(),
     layers: Optional[str] = layers_option(),
     layer_counts: Optional[str] = layer_counts_option(),
-    tasks: str = typer.Option("all", metavar="TASKS", help="all, niah, qa, or comma-separated RULER tasks "
+    tasks: str = typer.Option("all", "--tasks", metavar="TASKS", help="all, niah, qa, or comma-separated RULER tasks "
                                                            "(niah_single_1, ..., vt, cwe, fwe, qa_1, qa_2)"),
-    lengths: str = typer.Option("4096,8192,16384,32768,65536,131072", metavar="N[,N...]",
+    lengths: str = typer.Option("4096,8192,16384,32768,65536,131072", "--lengths", metavar="N[,N...]",
                                 help="target lengths in tokens (prompt + the task's generation budget)"),
-    samples: int = typer.Option(20, help="prompts per (task, length)"),
-    essays: Optional[str] = typer.Option(None, metavar="FILE", help="essay haystack: RULER's PaulGrahamEssays.json, "
-                                                                    "a .txt file or a directory of them, or demo (a "
-                                                                    "stand-in); default: essay tasks skipped"),
-    qa: Optional[str] = typer.Option(None, metavar="DIR", help="directory with squad.json and/or hotpotqa.json, or "
-                                                               "hub; default: qa_1 and qa_2 skipped"),
-    seed: int = typer.Option(42, help="seed of every prompt"),
+    samples: int = typer.Option(20, "--samples", help="prompts per (task, length)"),
+    essays: Optional[str] = typer.Option(None, "--essays", metavar="FILE",
+                                         help="essay haystack: RULER's PaulGrahamEssays.json, "
+                                  "a .txt file or a directory of them, or demo (a "
+                                  "stand-in); default: essay tasks skipped"),
+    qa: Optional[str] = typer.Option(None, "--qa", metavar="DIR",
+                                     help="directory with squad.json and/or hotpotqa.json, or "
+                                  "hub; default: qa_1 and qa_2 skipped"),
+    seed: int = typer.Option(42, "--seed", help="seed of every prompt"),
     out: str = out_option("runs/ruler", "records, results.json/.csv, heatmaps, RULER data/pred files; rerun to "
                                         "resume"),
     tokenizer: Optional[str] = tokenizer_option(),
-    num_processes: int = typer.Option(1, help="local worker processes sharing the prompts"),
-    batch_size: int = typer.Option(1, help="prompts generated together in one left-padded batch (each row's "
-                                           "answer is what its prompt gives alone)"),
+    num_processes: int = typer.Option(1, "--num-processes", help="local worker processes sharing the prompts"),
+    batch_size: int = typer.Option(1, "--batch-size",
+                                   help="prompts generated together in one left-padded batch (each row's "
+                        "answer is what its prompt gives alone)"),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code"),
     progress: bool = typer.Option(True, "--progress/--no-progress"),
 ):
@@ -470,18 +493,22 @@ RESULTS_NAMES = "results.json, results.csv, scores_vs_layers.png"
 
 @command(bench_app, "decode")
 def bench_decode(
-    methods: str = typer.Option("moba", metavar="METHOD[,METHOD...]",
+    methods: str = typer.Option("moba", "--methods", metavar="METHOD[,METHOD...]",
                                 help="comma-separated methods with a decode path"),
-    cache_lens: str = typer.Option("8192,32768,131072", metavar="N[,N...]", help="KV-cache lengths (comma-separated; "
-                                                                               "ranges start:end:step, end included)"),
-    heads: int = typer.Option(1), kv_heads: Optional[int] = typer.Option(None, help="default: = heads"),
-    head_dim: int = typer.Option(64), batch: int = typer.Option(1), dtype: str = typer.Option("float32"),
-    repeats: int = typer.Option(20), threads: Optional[int] = typer.Option(None, help="torch.set_num_threads"),
+    cache_lens: str = typer.Option("8192,32768,131072", "--cache-lens", metavar="N[,N...]",
+                                   help="KV-cache lengths (comma-separated; ranges start:end:step, end included)"),
+    heads: int = typer.Option(1, "--heads", help="query heads"),
+    kv_heads: Optional[int] = typer.Option(None, "--kv-heads", help="GQA: K/V heads (default: = heads)"),
+    head_dim: int = typer.Option(64, "--head-dim", help="dimension per head"),
+    batch: int = typer.Option(1, "--batch", help="sequences per call"),
+    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16"),
+    repeats: int = typer.Option(20, "--repeats", help="timed steps per cell (the median is reported)"),
+    threads: Optional[int] = typer.Option(None, "--threads", help="torch.set_num_threads"),
     out: str = out_option("runs/bench_decode", "JSON + PNG"),
     set_: list[str] = typer.Option([], "--set", metavar="KEY=VALUE",
                                    help="a method param for every benchmarked method that has it, repeatable: topk=3"),
     errors: bool = typer.Option(True, "--errors/--no-errors", help="error columns vs exact attention"),
-    device: str = typer.Option("cpu", help="cpu, or cuda: the Triton kernels against torch SDPA"),
+    device: str = typer.Option("cpu", "--device", help="cpu, or cuda: the Triton kernels against torch SDPA"),
 ):
     """Time one decode step against caches of each length (decode state given) vs exact decode."""
     from .bench.common import method_params_from_sets
@@ -504,18 +531,22 @@ def bench_generate(
     set_: list[str] = set_option(),
     layers: Optional[str] = layers_option(),
     layer_counts: Optional[str] = layer_counts_option(),
-    contexts: str = typer.Option("8192,16384,32768", metavar="N[,N...]", help="prompt lengths in tokens, "
+    contexts: str = typer.Option("8192,16384,32768", "--contexts", metavar="N[,N...]", help="prompt lengths in tokens, "
                                                                               "comma-separated"),
-    new_tokens: int = typer.Option(64, help="greedy tokens per generation (the first comes from the prefill)"),
-    repeats: int = typer.Option(1, help="generations per row (medians over them)"),
-    warmup: int = typer.Option(1, help="untimed short generations per configuration"),
-    cache: str = typer.Option("growing", help="KV cache of the decode steps: growing (longpatch.cache.GrowingCache, "
-                                              "no per-token copy) or dynamic (transformers' DynamicCache, which "
-                                              "copies the whole cache every token)"),
-    filler: str = typer.Option("demo", help="prompt text: demo, a .txt or .jsonl file, or longbench:<subsets>"),
+    new_tokens: int = typer.Option(64, "--new-tokens",
+                                   help="greedy tokens per generation (the first comes from the prefill)"),
+    repeats: int = typer.Option(1, "--repeats", help="generations per row (medians over them)"),
+    warmup: int = typer.Option(1, "--warmup", help="untimed short generations per configuration"),
+    cache: str = typer.Option("growing", "--cache",
+                              help="KV cache of the decode steps: growing (longpatch.cache.GrowingCache, "
+                        "no per-token copy) or dynamic (transformers' DynamicCache, which "
+                        "copies the whole cache every token)"),
+    filler: str = typer.Option("demo", "--filler",
+                               help="prompt text: demo, a .txt or .jsonl file, or longbench:<subsets>"),
     tokenizer: Optional[str] = tokenizer_option(),
-    batch_size: int = typer.Option(1, help="copies of each prompt generated together (tokens/s counts them all)"),
-    threads: Optional[int] = typer.Option(None, help="torch.set_num_threads"),
+    batch_size: int = typer.Option(1, "--batch-size",
+                                   help="copies of each prompt generated together (tokens/s counts them all)"),
+    threads: Optional[int] = typer.Option(None, "--threads", help="torch.set_num_threads"),
     out: str = out_option("runs/bench_generate", "results.json, results.csv, generate.png"),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code"),
     plots: bool = typer.Option(True, "--plots/--no-plots"),
