@@ -199,7 +199,7 @@ def test_moba_estimate_op_prefill_decode_and_reference():
 
 def test_moba_estimate_rejects_bad_arguments():
     q, k, v = qkv(32)
-    with pytest.raises(ValueError, match="selection must be one of gate, estimate, antidiagonal; got 'x'"):
+    with pytest.raises(ValueError, match="selection must be one of gate, estimate, antidiagonal, hybrid; got 'x'"):
         moba_attention(q, k, v, chunk_size=8, topk=2, selection="x")
     with pytest.raises(ValueError, match=r"mass must be a number in \(0, 1\]"):
         moba_attention(q, k, v, chunk_size=8, topk=2, selection="estimate", mass=1.5)
@@ -207,7 +207,7 @@ def test_moba_estimate_rejects_bad_arguments():
         moba_attention(q, k, v, chunk_size=8, topk=2, selection="estimate", causal=False)
 
 
-@pytest.mark.parametrize("selection", ["estimate", "antidiagonal"])
+@pytest.mark.parametrize("selection", ["estimate", "antidiagonal", "hybrid"])
 def test_patched_model_generates_with_the_query_aware_selections(selection):
     """Every layer replaced (the model's q/k are strided views): prefill runs the executor, decode
     keeps the prefill's lists; the first generated token's logits equal the prefill's last row."""

@@ -14,6 +14,16 @@ Two scorings of real q·k products give a block-score matrix [b, kv_heads, query
 - ``antidiagonal_scores`` (selection "antidiagonal"), as XAttention: every (query tile, past key
   tile) of ``stride`` rows is scored by its antidiagonal, a softmax per query tile gives each
   query block its own estimated mass per key block. Cost: about n² / (2 stride) products per head.
+- ``hybrid_blocks`` (selection "hybrid"): both at once, because neither alone serves both kinds of
+  text. The antidiagonal scores give every query block what *it* reads (text whose every position
+  copies from far back: source code with repeated blocks, long documents; with the last-queries
+  estimate alone, +33% perplexity on unseen code), the last queries' vertical gives the blocks the
+  prompt's *end* looks for (a needle that only the question reads sharply: the antidiagonal alone,
+  which samples 1/stride of the products, keeps 17% of the needles). Per query block: the forced
+  blocks, then the union of the fewest antidiagonal blocks reaching ``mass`` of its own estimated
+  mass and the fewest vertical blocks reaching ``mass`` of the end's mass visible to it, taken in
+  turn (1st of each, 2nd of each, ...) up to ``max_blocks``. Cost: the antidiagonal's plus m x n
+  products (the last queries only, no spread rows: the antidiagonal already sees the offsets).
 
 ``select_blocks`` turns scores into block lists for the executor (``blocksparse.py``): per KV head
 and query block, the forced blocks (the first block: attention sinks; the ``local_blocks`` blocks
@@ -31,45 +41,56 @@ from ..errors import ConfigError, check_int
 from .base import Between, Param, nonneg_int, positive_int
 from .common import acc_dtype, window_summaries
 
-SCORINGS = ("estimate", "antidiagonal")  # the query-aware selections; a method's `selection` names one
+SCORINGS = ("estimate", "antidiagonal", "hybrid")  # the query-aware selections; a method's `selection` names one
+STRIDED = ("antidiagonal", "hybrid")  # the selections that score antidiagonals of score_stride tiles
 
 
 def estimate_params(unit: str, budget: str) -> dict[str, Param]:
     """The config params of a method's query-aware selections (``unit``: what its blocks are called,
     ``budget``: the param that caps them)."""
     return {
-        "mass": Param(None, (float, type(None)), f"estimate/antidiagonal only: the fewest {unit}s whose estimated "
-                      f"attention mass reaches this share (null: always {budget})",
+        "mass": Param(None, (float, type(None)), f"estimate/antidiagonal/hybrid only: the fewest {unit}s whose "
+                      f"estimated attention mass reaches this share (hybrid: of each of its two estimates; null: "
+                      f"always {budget})",
                       Between(1e-9, 1.0, optional=True), "a number in (0, 1] or null"),
-        "estimate_queries": positive_int(f"estimate only: how many last queries score the {unit}s", 64),
-        "decode_topk": nonneg_int(f"estimate/antidiagonal only: per one-token step, this many more {unit}s "
+        "estimate_queries": positive_int(f"estimate/hybrid only: how many last queries score the {unit}s", 64),
+        "decode_topk": nonneg_int(f"estimate/antidiagonal/hybrid only: per one-token step, this many more {unit}s "
                                   f"beside the prefill's, ranked by the step's own query (Quest's bound from each "
                                   f"{unit}'s key min/max); 0: the prefill's only", 8),
-        "score_stride": positive_int(f"antidiagonal only: the side of the score tiles whose antidiagonals score "
+        "score_stride": positive_int(f"antidiagonal/hybrid only: the side of the score tiles whose antidiagonals score "
                                      f"the {unit}s (divides the {unit} size)", 16),
     }
 
 
 def check_stride_config(method: str, params: dict, block_param: str) -> None:
     """The config-time check that the antidiagonal scoring's tiles fit the method's blocks."""
-    if params["selection"] == "antidiagonal" and params[block_param] % params["score_stride"]:
+    if params["selection"] in STRIDED and params[block_param] % params["score_stride"]:
         raise ConfigError(f"params.score_stride of method '{method}': got {params['score_stride']}; allowed: a "
                           f"divisor of {block_param} ({params[block_param]})")
 
 
-def scoring_of(selection: str, estimate_queries: int, stride: int) -> tuple[str, int]:
-    """The ``scoring`` argument of the functions below for a method's query-aware ``selection``."""
+def scoring_of(selection: str, estimate_queries: int, stride: int) -> tuple:
+    """The ``scoring`` argument of the functions below for a method's query-aware ``selection``:
+    ("estimate", m), ("antidiagonal", stride) or ("hybrid", m, stride)."""
+    if selection == "hybrid":
+        return (selection, estimate_queries, stride)
     return (selection, estimate_queries if selection == "estimate" else stride)
 
 
-def check_estimate_args(op: str, mass, scoring: tuple[str, int], block: int) -> None:
+def check_estimate_args(op: str, mass, scoring: tuple, block: int) -> None:
     """The ops' checks of a query-aware selection's arguments (as strict as the config's)."""
     if mass is not None and not (isinstance(mass, (int, float)) and not isinstance(mass, bool) and 0 < mass <= 1):
         raise ValueError(f"{op}: mass must be a number in (0, 1] or None; got {mass!r}")
-    kind, amount = scoring
-    check_int(f"{op}: " + ("estimate_queries" if kind == "estimate" else "score_stride"), amount, 1)
-    if kind == "antidiagonal" and block % amount:
-        raise ValueError(f"{op}: score_stride must divide the block size {block}; got {amount}")
+    kind = scoring[0]
+    if kind not in SCORINGS:
+        raise ValueError(f"{op}: selection must be one of {', '.join(SCORINGS)}; got {kind!r}")
+    if kind in ("estimate", "hybrid"):
+        check_int(f"{op}: estimate_queries", scoring[1], 1)
+    if kind in STRIDED:
+        stride = scoring[-1]
+        check_int(f"{op}: score_stride", stride, 1)
+        if block % stride:
+            raise ValueError(f"{op}: score_stride must divide the block size {block}; got {stride}")
 
 
 def _mass(q, k, qpos: torch.Tensor, scale: float) -> torch.Tensor:
@@ -91,6 +112,15 @@ def _pooled(p: torch.Tensor, nb: int, block: int) -> torch.Tensor:
     return torch.nn.functional.pad(p, (0, nb * block - n)).view(*p.shape[:-1], nb, block).sum(-1)
 
 
+def last_queries_vertical(q, k, block: int, m: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(vertical, peak) [b, hk, nb] float32 of ``last_queries_estimate`` (its last ``m`` queries only)."""
+    n = q.shape[2]
+    nb = math.ceil(n / block)
+    last = torch.arange(n - min(m, n), n, device=q.device)
+    per_row = _pooled(_mass(q, k, last, scale), nb, block)  # [b, hk, g * m, nb], each row sums to 1
+    return per_row.mean(2).float(), per_row.amax(2).float()
+
+
 def last_queries_estimate(q, k, block: int, m: int, scale: float):
     """(vertical, slash, peak), each [b, hk, nb] float32, from exact attention mass over the scoring
     rows of each KV group (every query head's):
@@ -108,15 +138,14 @@ def last_queries_estimate(q, k, block: int, m: int, scale: float):
     m = min(m, n)
     nb = math.ceil(n / block)
     dev = q.device
-    last = torch.arange(n - m, n, device=dev)
-    per_row = _pooled(_mass(q, k, last, scale), nb, block)  # [b, hk, g * m, nb], each row sums to 1
+    vertical, peak = last_queries_vertical(q, k, block, m, scale)
     spread = torch.unique(torch.linspace(0, n - 1, m, device=dev).round().long())
     pb = _pooled(_mass(q, k, spread, scale), nb, block)  # [b, hk, rows, nb]
     off = (spread // block).repeat(g).view(-1, 1) - torch.arange(nb, device=dev).view(1, -1)
     off = off.clamp(min=0).expand(b, hk, -1, -1)  # a future block (offset < 0) has mass 0
     slash = torch.zeros(b, hk, nb, dtype=pb.dtype, device=dev)
     slash.scatter_add_(2, off.reshape(b, hk, -1), pb.reshape(b, hk, -1))
-    return per_row.mean(2).float(), (slash / (g * len(spread))).float(), per_row.amax(2).float()
+    return vertical, (slash / (g * len(spread))).float(), peak
 
 
 def block_scores(vertical: torch.Tensor, slash: torch.Tensor) -> torch.Tensor:
@@ -201,12 +230,56 @@ def antidiagonal_scores(q, k, block: int, stride: int, scale: float) -> torch.Te
     return out.masked_fill(i.view(1, -1) > i.view(-1, 1), float("-inf"))
 
 
+def hybrid_blocks(q, k, block: int, max_blocks: int, mass: float | None, m: int, stride: int, local_blocks: int,
+                  scale: float, sink_blocks: int = 1) -> torch.Tensor:
+    """Block lists [b, hk, nb, S] (as ``select_blocks``) of selection "hybrid": per query block i,
+    the forced blocks, then in turn the next block of each of two lists until ``max_blocks``:
+
+    - own: ``select_blocks`` on the antidiagonal scores (the fewest past blocks whose estimated mass,
+      with the own block's, reaches ``mass`` of what block i reads; ``max_blocks`` when mass is None);
+    - end: the fewest past blocks whose vertical mass (the last ``m`` queries', the own block's
+      included) reaches ``mass`` of the vertical visible to block i, ranked by (mean + peak) / 2 as the
+      estimate ranks them, so a needle that one final query reads sharply comes first.
+
+    Taking the two lists in turn under the cap keeps the head of each: a needle block (first on the
+    end list) is not pushed out by the tail of a long own list, nor the reverse."""
+    anti = antidiagonal_scores(q, k, block, stride, scale)  # [b, hk, nb, nb], -inf above the diagonal
+    own = select_blocks(anti, max_blocks, mass, local_blocks, sink_blocks)
+    vertical, peak = last_queries_vertical(q, k, block, m, scale)
+    b, hk, nb, _ = anti.shape
+    S = own.shape[-1]
+    if S == 0:
+        return own
+    future = torch.isinf(anti)  # the same causal mask: a key block after the query block
+    vmass = vertical.unsqueeze(-2).expand(b, hk, nb, nb).masked_fill(future, float("-inf"))
+    vrank = ((vertical + peak) / 2).unsqueeze(-2).expand(b, hk, nb, nb).masked_fill(future, float("-inf"))
+    end = select_blocks(vmass, max_blocks, mass, 0, 0, vrank)
+    i = torch.arange(nb, device=q.device).view(-1, 1)
+    j = torch.arange(nb, device=q.device).view(1, -1)
+    forced = ((j < i) & ((j < sink_blocks) | (j >= i - local_blocks))).expand(b, hk, nb, nb)
+    # each block's turn: its place among the unforced blocks of its list (the better of the two
+    # lists'), forced blocks before all
+    turn = torch.full((b, hk, nb, nb + 1), float(2 * S + 2), device=q.device)  # column nb: the -1 pads
+    for lst in (end, own):  # a block on both lists takes its better place
+        free = (lst >= 0) & ~forced.gather(-1, lst.clamp(min=0))
+        place = (torch.cumsum(free, -1) - 1).to(turn.dtype)
+        turn.scatter_reduce_(-1, torch.where(free, lst, nb), place, "amin")
+    turn = turn[..., :nb].masked_fill(forced, -1.0)
+    # ties between the lists' equal places: the higher own score first
+    key = -turn + anti.clamp(min=0).nan_to_num(0.0) * 1e-3
+    top, idx = torch.topk(key, S, dim=-1)
+    return torch.where(top > -(2 * S + 2) + 0.5, idx, torch.full_like(idx, -1))
+
+
 def score_blocks(q, k, block: int, scoring: tuple[str, int], scale: float):
     """(scores, rank) [b, hk, nb, nb] of a causal prefill by ``scoring`` (``scoring_of``): the
     estimated mass per (query block, key block), and the order to pick blocks in (None: by mass).
     The last-queries estimate ranks by vertical (mean + peak) / 2 + slash, so a block that one final
     query reads sharply (a needle) comes early, and counts the budget by mean mass, so the peaks,
-    which sum to far more than 1, do not inflate how many blocks ``mass`` takes."""
+    which sum to far more than 1, do not inflate how many blocks ``mass`` takes. (The hybrid
+    selection is two lists merged, not one score: ``hybrid_blocks``.)"""
+    if scoring[0] not in ("estimate", "antidiagonal"):
+        raise ValueError(f"score_blocks: scoring {scoring[0]!r} has no single score matrix")
     kind, amount = scoring
     if kind == "antidiagonal":
         return antidiagonal_scores(q, k, block, amount, scale), None
@@ -217,6 +290,8 @@ def score_blocks(q, k, block: int, scoring: tuple[str, int], scale: float):
 def estimated_blocks(q, k, block: int, max_blocks: int, mass: float | None, scoring: tuple[str, int],
                      local_blocks: int, scale: float, sink_blocks: int = 1) -> torch.Tensor:
     """The block lists of a causal prefill (q_len == kv_len) by a query-aware ``scoring``."""
+    if scoring[0] == "hybrid":
+        return hybrid_blocks(q, k, block, max_blocks, mass, scoring[1], scoring[2], local_blocks, scale, sink_blocks)
     scores, rank = score_blocks(q, k, block, scoring, scale)
     return select_blocks(scores, max_blocks, mass, local_blocks, sink_blocks, rank)
 
@@ -302,11 +377,16 @@ def decode_blocks(q, k, block: int, max_blocks: int, local_blocks: int, scale: f
 def estimate_cost(b: int, hq: int, n: int, scoring: tuple[str, int]) -> int:
     """Query-key products of a selection's estimate on an n-token prefill, per query head summed:
     the last-queries estimate's last and spread rows, each against its visible keys; the
-    antidiagonal scoring's stride products per (query tile, past key tile)."""
-    kind, amount = scoring
-    if kind == "antidiagonal":
+    antidiagonal scoring's stride products per (query tile, past key tile); the hybrid's
+    antidiagonal products and last rows."""
+    kind, amount = scoring[0], scoring[-1]
+    if kind in STRIDED:
         nt = math.ceil(n / amount)
-        return b * hq * amount * nt * (nt - 1) // 2
+        anti = b * hq * amount * nt * (nt - 1) // 2
+        if kind == "antidiagonal":
+            return anti
+        m = min(scoring[1], n)
+        return anti + b * hq * int((torch.arange(n - m, n) + 1).sum())
     m = min(amount, n)
     spread = torch.unique(torch.linspace(0, n - 1, m).round().long())
     return b * hq * (int((torch.arange(n - m, n) + 1).sum()) + int((spread + 1).sum()))

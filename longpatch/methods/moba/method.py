@@ -99,10 +99,11 @@ MOBA = register_method(_MoBAMethod(
                                   "(sum of their gate scores)"),
         "selection": one_of("'gate': the paper's q·mean(chunk keys) per query; query-aware (group-shared, per "
                             "query chunk): 'estimate', from the last queries' exact attention per chunk, or "
-                            "'antidiagonal', from strided antidiagonals of the score matrix",
+                            "'antidiagonal', from strided antidiagonals of the score matrix, or 'hybrid', both: "
+                            "per query chunk its own antidiagonal chunks and the chunks the last queries read",
                             "gate", SELECTIONS),
         **estimate_params("chunk", "topk"),
-        "local_blocks": nonneg_int("estimate/antidiagonal only: chunks before the own one always attended", 1),
+        "local_blocks": nonneg_int("estimate/antidiagonal/hybrid only: chunks before the own one always attended", 1),
     },
     stateful=True,
     init_state=init_state,

@@ -124,7 +124,8 @@ NSA = register_method(_NSAMethod(
                        _gates_ok, "a list of 3 finite numbers >= 0"),
         "selection": one_of("'compressed': blocks ranked by the compressed branch's attention (the paper's); "
                             "query-aware (needs g_cmp = 0): 'estimate', from the last queries' exact attention, "
-                            "or 'antidiagonal', from strided antidiagonals of the score matrix",
+                            "'antidiagonal', from strided antidiagonals of the score matrix, or 'hybrid', both: "
+                            "per query block its own antidiagonal blocks and the blocks the last queries read",
                             "compressed", SELECTIONS),
         **estimate_params("block", "num_selected"),
     },

@@ -1,0 +1,180 @@
+"""Selection "hybrid" (selection.py: per query block its own antidiagonal blocks and the blocks the
+prompt's last queries read): its block lists against a loop written from the definition on a dense
+attention matrix (small n), causality through both methods' ops, the estimate's cost, and one-line
+errors for a bad selection name or budget."""
+import math
+
+import pytest
+import torch
+from helpers import dense_attention
+from test_blocksparse import NSA_EST, masked_reference, qkv
+
+from longpatch.errors import ConfigError
+from longpatch.methods import get_method
+from longpatch.methods.selection import (
+    antidiagonal_scores,
+    estimate_cost,
+    estimated_blocks,
+    estimated_pairs,
+    hybrid_blocks,
+    score_blocks,
+)
+from longpatch.ops import moba_attention, nsa_attention
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _greedy(order, value, total, mass, forced, cap):
+    """The fewest blocks in ``order`` (forced first) whose value, with what is counted before, reaches
+    mass x total; every forced block; at most cap."""
+    out, got = [], 0.0
+    for j in order:
+        if len(out) == cap:
+            break
+        if j in forced or mass is None or got < mass * total:
+            out.append(j)
+            got += value[j]
+    return out
+
+
+def _hybrid_reference(q, k, block, cap, mass, m, stride, local, scale, sink=1):
+    """{(head, query block): set of past blocks} from the definition: the vertical from the dense
+    causal attention matrix's last m rows (pooled per key block, mean and peak over the group's rows),
+    the own list from the antidiagonal scores (tested against their own definition in
+    test_blocksparse.py), the two lists merged by their places, forced blocks first."""
+    b, hq, n, d = q.shape
+    hk = k.shape[1]
+    g = hq // hk
+    nb = math.ceil(n / block)
+    s = torch.einsum("bhqd,bhkd->bhqk", q, k.repeat_interleave(g, 1)) * scale
+    s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    p = torch.softmax(s, -1)[0, :, n - m:]  # [hq, m, n]
+    pooled = torch.stack([p[..., j * block:(j + 1) * block].sum(-1) for j in range(nb)], -1)  # [hq, m, nb]
+    anti = antidiagonal_scores(q, k, block, stride, scale)[0]
+    out = {}
+    for h in range(hk):
+        rows = pooled[h * g:(h + 1) * g].reshape(-1, nb)
+        mean, peak = rows.mean(0), rows.amax(0)
+        for i in range(1, nb):
+            forced = {j for j in range(i) if j < sink or j >= i - local}
+            a = anti[h, i]
+            own = _greedy(sorted(forced, key=lambda j: -a[j]) + sorted(set(range(i)) - forced, key=lambda j: -a[j]),
+                          a.tolist(), float(a[:i].sum()), mass, forced, cap)
+            vr = (mean + peak) / 2
+            # the end's list: its count starts at the own block's vertical, as the own block's mass does
+            end = _greedy_from(sorted(range(i), key=lambda j: -vr[j]), mean.tolist(), float(mean[i]),
+                               float(mean[:i + 1].sum()), mass, cap)
+            place = {}
+            for lst in (own, end):  # places among the unforced blocks of each list
+                for t, j in enumerate([j for j in lst if j not in forced]):
+                    place[j] = min(place.get(j, t), t)
+            for j in forced:
+                place[j] = -1
+            merged = sorted(place, key=lambda j: (place[j], -a[j]))[:min(cap, nb - 1)]
+            out[(h, i)] = set(merged)
+    return out
+
+
+def _greedy_from(order, value, start, total, mass, cap):
+    """_greedy for a list whose count starts at ``start`` (the own block's share); mass None: cap."""
+    out, got = [], start
+    for j in order:
+        if len(out) == cap or (mass is not None and got >= mass * total):
+            break
+        out.append(j)
+        got += value[j]
+    return out
+
+
+@pytest.mark.parametrize("n,mass,hq,hk", [(96, 0.8, 4, 2), (75, 0.6, 2, 2), (128, None, 4, 1), (128, 0.95, 4, 2)])
+def test_hybrid_blocks_equal_their_definition(n, mass, hq, hk):
+    q, k, _ = qkv(n, hq, hk, seed=n)
+    block, cap, m, stride = 16, 3, 8, 4
+    got = hybrid_blocks(q, k, block, cap, mass, m, stride, 1, 0.25)
+    ref = _hybrid_reference(q, k, block, cap, mass, m, stride, 1, 0.25)
+    nb = math.ceil(n / block)
+    assert got.shape == (1, hk, nb, min(cap, nb - 1))
+    for (h, i), want in ref.items():
+        row = [j for j in got[0, h, i].tolist() if j >= 0]
+        assert len(row) == len(set(row)) and set(row) == want, (h, i, row, want)
+        assert all(j < i for j in row)  # causal: past blocks only
+    assert (got[0, :, 0] == -1).all()  # the first block has no past
+
+
+def test_hybrid_keeps_a_needle_and_what_the_middle_reads():
+    """The end's queries read block 2 (a needle), block 5's queries read block 3: the hybrid gives
+    the last query block block 2 and query block 5 block 3, where each single selection misses one."""
+    n, d, block = 128, 16, 16
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 1, n, d, generator=g, dtype=torch.float64) * 0.1 for _ in range(2))
+    e = torch.eye(d, dtype=torch.float64)
+    k[0, 0, 37], q[0, 0, 124:128] = 4 * e[0], 4 * e[0]  # one needle key; only the last 4 queries read it
+    q[0, 0, 80:96], k[0, 0, 48:64] = 3 * e[1], 3 * e[1]
+    blocks = estimated_blocks(q, k, block, 4, None, ("hybrid", 4, 4), 1, 1.0)  # sink, local, one of each
+    assert 2 in blocks[0, 0, 7].tolist()
+    assert 3 in blocks[0, 0, 5].tolist()
+    # with one free slot, the last queries' estimate gives block 5 the needle's block, not its own read
+    assert estimated_blocks(q, k, block, 3, None, ("estimate", 4), 1, 1.0)[0, 0, 5].tolist() == [0, 4, 2]
+
+
+@pytest.mark.parametrize("method", ["moba", "nsa"])
+def test_hybrid_runs_the_executor_causally_and_decodes(method):
+    """Both methods: output equal to the masked dense reference of the hybrid's blocks (GQA, ragged
+    n), values after a position never reach it, and a one-token step equals the prefill's last row."""
+    n, block = 90, 16
+    q, k, v = qkv(n)
+    if method == "moba":
+        kw = dict(chunk_size=block, topk=3, selection="hybrid", score_stride=4, estimate_queries=8, mass=0.8)
+        run = moba_attention
+    else:
+        kw = {**NSA_EST, "selection": "hybrid", "score_stride": 4, "mass": 0.8}
+        run = nsa_attention
+    state = {}
+    out = run(q, k, v, state=state, **kw)
+    blocks = estimated_blocks(q, k, block, 2 if method == "moba" else 3, 0.8, ("hybrid", 8, 4), 1, 0.25)
+    sel = masked_reference(q, k, v, blocks, block)[0]
+    if method == "moba":
+        torch.testing.assert_close(out, sel, atol=1e-12, rtol=1e-10)
+    else:
+        pos = torch.arange(n)
+        window = (pos.view(1, -1) <= pos.view(-1, 1)) & (pos.view(1, -1) > pos.view(-1, 1) - 24)
+        win = dense_attention(q, k, v, causal=False, mask=window.expand(1, 4, n, n))[0]
+        torch.testing.assert_close(out, 0.75 * sel + 0.25 * win, atol=1e-12, rtol=1e-10)
+    v3 = v.clone()
+    v3[:, :, 50:] += 1.0
+    torch.testing.assert_close(run(q, k, v3, **kw)[:, :, :50], out[:, :, :50], atol=0, rtol=0)
+    step = run(q[:, :, -1:], k, v, state=state, **kw, decode_topk=0)
+    torch.testing.assert_close(step, out[:, :, -1:], atol=1e-12, rtol=1e-10)
+
+
+def test_hybrid_estimate_cost_is_the_antidiagonal_and_the_last_rows():
+    n, m, stride = 100, 8, 4
+    nt = math.ceil(n / stride)
+    anti = 4 * stride * nt * (nt - 1) // 2
+    last = 4 * sum(range(n - m + 1, n + 1))
+    assert estimate_cost(1, 4, n, ("hybrid", m, stride)) == anti + last
+    q, k, _ = qkv(n)
+    blocks = estimated_blocks(q, k, 16, 3, 0.8, ("hybrid", m, stride), 1, 0.25)
+    attended = estimated_pairs(q, k, 16, 3, 0.8, ("hybrid", m, stride), 1, 0.25) - (anti + last)
+    assert 0 < attended <= 4 * n * (n + 1) // 2 and (blocks >= 0).any()
+    with pytest.raises(ValueError, match="no single score matrix"):
+        score_blocks(q, k, 16, ("hybrid", m, stride), 0.25)
+
+
+def test_bad_selection_names_and_budgets_are_one_line_errors():
+    q, k, v = qkv(32)
+    for method, extra in (("moba", {}), ("nsa", {"gates": [0.0, 0.9, 0.1]})):
+        cases = [({"selection": "hybird"}, "params.selection of method"),
+                 ({"selection": "hybrid", "mass": 1.5}, r"params.mass of method .*\(0, 1\]"),
+                 ({"selection": "hybrid", "mass": 0.0}, "params.mass of method"),
+                 ({"selection": "hybrid", "score_stride": 7}, "params.score_stride of method"),
+                 ({"selection": "hybrid", "estimate_queries": 0}, "params.estimate_queries of method")]
+        for given, msg in cases:
+            with pytest.raises(ConfigError, match=msg) as e:
+                get_method(method).resolve_params({**extra, **given})
+            assert "\n" not in str(e.value)
+        assert get_method(method).resolve_params({**extra, "selection": "hybrid", "mass": 0.9})["selection"] == "hybrid"
+    with pytest.raises(ValueError, match="estimate_queries"):
+        moba_attention(q, k, v, chunk_size=8, topk=2, selection="hybrid", estimate_queries=0)
+    with pytest.raises(ValueError, match="score_stride must divide the block size 8; got 3"):
+        moba_attention(q, k, v, chunk_size=8, topk=2, selection="hybrid", score_stride=3)
