@@ -15,7 +15,7 @@ from .methods import available_methods, get_method
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "triton", "flex")
 CONFIG_FILE = "longpatch.yaml"  # written beside a saved model by `longpatch apply --save`
 
 
@@ -28,7 +28,8 @@ class PatchConfig:
 
     layers: an int N (the last N layers; 0 = none), a list of 0-based layer indices, or "all".
     min_seq_len: prefill calls shorter than this use exact attention in patched layers.
-    backend: auto, torch or triton. family: force a model family (default: detected from the model).
+    backend: auto, torch, triton or flex (FlexAttention: the block-sparse methods). family: force a model
+    family (default: detected from the model).
     How the model is loaded (model, dtype, ...) is a LoadSpec; a YAML config file may hold both halves
     (read_config splits them).
     """
@@ -48,6 +49,11 @@ class PatchConfig:
         if self.min_seq_len < 0:
             raise ConfigError(f"min_seq_len: got {self.min_seq_len}; allowed: an int >= 0")
         _check_choice("backend", self.backend, BACKENDS)
+        if self.backend == "flex":
+            from .methods.flex import flex_refusal
+            why = flex_refusal(self.method, self.params)
+            if why:
+                raise ConfigError(f"backend: got 'flex', but {why}; allowed: auto, torch, triton")
         if self.family is not None:
             from .families import available_families  # lazy: the families import transformers
             _check_type("family", self.family, str, "a family name (see `longpatch list`)")

@@ -49,10 +49,17 @@ def _gather(x: torch.Tensor, idx: torch.Tensor, buf: torch.Tensor | None) -> tor
     return torch.index_select(x, 0, idx, out=buf[:len(idx) * x.shape[1]].view(len(idx), x.shape[1]))
 
 
-def block_sparse_prefill(q, k, v, blocks: torch.Tensor, block: int, scale: float, backend: str = "torch"):
+def block_sparse_prefill(q, k, v, blocks: torch.Tensor, block: int, scale: float, backend: str = "torch",
+                         need_lse: bool = True):
     """(out [b, hq, n, d], lse [b, hq, n] float32/float64) of causal prefill (q_len == kv_len = n).
-    backend "triton": the executor's Triton kernel (``kernels/blocksparse.py``, its twin), else the
-    torch path below."""
+    backend "triton": the executor's Triton kernel (``kernels/blocksparse.py``, its twin); "flex":
+    FlexAttention (``flex.py``; lse None without ``need_lse``), where it runs, else what 'auto'
+    runs without it; else the torch path below."""
+    if backend == "flex":
+        from .flex import fallback_backend, flex_block_sparse, supports
+        if supports(q, k, v, block, need_lse):
+            return flex_block_sparse(q, k, v, blocks, block, scale, need_lse)
+        backend = fallback_backend(q)
     if backend == "triton":
         from ..kernels.blocksparse import block_sparse_attention  # lazily: triton is optional
         return block_sparse_attention(q, k, v, blocks, block, scale)

@@ -11,7 +11,7 @@ import torch
 
 from ..errors import ConfigError, check_int
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "triton", "flex")
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -392,11 +392,21 @@ def run_units(fn, units) -> None:
             job.result()
 
 
-def resolve_backend(backend: str, *tensors: torch.Tensor) -> str:
-    """'auto' -> 'triton' on CUDA tensors, 'torch' otherwise; 'triton' on CPU needs the interpreter."""
+def resolve_backend(backend: str, *tensors: torch.Tensor, flex: bool = False) -> str:
+    """'auto' -> 'flex' on CUDA tensors for an op (or selection) with a FlexAttention path (``flex``:
+    ``methods/flex.py``), else 'triton' on CUDA, 'torch' otherwise; 'triton' on CPU needs the
+    interpreter. 'flex' where the op has no flex path runs what 'auto' runs without it (an exact
+    call inside a route configured for flex)."""
     if backend not in BACKENDS:
         raise ConfigError(f"backend: got {backend!r}; allowed: {', '.join(BACKENDS)}")
     on_cuda = all(t.is_cuda for t in tensors)
+    if backend == "flex" or (backend == "auto" and flex and on_cuda):
+        from .flex import flex_available
+        if flex and flex_available():
+            return "flex"
+        if backend == "flex" and flex:
+            raise RuntimeError(f"backend='flex' needs torch >= 2.11 (FlexAttention); this is torch {torch.__version__}")
+        backend = "auto"
     if backend == "auto":
         return "triton" if on_cuda and triton_available() else "torch"
     if backend == "triton":

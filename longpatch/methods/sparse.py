@@ -438,8 +438,11 @@ def sparse_attention(q, k, v, *, causal: bool = True, scale: float | None = None
     pat = SparsePattern(window=window, global_tokens=global_tokens, dilation=dilation, random_blocks=random_blocks,
                         block=block, seed=0 if seed is None else seed, causal=bool(causal))
     scale = default_scale(scale, q.shape[-1])
-    backend = resolve_backend(backend, q, k, v)
+    backend = resolve_backend(backend, q, k, v, flex=True)
     b, hq, nq, d = q.shape
+    if backend == "flex" and not _flex_runs(q, k, v, pat, return_lse):
+        from .flex import fallback_backend
+        backend = fallback_backend(q)
     if nq == 0 or k.shape[2] == 0:
         out = q.new_zeros(q.shape)
         lse = torch.full((b, hq, nq), float("-inf"), dtype=acc_dtype(q.dtype), device=q.device)
@@ -449,10 +452,21 @@ def sparse_attention(q, k, v, *, causal: bool = True, scale: float | None = None
         out, lse = _decode_one(q, k, v, pat, scale)
     elif backend == "triton":
         out, lse = _triton_path(q, k, v, pat, scale)
+    elif backend == "flex":
+        from .flex import flex_band
+        out, lse = flex_band(q, k, v, pat.window, pat.global_tokens, scale, return_lse)
     else:
         out, lse = _torch_sparse(q, k, v, pat, scale)
     out = out.to(q.dtype)
     return (out, lse.to(acc_dtype(q.dtype))) if return_lse else out
+
+
+def _flex_runs(q, k, v, pat: SparsePattern, return_lse: bool) -> bool:
+    """Whether FlexAttention runs this call: a causal prefill of the plain window and global keys (a
+    dilated window or random blocks run on the other paths), where ``flex.supports`` it."""
+    from .flex import supports
+    plain = pat.causal and pat.dilation == 1 and pat.random_blocks == 0
+    return plain and 1 < q.shape[2] == k.shape[2] and supports(q, k, v, 128, return_lse)
 
 
 def _run(q, k, v, *, causal=True, scale=None, backend="auto", buffers=None, window=DEFAULT_WINDOW,

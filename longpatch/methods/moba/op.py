@@ -133,7 +133,7 @@ def _estimated(q, k, v, causal, scale, C, topk, mass, scoring, local_blocks, kep
         out, lse = block_sparse_decode(q, k, v, kept, C, local_blocks, scale)
     else:
         blocks = prefill_blocks(state, q, k, C, topk - 1, mass, scoring, local_blocks, scale)
-        out, lse = block_sparse_prefill(q, k, v, blocks, C, scale, backend)
+        out, lse = block_sparse_prefill(q, k, v, blocks, C, scale, backend, need_lse=return_lse)
     return (out, lse.float()) if return_lse else out
 
 
@@ -171,7 +171,7 @@ def moba_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
     check_int("moba_attention: chunk_size", chunk_size, 1)
     check_int("moba_attention: topk", topk, 1)
     scale = default_scale(scale, q.shape[-1])
-    backend = resolve_backend(backend, q, k, v)
+    backend = resolve_backend(backend, q, k, v, flex=selection in SCORINGS)  # flex runs block selections
     if selection not in SELECTIONS:
         raise ValueError(f"moba_attention: selection must be one of {', '.join(SELECTIONS)}; got {selection!r}")
     if selection != "gate":

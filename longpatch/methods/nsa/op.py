@@ -56,9 +56,13 @@ def _estimated(q, k, v, scale, sb, num_selected, window, init_blocks, local_bloc
         o_w, l_w = o_w.reshape(b, hq, 1, d), l_w.reshape(b, hq, 1)
     else:
         blocks = prefill_blocks(state, q, k, sb, num_selected - 1, mass, scoring, past, scale, init_blocks)
-        o_s, l_s = block_sparse_prefill(q, k, v, blocks, sb, scale, backend)
-        parts = [band_attention(q[bi], k[bi], v[bi], 0, window - 1, 0, 0, scale) for bi in range(b)]
-        o_w, l_w = torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
+        o_s, l_s = block_sparse_prefill(q, k, v, blocks, sb, scale, backend, need_lse=return_lse)
+        from ..flex import flex_band, supports
+        if backend == "flex" and supports(q, k, v, 128, return_lse):  # the window as a band, on flex too
+            o_w, l_w = flex_band(q, k, v, window, 0, scale, return_lse)
+        else:
+            parts = [band_attention(q[bi], k[bi], v[bi], 0, window - 1, 0, 0, scale) for bi in range(b)]
+            o_w, l_w = torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
     out = (gates[1] * o_s.to(acc) + gates[2] * o_w.to(acc)).to(q.dtype)
     if not return_lse:
         return out
@@ -132,7 +136,7 @@ def nsa_attention(q, k, v, *, causal: bool = True, scale: float | None = None, c
     check_params(compress_block, compress_stride, select_block, num_selected, window, init_blocks, local_blocks)
     gates = _check_gates(gates, q)
     scale = default_scale(scale, q.shape[-1])
-    backend = resolve_backend(backend, q, k, v)
+    backend = resolve_backend(backend, q, k, v, flex=selection in SCORINGS)  # flex runs block selections
     if selection not in SELECTIONS:
         raise ValueError(f"nsa_attention: selection must be one of {', '.join(SELECTIONS)}; got {selection!r}")
     if selection != "compressed":

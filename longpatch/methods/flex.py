@@ -1,0 +1,278 @@
+"""The FlexAttention executor: the block-sparse methods' selections run on torch's own block-sparse
+attention (``torch.nn.attention.flex_attention``), compiled, the GPU path of ``backend="flex"``.
+
+Why here and not in ``kernels/``: nothing in this module is a hand-written kernel. It turns the
+selections the methods already make into a ``BlockMask`` and lets torch's compiler generate the
+kernel (Triton on CUDA, C++ on the CPU), so it is an executor beside ``blocksparse.py`` and takes
+the same inputs: a block-sparse selection ``blocks`` [b, kv_heads, n_blocks, S] (per KV head and
+query block, the listed past blocks, -1 pads; ``blocksparse.py`` defines it) or a band (sparse's
+window and global keys, NSA's window).
+
+How a selection becomes a BlockMask (``BlockMask.from_kv_blocks``, built on the device, no host
+round-trip): a query block's listed past blocks are *full* blocks (every key visible: no mask is
+evaluated there, the kernel's fastest form) and its own block is a *partial* block whose
+``mask_mod`` is the causal rule. A band classifies every (query block, key block) pair analytically
+as full, partial (the band's edge, the global prefix's edge: evaluated with the band's ``mask_mod``)
+or empty. GQA: the g query heads of a KV group share its selection, so q is viewed as
+[b * kv_heads, g, n, d] against k/v [b * kv_heads, 1, n, d] with ``enable_gqa=True``: the mask has
+one row per KV head, not per query head, and nothing is copied or repeated.
+
+Compilation: FlexAttention is only fast (on the CPU: only correct; eager flex_attention on such a
+mask was off by 0.49 on torch 2.13) when compiled. The mask construction and the call are one
+function compiled once per process with ``fullgraph=True`` and ``dynamic=True``: the sequence
+length is symbolic, so a new prompt length does not recompile (the block size, head counts and
+the band's window are specialised: one compile per configuration). ``warm_up`` pays the compile
+ahead of the timed calls and returns how long it took, so that a benchmark reports it instead of
+hiding it in a user's first call.
+
+Versions: ``flex_attention(..., enable_gqa=, return_lse=)`` and ``BlockMask.from_kv_blocks(...,
+seq_lengths=, compute_q_blocks=)`` as in torch 2.11 (GPU, measured) and 2.13 (CPU, tested here);
+``flex_available`` asks for >= 2.11. On the CPU (torch 2.13) the compiled kernel supports inference
+only and no LSE ("torch.compile on CPU only supports inference and `return_lse` is not supported
+yet"), and it needs the key-index tables as wide as the number of key blocks; on CUDA they are as
+narrow as the selection (``compute_q_blocks=False``: forward only, the transposed tables that only
+the backward reads are not built). Callers fall back to their other paths where flex cannot run
+(``supports``).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import time
+
+import torch
+
+MIN_TORCH = (2, 11)
+
+
+def flex_available() -> bool:
+    """Whether this torch has the FlexAttention APIs this executor uses (torch >= 2.11)."""
+    try:
+        from torch.nn.attention.flex_attention import BlockMask, flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    return (major, minor) >= MIN_TORCH
+
+
+def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int, need_lse: bool = False) -> bool:
+    """Whether a call on these tensors can run here: CUDA (forward, backward, LSE), or the CPU
+    without gradients and without an LSE (torch's CPU template). Block sizes are multiples of 16
+    (the tiles of the GPU kernel); float64 is not a flex dtype on the GPU."""
+    if not flex_available() or block % 16 or q.dtype == torch.float64:
+        return False
+    if q.is_cuda:
+        return True
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    return q.device.type == "cpu" and not grad and not need_lse
+
+
+def fallback_backend(q: torch.Tensor) -> str:
+    """What a call that flex cannot run (``supports``) runs instead: what 'auto' runs without flex."""
+    from .common import triton_available
+    return "triton" if q.is_cuda and triton_available() else "torch"
+
+
+# The methods (and selections) whose attention is a block selection or a band: what flex expresses.
+FLEX_SELECTIONS = {"moba": ("estimate", "antidiagonal"), "nsa": ("estimate", "antidiagonal"), "sparse": None}
+
+
+def flex_refusal(method: str, params: dict) -> str | None:
+    """Why ``backend: flex`` does not fit this method and params (one phrase), or None when it does."""
+    if method not in FLEX_SELECTIONS:
+        return (f"method '{method}' has no FlexAttention path (flex runs: moba and nsa with selection estimate or "
+                "antidiagonal, sparse)")
+    allowed = FLEX_SELECTIONS[method]
+    if allowed is not None and params.get("selection") not in allowed:
+        return (f"{method}'s selection {params.get('selection')!r} picks keys per query row, which flex does not run "
+                f"(flex runs selection {' or '.join(allowed)})")
+    return None
+
+
+def _kernel_options(block: int, device: torch.device) -> dict | None:
+    """The GPU kernel's tiles must divide the mask's blocks: its default query tile is 128 rows, so a
+    smaller block (NSA's 64) asks for tiles of its size (at most 64)."""
+    if device.type != "cuda" or block >= 128:
+        return None
+    tile = min(64, block & -block)  # the largest power of two dividing block, capped at 64
+    return {"BLOCK_M": tile, "BLOCK_N": tile}
+
+
+# --------------------------------------------------------------------------- masks
+
+def _causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def _own_and_listed(blocks: torch.Tensor, nb: int, wide: bool):
+    """(partial counts, partial indices, full counts, full indices), int32, of a selection
+    [B, 1, nb, S]: the own block as the one partial block, the listed ones as full blocks (listed
+    first: sorted descending, the -1 pads last and read as block 0, past the count)."""
+    B = blocks.shape[0]
+    lst = blocks.sort(-1, descending=True).values
+    full_num = (lst >= 0).sum(-1).to(torch.int32)
+    full_idx = lst.clamp(min=0).to(torch.int32)
+    if full_idx.shape[-1] == 0:  # no past block listed anywhere: one empty slot (count 0)
+        full_idx = full_idx.new_zeros(B, 1, nb, 1)
+    own = torch.arange(nb, device=blocks.device, dtype=torch.int32).view(1, 1, nb, 1).expand(B, 1, nb, 1)
+    part_num = torch.ones(B, 1, nb, dtype=torch.int32, device=blocks.device)
+    if wide:  # the CPU template reads the tables as nb wide (the entries past a count are ignored)
+        own = torch.nn.functional.pad(own, (0, nb - 1))
+        full_idx = torch.nn.functional.pad(full_idx, (0, max(0, nb - full_idx.shape[-1])))[..., :nb]
+    return part_num, own.contiguous(), full_num, full_idx.contiguous()
+
+
+def _band_tables(nq: int, nk: int, block: int, window: int, glob: int, device, wide: bool):
+    """The tables of a causal band (dilation 1): query row r sits at position p = r + nk - nq and
+    sees key c when c <= p and (c < glob or c > p - window). A (query block, key block) pair is
+    full when every row sees every key of it, partial when some row sees some key; the lists hold
+    the full (and the partial) blocks first, in block order. Sizes nqb x nkb: one entry per block
+    pair, shared by every head (the band does not depend on the data)."""
+    off = nk - nq
+    nqb, nkb = -(-nq // block), -(-nk // block)
+    i = torch.arange(nqb, device=device).view(-1, 1)
+    j = torch.arange(nkb, device=device).view(1, -1)
+    plo, phi = off + i * block, off + torch.clamp((i + 1) * block, max=nq) - 1  # positions of the block's rows
+    clo, chi = j * block, torch.clamp((j + 1) * block, max=nk) - 1  # keys of the key block
+    full = (chi <= plo) & ((chi < glob) | (clo > phi - window))
+    some = (clo <= phi) & ((clo < glob) | (chi > plo - window))
+    part = some & ~full
+
+    def lists(sel):  # the selected key blocks of each row first, in block order
+        key = torch.where(sel, j, j + nkb)
+        idx = key.sort(-1).values
+        num = sel.sum(-1).to(torch.int32)
+        idx = torch.where(idx >= nkb, idx - nkb, idx).to(torch.int32)
+        if not wide:  # as wide as the most blocks a row can list
+            width = min(nkb, -(-window // block) + -(-glob // block) + 2)
+            idx = idx[..., :width]
+        return num.view(1, 1, nqb), idx.reshape(1, 1, nqb, -1).contiguous()
+
+    return (*lists(part), *lists(full))
+
+
+def _band_mod(window: int, glob: int):
+    def mod(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & ((kv_idx < glob) | (kv_idx > q_idx - window))
+    return mod
+
+
+# --------------------------------------------------------------------------- the calls (compiled)
+
+def _grad(q, k, v) -> bool:
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+
+
+def _block_sparse_call(q, k, v, blocks, *, block: int, scale: float, need_lse: bool):
+    """q [b, hq, n, d], k/v [b, hk, n, d], blocks [b, hk, nb, S]: (out, lse or None)."""
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    b, hq, n, d = q.shape
+    hk = k.shape[1]
+    g = hq // hk
+    nb = blocks.shape[2]
+    grad = _grad(q, k, v)  # the backward reads the transposed tables, built from full-width ones
+    tables = _own_and_listed(blocks.reshape(b * hk, 1, nb, -1), nb, wide=not q.is_cuda or grad)
+    mask = BlockMask.from_kv_blocks(*tables, BLOCK_SIZE=block, mask_mod=_causal, seq_lengths=(n, n),
+                                    compute_q_blocks=grad)
+    # a KV group's g query heads as the heads of one batch row: the mask's rows are per KV head
+    res = flex_attention(q.reshape(b * hk, g, n, d), k.reshape(b * hk, 1, n, d), v.reshape(b * hk, 1, n, d),
+                         block_mask=mask, scale=scale, enable_gqa=True, return_lse=need_lse,
+                         kernel_options=_kernel_options(block, q.device))
+    out, lse = res if need_lse else (res, None)
+    return out.reshape(b, hq, n, d), None if lse is None else lse.reshape(b, hq, n)
+
+
+def _band_call(q, k, v, *, block: int, window: int, glob: int, scale: float, need_lse: bool):
+    """q [b, hq, n, d], k/v [b, hk, n, d]: (out, lse or None) of the causal band (``_band_tables``),
+    prefill (q_len == kv_len: the mask's positions are the rows' indices)."""
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    n = q.shape[2]
+    grad = _grad(q, k, v)
+    tables = _band_tables(n, n, block, window, glob, q.device, wide=not q.is_cuda or grad)
+    mask = BlockMask.from_kv_blocks(*tables, BLOCK_SIZE=block, mask_mod=_band_mod(window, glob),
+                                    seq_lengths=(n, n), compute_q_blocks=grad)
+    res = flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=True, return_lse=need_lse,
+                         kernel_options=_kernel_options(block, q.device))
+    return res if need_lse else (res, None)
+
+
+_CALLS = {"block_sparse": _block_sparse_call, "band": _band_call}
+_COMPILED: dict[tuple, object] = {}
+
+
+def compiled(name: str, **consts):
+    """The compiled form of ``_block_sparse_call`` ("block_sparse") or ``_band_call`` ("band") for
+    these constants (block size, window, scale, ...): made once per process and configuration,
+    fullgraph (no graph break: no host round-trip between the selection's tensors and the kernel),
+    with dynamic tensor shapes (a new sequence length does not recompile)."""
+    key = (name, *sorted(consts.items()))
+    fn = _COMPILED.get(key)
+    if fn is None:
+        fn = _COMPILED[key] = torch.compile(functools.partial(_CALLS[name], **consts), fullgraph=True, dynamic=True)
+    return fn
+
+
+def _cast(out, lse, q):
+    return out.to(q.dtype), None if lse is None else lse.float()
+
+
+def flex_block_sparse(q, k, v, blocks: torch.Tensor, block: int, scale: float, need_lse: bool = True):
+    """``blocksparse.block_sparse_prefill`` on FlexAttention: (out [b, hq, n, d], lse [b, hq, n]
+    float32, or None on the CPU, whose template gives none). Causal prefill, q_len == kv_len."""
+    fn = compiled("block_sparse", block=block, scale=float(scale), need_lse=need_lse and q.is_cuda)
+    with _cpu_no_grad(q):
+        return _cast(*fn(q, k, v, blocks), q)
+
+
+def flex_band(q, k, v, window: int, global_tokens: int, scale: float, need_lse: bool = True, block: int = 128):
+    """Causal band attention on FlexAttention, prefill (q_len == kv_len): the query at position p
+    sees keys c <= p with c < global_tokens or c > p - window. (out, lse float32 or None on the CPU)."""
+    fn = compiled("band", block=block, window=window, glob=global_tokens, scale=float(scale),
+                  need_lse=need_lse and q.is_cuda)
+    with _cpu_no_grad(q):
+        return _cast(*fn(q, k, v), q)
+
+
+def _cpu_no_grad(q):
+    """The CPU template runs inference only (``supports`` refuses a CPU call that needs gradients)."""
+    return contextlib.nullcontext() if q.is_cuda else torch.no_grad()
+
+
+# --------------------------------------------------------------------------- warm-up
+
+def warm_up(device="cuda", dtype=torch.bfloat16, heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
+            blocks=(64, 128, 256), bands=((512, 0), (1024, 64)), lengths=(1000, 2100), need_lse: bool = False) -> dict:
+    """Compile the flex calls ahead of the timed ones: the block-sparse call for each block size and
+    the band for each (window, global_tokens) of ``bands``, each at two lengths (a dynamic-shape
+    function may specialise its first call and compile the general form on the second). The
+    constants must be the calls' own (head_dim's scale, need_lse: a route asks for no LSE).
+    Returns {"compile_s": seconds in all, "calls": [[what, seconds], ...]}: what a benchmark
+    reports as the compile cost instead of hiding it in its first timed call."""
+    dev = torch.device(device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    scale = head_dim ** -0.5
+    t_all = time.perf_counter()
+    calls = []
+
+    def timed(what, fn, *args):
+        t0 = time.perf_counter()
+        fn(*args)
+        sync()
+        calls.append([what, round(time.perf_counter() - t0, 3)])
+
+    for n in lengths:
+        q = torch.randn(1, heads, n, head_dim, device=dev, dtype=dtype)
+        k, v = (torch.randn(1, kv_heads, n, head_dim, device=dev, dtype=dtype) for _ in range(2))
+        for block in blocks:
+            if supports(q, k, v, block, need_lse):
+                nb = math.ceil(n / block)
+                sel = torch.arange(nb, device=dev).view(-1, 1) - 1 - torch.arange(2, device=dev)  # two past blocks
+                sel = sel.masked_fill(sel < 0, -1).expand(1, kv_heads, nb, 2).contiguous()
+                timed(f"block_sparse block={block} n={n}", flex_block_sparse, q, k, v, sel, block, scale, need_lse)
+        for window, glob in bands:
+            if supports(q, k, v, 128, need_lse):
+                timed(f"band window={window} global={glob} n={n}", flex_band, q, k, v, window, glob, scale, need_lse)
+    return {"compile_s": round(time.perf_counter() - t_all, 3), "calls": calls}

@@ -1,0 +1,197 @@
+"""The FlexAttention executor (longpatch/methods/flex.py) on the CPU: its mask tables against the
+executor's definition (no compile), and the compiled path against the torch executor's output.
+
+Compiles take 10-60 s each on a 2-core CPU, one per configuration (block size, scale, window):
+the default run compiles two (moba's and nsa's block-sparse call share one; nsa's window is the
+other); the others are marked slow."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from longpatch.config import PatchConfig
+from longpatch.errors import ConfigError
+from longpatch.methods import flex
+from longpatch.methods.blocksparse import block_mask_reference, block_sparse_prefill
+from longpatch.methods.common import resolve_backend
+from longpatch.ops import moba_attention, nsa_attention, sparse_attention
+
+needs_flex = pytest.mark.skipif(not flex.flex_available(), reason="torch without FlexAttention (needs >= 2.11)")
+
+D = 32  # one head size (one scale) in every compiled test: a compile per configuration
+
+
+def qkv(n, hq=4, hk=2, d=D, b=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(b, h, n, d, generator=g) for h in (hq, hk, hk))
+
+
+def random_blocks(b, hk, n, block, S, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    nb = -(-n // block)
+    out = torch.full((b, hk, nb, S), -1, dtype=torch.long)
+    for bi in range(b):
+        for h in range(hk):
+            for i in range(1, nb):
+                pick = torch.randperm(i, generator=g)[:S]
+                out[bi, h, i, :len(pick)] = pick
+    return out
+
+
+def dense_of(tables, mask_mod, n, block):
+    """Bool [B, H, n, n] of a BlockMask's tables (partial counts/indices, full counts/indices), the
+    partial blocks cut by mask_mod: what FlexAttention attends."""
+    pn, pi, fn, fi = tables
+    B, H, nb = pn.shape
+    pos = torch.arange(nb * block)
+    out = torch.zeros(B, H, nb * block, nb * block, dtype=torch.bool)
+    for bi in range(B):
+        for h in range(H):
+            for i in range(nb):
+                rows = slice(i * block, (i + 1) * block)
+                for j in fi[bi, h, i, :fn[bi, h, i]].tolist():
+                    out[bi, h, rows, j * block:(j + 1) * block] = True
+                for j in pi[bi, h, i, :pn[bi, h, i]].tolist():
+                    cols = slice(j * block, (j + 1) * block)
+                    out[bi, h, rows, cols] |= mask_mod(0, 0, pos[rows, None], pos[None, cols])
+    return out[:, :, :n, :n]
+
+
+@pytest.mark.parametrize("n,block,S", [(333, 64, 3), (256, 64, 0), (100, 16, 5)])
+@pytest.mark.parametrize("wide", [True, False])
+def test_block_tables_are_the_executors_definition(n, block, S, wide):
+    blocks = random_blocks(2, 2, n, block, S)
+    nb = blocks.shape[2]
+    tables = flex._own_and_listed(blocks.reshape(4, 1, nb, -1), nb, wide)
+    if wide:
+        assert tables[1].shape[-1] == nb and tables[3].shape[-1] == nb  # the CPU template reads them as nb wide
+    got = dense_of(tables, flex._causal, n, block).view(2, 2, n, n)
+    assert torch.equal(got, block_mask_reference(blocks, n, block))
+
+
+@pytest.mark.parametrize("n,block,window,glob", [(333, 64, 100, 16), (500, 128, 1024, 64), (130, 16, 7, 0),
+                                                 (257, 32, 64, 33)])
+@pytest.mark.parametrize("wide", [True, False])
+def test_band_tables_are_the_band(n, block, window, glob, wide):
+    tables = flex._band_tables(n, n, block, window, glob, "cpu", wide)
+    got = dense_of(tables, flex._band_mod(window, glob), n, block)[0, 0]
+    p, c = torch.arange(n).view(-1, 1), torch.arange(n).view(1, -1)
+    assert torch.equal(got, (c <= p) & ((c < glob) | (c > p - window)))
+    full = tables[2]
+    assert int(full.max()) > 0 or window < 2 * block  # the band's inside runs maskless
+
+
+def test_bad_backend_is_one_line():
+    for cfg, words in ((dict(method="moba", backend="flax"), "allowed: auto, torch, triton, flex"),
+                       (dict(method="hyper", backend="flex"), "method 'hyper' has no FlexAttention path"),
+                       (dict(method="moba", backend="flex"), "selection 'gate'"),
+                       (dict(method="nsa", backend="flex"), "selection 'compressed'")):
+        with pytest.raises(ConfigError) as e:
+            PatchConfig(**cfg)
+        assert words in str(e.value) and "\n" not in str(e.value)
+    PatchConfig(method="moba", backend="flex", params={"selection": "estimate"})
+    PatchConfig(method="sparse", backend="flex")
+    with pytest.raises(ConfigError, match="backend: got 'flax'"):
+        resolve_backend("flax", torch.zeros(1))
+
+
+def test_auto_picks_flex_on_cuda_for_block_selections():
+    cuda = SimpleNamespace(is_cuda=True)
+    assert resolve_backend("auto", cuda, flex=True) == "flex"
+    assert resolve_backend("auto", cuda, flex=False) in ("triton", "torch")  # hyper, moba's gate: as before
+    assert resolve_backend("auto", torch.zeros(1), flex=True) == "torch"  # the CPU keeps its own paths
+    assert resolve_backend("flex", torch.zeros(1), flex=True) == "flex"  # asked for: compiled on the CPU too
+    assert resolve_backend("flex", torch.zeros(1), flex=False) == "torch"  # an exact call inside a flex route
+
+
+def test_cpu_calls_flex_cannot_run_take_the_torch_path():
+    """On the CPU the compiled template has no LSE and no backward: such calls run the torch path."""
+    q, k, v = qkv(200)
+    kw = dict(selection="estimate", chunk_size=64, topk=3)
+    o1, l1 = moba_attention(q, k, v, backend="flex", return_lse=True, **kw)  # no compile: torch path
+    o2, l2 = moba_attention(q, k, v, backend="torch", return_lse=True, **kw)
+    assert torch.equal(o1, o2) and torch.equal(l1, l2)
+    assert not flex.supports(q.requires_grad_(), k, v, 64)
+    assert not flex.supports(q.detach().double(), k.double(), v.double(), 64)
+    assert not flex.supports(q.detach(), k, v, 24)  # the GPU kernel's tiles: multiples of 16
+
+
+# --------------------------------------------------------------------------- compiled
+
+@needs_flex
+def test_flex_block_sparse_equals_the_executor_ragged_gqa_causal():
+    """One compile (block 64, d 32): several ragged lengths and a batch of 2 with 4 query heads over
+    2 KV heads run on it (dynamic shapes), equal to the torch executor; perturbing the keys and
+    values after a position leaves every row before it unchanged."""
+    scale = D ** -0.5
+    with torch.no_grad():
+        for n, S in ((333, 3), (200, 2)):
+            q, k, v = qkv(n)
+            blocks = random_blocks(2, 2, n, 64, S, seed=n)
+            out, lse = flex.flex_block_sparse(q, k, v, blocks, 64, scale, need_lse=False)
+            ref, _ = block_sparse_prefill(q, k, v, blocks, 64, scale)
+            assert lse is None and out.shape == q.shape
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=2e-6)
+        t = 150
+        k2, v2 = k.clone(), v.clone()
+        k2[:, :, t + 1:] += 3 * torch.randn_like(k2[:, :, t + 1:])
+        v2[:, :, t + 1:] += 3 * torch.randn_like(v2[:, :, t + 1:])
+        out2, _ = flex.flex_block_sparse(q, k2, v2, blocks, 64, scale, need_lse=False)
+    torch.testing.assert_close(out2[:, :, :t + 1], out[:, :, :t + 1], rtol=0, atol=1e-6)
+    assert (out2[:, :, t + 1:] - out[:, :, t + 1:]).abs().max() > 0.1
+
+
+@needs_flex
+def test_moba_and_nsa_on_flex_equal_their_torch_paths():
+    """The ops with backend="flex" (their selection, then the flex executor; NSA's window as a flex
+    band) against backend="torch", fp32."""
+    q, k, v = qkv(333)
+    kw = dict(selection="estimate", chunk_size=64, topk=4, mass=0.9)
+    torch.testing.assert_close(moba_attention(q, k, v, backend="flex", **kw),
+                               moba_attention(q, k, v, backend="torch", **kw), rtol=1e-5, atol=2e-6)
+    kw = dict(selection="estimate", select_block=64, num_selected=4, window=96, gates=(0.0, 0.75, 0.25))
+    torch.testing.assert_close(nsa_attention(q, k, v, backend="flex", **kw),
+                               nsa_attention(q, k, v, backend="torch", **kw), rtol=1e-5, atol=2e-6)
+
+
+@needs_flex
+@pytest.mark.slow
+def test_sparse_on_flex_equals_its_torch_path():
+    q, k, v = qkv(333)
+    for n in (333, 150):
+        a, b, c = q[:, :, :n], k[:, :, :n], v[:, :, :n]
+        torch.testing.assert_close(sparse_attention(a, b, c, window=100, global_tokens=16, backend="flex"),
+                                   sparse_attention(a, b, c, window=100, global_tokens=16, backend="torch"),
+                                   rtol=1e-5, atol=2e-6)
+    # random blocks and dilated windows are not a band: the torch path runs them
+    kw = dict(window=64, global_tokens=16, random_blocks=2, block=32)
+    assert torch.equal(sparse_attention(q, k, v, backend="flex", **kw), sparse_attention(q, k, v, backend="torch", **kw))
+
+
+@needs_flex
+@pytest.mark.slow
+def test_flex_calls_compile_fullgraph_once_for_every_length():
+    """The selection-to-BlockMask conversion and the call are one fullgraph compile (no graph break,
+    no host round-trip); new lengths after the first two calls compile nothing new."""
+    from torch._dynamo.utils import counters
+
+    scale = D ** -0.5
+    with torch.no_grad():
+        for n in (333, 200):  # the first call may specialise, the second compiles the general form
+            q, k, v = qkv(n)
+            flex.flex_block_sparse(q, k, v, random_blocks(2, 2, n, 64, 2), 64, scale, need_lse=False)
+        before = dict(counters["stats"])
+        for n in (450, 129, 1000):
+            q, k, v = qkv(n)
+            out, _ = flex.flex_block_sparse(q, k, v, random_blocks(2, 2, n, 64, 2), 64, scale, need_lse=False)
+            assert out.shape == q.shape
+        assert counters["stats"].get("unique_graphs", 0) == before.get("unique_graphs", 0)
+    assert not counters["graph_break"]
+
+
+@needs_flex
+@pytest.mark.slow
+def test_warm_up_reports_its_compile_time():
+    res = flex.warm_up("cpu", torch.float32, heads=4, kv_heads=2, head_dim=D, blocks=(64,), bands=((96, 0),),
+                       lengths=(150, 333))
+    assert res["compile_s"] >= sum(s for _, s in res["calls"]) * 0.99 and len(res["calls"]) == 4
