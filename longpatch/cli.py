@@ -551,6 +551,9 @@ def bench_generate(
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code"),
     plots: bool = typer.Option(True, "--plots/--no-plots"),
     progress: bool = typer.Option(True, "--progress/--no-progress"),
+    random_weights: bool = typer.Option(False, "--random-weights",
+                                        help="--model names a shipped architecture (llama-3.1-8b, qwen2.5-7b, "
+                                             "glm-4-9b), built offline with random weights and random prompt ids"),
 ):
     """Greedy generation after a prompt of each length, unpatched and patched in one run: time to first
     token, per-token decode latency, tokens/s and peak memory."""
@@ -561,7 +564,7 @@ def bench_generate(
                                  layers=sweep_layers(layers, "bench generate"), method=method, sets=set_,
                                  tokenizer=tokenizer, filler=filler, repeats=repeats, warmup=warmup,
                                  trust_remote_code=trust_remote_code, progress=progress, plots=plots, cache=cache,
-                                 batch_size=batch_size)
+                                 batch_size=batch_size, random_weights=random_weights)
     print_table(results)
     files = [RESULTS_FILE, results["files"]["csv"]] + [f for f in [results["files"]["plot"]] if f]
     console.print(f"written to {out}: {', '.join(files)}", markup=False)

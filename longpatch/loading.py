@@ -43,6 +43,9 @@ def load_model(model: "str | LoadSpec | dict", **overrides):
     if load.model == DEMO:
         from .assets import demo_model_path
         load = load.replace(model=str(demo_model_path()))
+    if load.model in shipped_architectures() and not Path(load.model).exists():
+        raise ConfigError(f"model: {load.model} is a shipped architecture without weights; allowed: "
+                          f"--random-weights (bench generate), or the real model's hub id or directory")
     if load.model.startswith(TINY_PREFIX):
         from .testing.tiny import tiny_model
         dtype = _DTYPES.get(load.dtype, torch.float32)
@@ -50,6 +53,46 @@ def load_model(model: "str | LoadSpec | dict", **overrides):
                            dtype=dtype)
         return model, None
     return _load_hf(load)
+
+
+ARCH_OVERRIDES = "LONGPATCH_ARCH_OVERRIDES"  # test-only: JSON of config keys that shrink a shipped architecture
+
+
+def shipped_architectures() -> dict[str, Path]:
+    """name -> directory of the config.json shipped in longpatch/assets/architectures (no weights)."""
+    from importlib import resources
+
+    root = Path(str(resources.files("longpatch") / "assets" / "architectures"))
+    return {p.name: p for p in sorted(root.iterdir()) if (p / "config.json").is_file()} if root.is_dir() else {}
+
+
+def random_model(name: str, dtype: str = "auto", device: "str | torch.device" = "cpu", overrides: dict | None = None):
+    """A shipped architecture (``shipped_architectures``) with random weights, built offline directly on
+    ``device``: the real model's layers, heads, RoPE and vocabulary, so that its costs are the real
+    model's (a fixed-budget selection costs the same whatever the weights). dtype "auto": bfloat16 on
+    CUDA, float32 on the CPU. ``overrides`` (or the JSON in $LONGPATCH_ARCH_OVERRIDES): config keys to
+    change first, for tests and dry runs (e.g. {"num_hidden_layers": 2, "hidden_size": 256}).
+    Returns (model in eval mode, None: no tokenizer)."""
+    import json
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    archs = shipped_architectures()
+    if name not in archs:
+        raise ConfigError(f"--random-weights: no shipped architecture {name!r}; allowed: {', '.join(archs)}")
+    cfg = AutoConfig.from_pretrained(archs[name])
+    extra = overrides if overrides is not None else json.loads(os.environ.get(ARCH_OVERRIDES) or "{}")
+    for key, value in extra.items():
+        setattr(cfg, key, value)
+    device = torch.device(device)
+    if dtype == "auto":
+        dtype = "bfloat16" if device.type == "cuda" else "float32"
+    if dtype not in _DTYPES:
+        raise ConfigError(f"dtype: got {dtype!r}; allowed: auto, {', '.join(_DTYPES)}")
+    torch.manual_seed(0)  # the same weights every run
+    with device:  # parameters created and initialised on the device: no host copy of 16 GB
+        model = AutoModelForCausalLM.from_config(cfg, dtype=_DTYPES[dtype], attn_implementation="sdpa")
+    return model.eval(), None
 
 
 def _load_hf(cfg: LoadSpec):

@@ -58,7 +58,7 @@ COMMAND = "bench generate"  # marks its --out (outdir.claim_out)
 CACHES = ("growing", "dynamic")  # --cache: longpatch.cache.GrowingCache, transformers' DynamicCache
 CSV_COLUMNS = ["config", "method", "layers", "context", "batch", "new_tokens", "ttft_s", "decode_ms_per_token",
                "decode_tokens_per_s", "tokens_per_s", "total_s", "ttft_speedup", "decode_speedup", "peak_rss_mib",
-               "rss_increase_mib", "peak_cuda_mib", "tokens_match_unpatched"]
+               "rss_increase_mib", "peak_cuda_mib", "tokens_match_unpatched", "warmup_s"]
 
 
 def parse_contexts(spec: "str | Sequence[int]") -> list[int]:
@@ -223,14 +223,17 @@ def run_generate_bench(model: str, config=None, layer_counts=None, contexts="819
                        out: "str | os.PathLike" = "runs/bench_generate", *, layers=None, method: str | None = None,
                        sets: Sequence[str] = (), tokenizer=None, filler: str = "demo", repeats: int = 1,
                        warmup: int = 1, trust_remote_code: bool = False, progress: bool = True,
-                       plots: bool = True, cache: str = "growing", batch_size: int = 1) -> dict:
+                       plots: bool = True, cache: str = "growing", batch_size: int = 1,
+                       random_weights: bool = False) -> dict:
     """Greedy generation after a prompt of each context length, unpatched and patched per each config
     and layer count, in one run. model: what --model takes; config: one config, 'a,b' or a list;
     layer_counts: a sweep as eval ppl's (None: each config's layers); layers: which layers every config
     replaces, instead of a sweep. Every option is checked before the model is loaded; out is written only
     when every row is done. batch_size: the prompt's copies generated together (tokens/s counts them all;
-    TTFT and ms/token are the batch's). Returns the dict written to results.json."""
-    from ..loading import load_model
+    TTFT and ms/token are the batch's). random_weights: model names a shipped architecture
+    (loading.shipped_architectures), built with random weights on the device and prompted with random ids.
+    Returns the dict written to results.json."""
+    from ..loading import load_model, random_model
     from ..specs import resolve
 
     ctx = parse_contexts(contexts)
@@ -248,12 +251,16 @@ def run_generate_bench(model: str, config=None, layer_counts=None, contexts="819
     cfgs = list(spec.patches)
     texts = filler_texts(filler)
 
-    loaded, tok = load_model(spec.load)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    loaded, tok = random_model(str(model), spec.load.dtype, device) if random_weights else load_model(spec.load)
     loaded = loaded.to(device).eval()
     _say_if_beyond_positions(loaded, ctx[-1] + new_tokens)
-    ids = prompt_ids(tokenizer or spec.load.tokenizer, tok, loaded, spec.load.model or str(model), texts, ctx[-1],
-                     trust_remote_code)
+    if random_weights:  # no tokenizer: random ids (what the tokens say changes no cost)
+        gen = torch.Generator().manual_seed(0)
+        ids = torch.randint(loaded.config.vocab_size, (ctx[-1],), generator=gen).tolist()
+    else:
+        ids = prompt_ids(tokenizer or spec.load.tokenizer, tok, loaded, spec.load.model or str(model), texts,
+                         ctx[-1], trust_remote_code)
     n_layers = num_layers(loaded, cfgs[0][1])
     identity = {"model": str(model), "task": "bench_generate"}
     points: list[tuple[str, Point | None]] = [(UNPATCHED, None)]
@@ -266,13 +273,18 @@ def run_generate_bench(model: str, config=None, layer_counts=None, contexts="819
                     "does not apply, the model's own cache is timed", type(loaded).__name__)
         cache = "model's own"
     records = _run(loaded, points, ids, ctx, new_tokens, repeats, warmup, device, progress, cache, batch_size)
-    meta = machine_meta(model=str(model), filler=filler, contexts=ctx, new_tokens=new_tokens, repeats=repeats,
-                        warmup=warmup, cache=cache, batch_size=batch_size,
+    meta = machine_meta(model=str(model), filler=None if random_weights else filler, contexts=ctx,
+                        new_tokens=new_tokens, repeats=repeats, warmup=warmup, cache=cache, batch_size=batch_size,
+                        random_weights=random_weights, dtype=str(next(loaded.parameters()).dtype),
                         note="greedy, batch_size copies of the prompt in one batch; ttft_s: the prompt's forward pass "
                              "(it yields the first token); "
                              "decode_ms_per_token: median of the per-token forward passes with the KV cache; "
                              "tokens_per_s: new_tokens / (ttft + decode time); cache: the KV cache of the decode steps "
-                             "(growing: longpatch.cache.GrowingCache; dynamic: transformers' DynamicCache)")
+                             "(growing: longpatch.cache.GrowingCache; dynamic: transformers' DynamicCache); warmup_s: "
+                             "the untimed warm-up generations before a row's first timed one (compiles included)"
+                             + ("; random weights and random prompt ids: the costs are the architecture's (a "
+                                "fixed-budget selection costs the same whatever the weights), the tokens mean "
+                                "nothing" if random_weights else ""))
     meta["device"] = str(device) if device.type == "cpu" else torch.cuda.get_device_name(device)
     with removed_on_failure(out, keep_if_existed=out.exists()):
         claim_out(out, COMMAND)
@@ -304,7 +316,10 @@ def _run(model, points, ids: list[int], contexts: list[int], new_tokens: int, re
 
     records: list[tuple[tuple[int, int], dict]] = []
     base: dict[int, dict] = {}
-    warm = torch.tensor([ids[:min(contexts[0], 256)]], device=device)
+    warm_s: dict[int, float] = {}
+    # on a GPU the warm-up prompt is long enough for the patched layers to run their method (a short one
+    # runs exact attention), so that compiles (FlexAttention, Triton) happen here, not in a timed call
+    warm = torch.tensor([ids[:min(contexts[0], 8192 if device.type == "cuda" else 256)]], device=device)
     bar = tqdm(total=len(points) * len(contexts) * repeats, desc="bench generate", unit="generation",
                disable=not progress, dynamic_ncols=True)
     try:
@@ -320,8 +335,10 @@ def _run(model, points, ids: list[int], contexts: list[int], new_tokens: int, re
                         patch_model(model, point.cfg)
                     try:
                         if rep == 0:
+                            t0 = time.perf_counter()
                             for _ in range(warmup):  # untimed: thread pools, allocator, lazily built buffers
                                 greedy_generate(model, warm, 2, cache)
+                            warm_s[i] = time.perf_counter() - t0  # compiles included: reported, not timed
                         if point is not None:
                             model.longpatch.reset_stats()
                         run = generate_once(model, prompt, new_tokens, cache)
@@ -334,6 +351,7 @@ def _run(model, points, ids: list[int], contexts: list[int], new_tokens: int, re
             for i, (label, point) in enumerate(points):
                 records.append(((i, n), _record(label, point, n, new_tokens, summarize(runs[i]), base,
                                                    _summed_paths(runs[i]) if point is not None else None)))
+                records[-1][1]["warmup_s"] = warm_s.get(i)
     finally:
         bar.close()
     return [rec for _, rec in sorted(records, key=lambda x: x[0])]  # by configuration, then context

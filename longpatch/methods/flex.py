@@ -74,19 +74,21 @@ def fallback_backend(q: torch.Tensor) -> str:
     return "triton" if q.is_cuda and triton_available() else "torch"
 
 
-# The methods (and selections) whose attention is a block selection or a band: what flex expresses.
-FLEX_SELECTIONS = {"moba": ("estimate", "antidiagonal"), "nsa": ("estimate", "antidiagonal"), "sparse": None}
+# The methods whose attention is a block selection (moba, nsa: their query-aware selections,
+# selection.SCORINGS) or a band (sparse): what flex expresses.
+FLEX_METHODS = ("moba", "nsa", "sparse")
 
 
 def flex_refusal(method: str, params: dict) -> str | None:
     """Why ``backend: flex`` does not fit this method and params (one phrase), or None when it does."""
-    if method not in FLEX_SELECTIONS:
-        return (f"method '{method}' has no FlexAttention path (flex runs: moba and nsa with selection estimate or "
-                "antidiagonal, sparse)")
-    allowed = FLEX_SELECTIONS[method]
-    if allowed is not None and params.get("selection") not in allowed:
+    from .selection import SCORINGS
+
+    if method not in FLEX_METHODS:
+        return (f"method '{method}' has no FlexAttention path (flex runs: moba and nsa with a query-aware selection "
+                f"({', '.join(SCORINGS)}), sparse)")
+    if method != "sparse" and params.get("selection") not in SCORINGS:
         return (f"{method}'s selection {params.get('selection')!r} picks keys per query row, which flex does not run "
-                f"(flex runs selection {' or '.join(allowed)})")
+                f"(flex runs selection {', '.join(SCORINGS)})")
     return None
 
 
