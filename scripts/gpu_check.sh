@@ -4,16 +4,53 @@
 # Writes under ${OUT:-runs/gpu}: log.txt, kernels_bf16/fp32.json (Triton vs torch, scripts/gpu_kernels.py),
 # throughput.json (eval needle at batch 1/4/8), attention.json/.png, decode.json/.png, generate.json.
 # Each step has its own time limit, so that one failing step leaves the others' results.
+#
+# Issue 40 (the default: `bash scripts/gpu_check.sh`, about 8 minutes): FlexAttention vs SDPA vs the
+# Triton kernels (prefill at 32k/131k, decode at 131k, NSA's peak memory, compile times:
+# scripts/gpu_flex.py -> flex.json), the kernels vs their twins in bf16 (kernels_bf16.json) and
+# Llama-3.1-8B's architecture with random weights end to end at 32k/64k/128k, unpatched and every layer
+# on MoBA's query-aware selection (e2e_llama8b.json). `bash scripts/gpu_check.sh all`: the earlier set
+# below as well (about 12 more minutes). DRY_RUN=1 runs the issue-40 steps tiny on the CPU (no GPU, no
+# install): flex on the compiled CPU path, a 2-layer llama, no kernels.
 set -u
 OUT=${OUT:-runs/gpu}
+SUITE=${1:-issue40}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . || exit 1
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+if [ "${DRY_RUN:-0}" = 1 ]; then
+  PY=${PYTHON:-python}
+else
+  PY=python3
+  $PY -m pip install -q --no-deps --no-build-isolation --no-index -e . || exit 1
+fi
 TMP=$(mktemp -d)
-LP="python3 -m longpatch"
+LP="$PY -m longpatch"
 step() { local limit=$1; shift; echo "=== $* (limit ${limit}s)"; local t0=$SECONDS
   timeout "$limit" "$@"; echo "=== rc=$? in $((SECONDS - t0))s"; }
+issue40() {
+  if [ "${DRY_RUN:-0}" = 1 ]; then
+    step 600 $PY scripts/gpu_flex.py --dry-run --repeats 2 --out "$OUT/flex.json"
+    export LONGPATCH_ARCH_OVERRIDES='{"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512,
+      "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}'
+    CTX=512,1024; SEL="--set chunk_size=64 --set topk=4"
+  else
+    $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
+'transformers', transformers.__version__, torch.cuda.get_device_name())"
+    step 200 $PY scripts/gpu_flex.py --out "$OUT/flex.json"
+    step 100 $PY scripts/gpu_kernels.py --device cuda --n 4100 --head-dims 128 --dtypes bfloat16 --grad-n 0 \
+      --out "$TMP/kb"
+    cp "$TMP/kb/results.json" "$OUT/kernels_bf16.json"
+    CTX=32768,65536,131072; SEL="--set chunk_size=256 --set topk=16"
+  fi
+  # every layer on MoBA's query-aware selection (backend auto: flex on CUDA), beside the unpatched model
+  step 170 $LP bench generate --model llama-3.1-8b --random-weights --method moba --set selection=estimate \
+    $SEL --set mass=0.9 --set local_blocks=1 --layers all --contexts $CTX --new-tokens 8 --no-plots \
+    --no-progress --out "$TMP/e2e"
+  cp "$TMP/e2e/results.json" "$OUT/e2e_llama8b.json"
+}
+if [ "$SUITE" = issue40 ]; then issue40 2>&1 | tee "$OUT/log.txt"; exit; fi
 {
+  issue40
   nvidia-smi -L
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
 'transformers', transformers.__version__, torch.cuda.get_device_name())"

@@ -165,7 +165,8 @@ def test_sparse_on_flex_equals_its_torch_path():
                                    rtol=1e-5, atol=2e-6)
     # random blocks and dilated windows are not a band: the torch path runs them
     kw = dict(window=64, global_tokens=16, random_blocks=2, block=32)
-    assert torch.equal(sparse_attention(q, k, v, backend="flex", **kw), sparse_attention(q, k, v, backend="torch", **kw))
+    assert torch.equal(sparse_attention(q, k, v, backend="flex", **kw),
+                       sparse_attention(q, k, v, backend="torch", **kw))
 
 
 @needs_flex
@@ -195,3 +196,20 @@ def test_warm_up_reports_its_compile_time():
     res = flex.warm_up("cpu", torch.float32, heads=4, kv_heads=2, head_dim=D, blocks=(64,), bands=((96, 0),),
                        lengths=(150, 333))
     assert res["compile_s"] >= sum(s for _, s in res["calls"]) * 0.99 and len(res["calls"]) == 4
+
+
+@needs_flex
+@pytest.mark.slow
+def test_gpu_flex_script_dry_run(tmp_path):
+    """scripts/gpu_flex.py (issue 40's GPU figures) end to end, tiny, on the CPU."""
+    from helpers import load_script
+
+    out = tmp_path / "flex.json"
+    load_script("gpu_flex").main(["--dry-run", "--lengths", "512", "--decode-len", "512", "--repeats", "1",
+                                  "--out", str(out)])
+    import json
+    res = json.loads(out.read_text())
+    assert res["meta"]["dry_run"] and res["warm_up"]["compile_s"] > 0
+    assert not [r for r in res["prefill"] + res["decode"] if "error" in r]
+    assert {(r["method"], r.get("backend")) for r in res["prefill"]} >= {("moba", "flex"), ("nsa", "flex"),
+                                                                          ("sparse", "flex"), ("sdpa", None)}
