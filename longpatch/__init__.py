@@ -1,4 +1,16 @@
 """longpatch: patch the attention of pretrained transformers models with fast long-context methods."""
+import sys
+
+from . import dependencies
+
+try:  # before anything imports a dependency: an out-of-range one fails deep inside itself otherwise
+    dependencies.check()
+except dependencies.DependencyError as e:
+    if dependencies.cli_invocation():  # the CLI's rule for bad input: one line, exit 2, no traceback
+        print(e, file=sys.stderr)
+        raise SystemExit(2) from None
+    raise
+
 from .assets import demo_model_path
 from .cache import GrowingCache
 from .config import LoadSpec, PatchConfig, load_config, read_config
