@@ -20,6 +20,7 @@ boundary; the rest of it is not used). Written under ``--out``:
 - ``<corpus>_filler.jsonl``: the corpus's files in the same shuffled order (one record each) up to
   ``--filler-tokens`` tokens, as needle filler
   (``longpatch eval needle --filler``), so needles sit in this text;
+- ``<corpus>_needle.yaml``: a needle template of a form of our own for that corpus (``--template``);
 - ``manifest.json``: the seed, the files of every document (in order) and the token counts.
 
 Run: ``python scripts/heldout_corpora.py --out runs/heldout`` (about 20 s). Tune on ``--data demo``
@@ -35,8 +36,16 @@ import sys
 from pathlib import Path
 
 import numpy
+import yaml
 
 SUBSET = {"code": "lcc", "prose": "gov_report"}  # LongBench subset names the ppl reader accepts
+# Needles of forms of our own (not the built-in passkey or `NAME = key` code templates), one per corpus,
+# written as `eval needle --template` YAML files.
+TEMPLATES = {
+    "code": {"name": "heldout-code", "needle": "self.buffer_limit = {key}", "question": "assert self.buffer_limit =="},
+    "prose": {"name": "heldout-prose", "needle": "The access code of the archive is {key}.",
+              "question": "What is the access code of the archive? The access code of the archive is"},
+}
 
 
 def code_files() -> list[Path]:
@@ -133,6 +142,7 @@ def main() -> None:
         with open(out / f"{corpus}_filler.jsonl", "w", encoding="utf-8") as f:
             for rec in filler:
                 f.write(json.dumps(rec) + "\n")
+        (out / f"{corpus}_needle.yaml").write_text(yaml.safe_dump(TEMPLATES[corpus], sort_keys=False))
         filler_tokens = sum(len(tok(r["context"], add_special_tokens=False)["input_ids"]) for r in filler)
         manifest["corpora"][corpus] = {"subset": subset, "documents": [{"files": d["files"], "tokens": d["tokens"]}
                                                                        for d in docs],

@@ -60,10 +60,11 @@ def _hybrid_reference(q, k, block, cap, mass, m, stride, local, scale, sink=1):
             a = anti[h, i]
             own = _greedy(sorted(forced, key=lambda j: -a[j]) + sorted(set(range(i)) - forced, key=lambda j: -a[j]),
                           a.tolist(), float(a[:i].sum()), mass, forced, cap)
-            vr = (mean + peak) / 2
-            # the end's list: its count starts at the own block's vertical, as the own block's mass does
-            end = _greedy_from(sorted(range(i), key=lambda j: -vr[j]), mean.tolist(), float(mean[i]),
-                               float(mean[:i + 1].sum()), mass, cap)
+            # the end's list: the fewest blocks in (mean + peak) / 2 order reaching mass of the whole
+            # vertical (it sums to 1), those before block i
+            vorder = sorted(range(nb), key=lambda j: -float(mean[j] + peak[j]))
+            vkeep = _greedy(vorder, mean.tolist(), float(mean.sum()), mass, set(), nb)
+            end = [j for j in vkeep if j < i]
             place = {}
             for lst in (own, end):  # places among the unforced blocks of each list
                 for t, j in enumerate([j for j in lst if j not in forced]):
@@ -72,17 +73,6 @@ def _hybrid_reference(q, k, block, cap, mass, m, stride, local, scale, sink=1):
                 place[j] = -1
             merged = sorted(place, key=lambda j: (place[j], -a[j]))[:min(cap, nb - 1)]
             out[(h, i)] = set(merged)
-    return out
-
-
-def _greedy_from(order, value, start, total, mass, cap):
-    """_greedy for a list whose count starts at ``start`` (the own block's share); mass None: cap."""
-    out, got = [], start
-    for j in order:
-        if len(out) == cap or (mass is not None and got >= mass * total):
-            break
-        out.append(j)
-        got += value[j]
     return out
 
 
@@ -178,3 +168,14 @@ def test_bad_selection_names_and_budgets_are_one_line_errors():
         moba_attention(q, k, v, chunk_size=8, topk=2, selection="hybrid", estimate_queries=0)
     with pytest.raises(ValueError, match="score_stride must divide the block size 8; got 3"):
         moba_attention(q, k, v, chunk_size=8, topk=2, selection="hybrid", score_stride=3)
+
+
+@pytest.mark.parametrize("alias", ["demo-moba-32k", "demo-nsa-32k", "llama-3.1-8b-moba-hybrid",
+                                   "chatglm2-6b-32k-moba-hybrid"])
+def test_bundled_hybrid_configs_resolve(alias):
+    """The bundled configs of the hybrid selection load and pass their method's param checks."""
+    from longpatch.config import read_config
+
+    cfg = read_config(alias).patch
+    params = get_method(cfg.method).resolve_params(dict(cfg.params))
+    assert params["selection"] == "hybrid" and params["mass"] == 0.9 and cfg.layers == "all"

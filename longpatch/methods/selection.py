@@ -21,7 +21,7 @@ Two scorings of real q·k products give a block-score matrix [b, kv_heads, query
   prompt's *end* looks for (a needle that only the question reads sharply: the antidiagonal alone,
   which samples 1/stride of the products, keeps 17% of the needles). Per query block: the forced
   blocks, then the union of the fewest antidiagonal blocks reaching ``mass`` of its own estimated
-  mass and the fewest vertical blocks reaching ``mass`` of the end's mass visible to it, taken in
+  mass and, of the fewest blocks reaching ``mass`` of the end's vertical mass, those before it, taken in
   turn (1st of each, 2nd of each, ...) up to ``max_blocks``. Cost: the antidiagonal's plus m x n
   products (the last queries only, no spread rows: the antidiagonal already sees the offsets).
 
@@ -60,6 +60,23 @@ def estimate_params(unit: str, budget: str) -> dict[str, Param]:
         "score_stride": positive_int(f"antidiagonal/hybrid only: the side of the score tiles whose antidiagonals score "
                                      f"the {unit}s (divides the {unit} size)", 16),
     }
+
+
+# The selections each query-aware param takes effect under (estimate_params' "... only")
+APPLIES = {"mass": SCORINGS, "estimate_queries": ("estimate", "hybrid"), "decode_topk": SCORINGS,
+           "score_stride": STRIDED}
+
+
+def check_applicable(method, params: dict, applies: dict | None = None) -> None:
+    """A param set away from its default under a selection it has no effect in (mass=0.5 with MoBA's
+    'gate') is an error, as an unknown key is: the user asked for something the run would not do.
+    ``applies``: the method's own such params beside APPLIES, {name: selections}."""
+    selection = params["selection"]
+    for name, selections in {**APPLIES, **(applies or {})}.items():
+        if selection not in selections and params[name] != method.params[name].default:
+            raise ConfigError(f"params.{name} of method '{method.name}': got {params[name]!r}, which has no effect "
+                              f"with selection '{selection}'; allowed: the default "
+                              f"({method.params[name].default!r}), or selection {' / '.join(selections)}")
 
 
 def check_stride_config(method: str, params: dict, block_param: str) -> None:
@@ -237,9 +254,9 @@ def hybrid_blocks(q, k, block: int, max_blocks: int, mass: float | None, m: int,
 
     - own: ``select_blocks`` on the antidiagonal scores (the fewest past blocks whose estimated mass,
       with the own block's, reaches ``mass`` of what block i reads; ``max_blocks`` when mass is None);
-    - end: the fewest past blocks whose vertical mass (the last ``m`` queries', the own block's
-      included) reaches ``mass`` of the vertical visible to block i, ranked by (mean + peak) / 2 as the
-      estimate ranks them, so a needle that one final query reads sharply comes first.
+    - end: of the fewest blocks whose vertical mass (the last ``m`` queries') reaches ``mass`` of
+      its total, ranked by (mean + peak) / 2 as the estimate ranks them (a needle that one final query
+      reads sharply comes first), those before block i (all of them, in that order, when mass is None).
 
     Taking the two lists in turn under the cap keeps the head of each: a needle block (first on the
     end list) is not pushed out by the tail of a long own list, nor the reverse."""
@@ -250,16 +267,22 @@ def hybrid_blocks(q, k, block: int, max_blocks: int, mass: float | None, m: int,
     S = own.shape[-1]
     if S == 0:
         return own
-    future = torch.isinf(anti)  # the same causal mask: a key block after the query block
-    vmass = vertical.unsqueeze(-2).expand(b, hk, nb, nb).masked_fill(future, float("-inf"))
-    vrank = ((vertical + peak) / 2).unsqueeze(-2).expand(b, hk, nb, nb).masked_fill(future, float("-inf"))
-    end = select_blocks(vmass, max_blocks, mass, 0, 0, vrank)
+    # the end's list, one for the whole prompt: the fewest blocks (ranked by (mean + peak) / 2) whose
+    # mean mass reaches `mass` of the last queries' total; query block i takes those before it. Counted
+    # against the whole total, not what block i sees: the end's mass mostly sits near the end, and a
+    # middle block topping up "90% of what it sees" of it would take blocks nobody reads.
+    order = torch.argsort((vertical + peak) / 2, dim=-1, descending=True)  # [b, hk, nb]
+    got = vertical.gather(-1, order)
+    keep = torch.ones_like(got, dtype=torch.bool) if mass is None else (torch.cumsum(got, -1) - got) < mass
     i = torch.arange(nb, device=q.device).view(-1, 1)
     j = torch.arange(nb, device=q.device).view(1, -1)
+    rows = order.unsqueeze(-2).expand(b, hk, nb, nb)
+    end = torch.where(keep.unsqueeze(-2) & (rows < i), rows, torch.full_like(rows, -1))  # [b, hk, nb, nb]
     forced = ((j < i) & ((j < sink_blocks) | (j >= i - local_blocks))).expand(b, hk, nb, nb)
     # each block's turn: its place among the unforced blocks of its list (the better of the two
     # lists'), forced blocks before all
-    turn = torch.full((b, hk, nb, nb + 1), float(2 * S + 2), device=q.device)  # column nb: the -1 pads
+    never = float(nb + 2)  # the turn of a block on neither list
+    turn = torch.full((b, hk, nb, nb + 1), never, device=q.device)  # column nb: the -1 pads
     for lst in (end, own):  # a block on both lists takes its better place
         free = (lst >= 0) & ~forced.gather(-1, lst.clamp(min=0))
         place = (torch.cumsum(free, -1) - 1).to(turn.dtype)
@@ -268,7 +291,7 @@ def hybrid_blocks(q, k, block: int, max_blocks: int, mass: float | None, m: int,
     # ties between the lists' equal places: the higher own score first
     key = -turn + anti.clamp(min=0).nan_to_num(0.0) * 1e-3
     top, idx = torch.topk(key, S, dim=-1)
-    return torch.where(top > -(2 * S + 2) + 0.5, idx, torch.full_like(idx, -1))
+    return torch.where(top > 0.5 - never, idx, torch.full_like(idx, -1))
 
 
 def score_blocks(q, k, block: int, scoring: tuple[str, int], scale: float):
