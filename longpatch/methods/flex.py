@@ -37,9 +37,9 @@ the backward reads are not built). Callers fall back to their other paths where 
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import time
+import types
 
 import torch
 
@@ -213,8 +213,33 @@ def compiled(name: str, **consts):
     key = (name, *sorted(consts.items()))
     fn = _COMPILED.get(key)
     if fn is None:
-        fn = _COMPILED[key] = torch.compile(functools.partial(_CALLS[name], **consts), fullgraph=True, dynamic=True)
+        fn = _COMPILED[key] = _Compiled(_own_code(_CALLS[name], len(_COMPILED)), consts)
     return fn
+
+
+def _own_code(fn, tag: int):
+    """A copy of ``fn`` with its own code object. Dynamo keeps its compiled entries per code object
+    and recompiles at most a few times per object (``recompile_limit``): every configuration gets its
+    own, so that several configurations never push one past the limit (into eager flex: slow on a
+    GPU, wrong on this CPU)."""
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{tag}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+
+
+class _Compiled:
+    """``fn`` compiled (fullgraph, dynamic shapes) with its keyword constants bound. Duck sizing is off
+    while it runs: with it, a dimension that happens to equal another on the first call (a selection
+    of 2 slots, 2 KV heads) is compiled as equal to it and the next call recompiles."""
+
+    def __init__(self, fn, consts: dict):
+        self.fn = torch.compile(fn, fullgraph=True, dynamic=True)
+        self.consts = consts
+
+    def __call__(self, *args):
+        from torch.fx.experimental import _config as fx_config
+
+        with fx_config.patch(use_duck_shape=False):
+            return self.fn(*args, **self.consts)
 
 
 def _cast(out, lse, q):
