@@ -12,11 +12,11 @@ from importlib import metadata
 
 
 class DependencyError(ImportError):
-    """An installed dependency is missing or outside the range longpatch declares (one-line message)."""
+    """An installed dependency is outside the range longpatch declares (one-line message)."""
 
 
 def problems(dist: str = "longpatch") -> list[str]:
-    """One line per declared (non-optional) dependency that is missing or out of its range; [] when all
+    """One line per declared (non-optional) dependency installed at a version outside its range; [] when all
     fit or when `dist` is not installed (a bare source tree)."""
     try:
         from packaging.requirements import InvalidRequirement, Requirement
@@ -39,7 +39,9 @@ def problems(dist: str = "longpatch") -> list[str]:
         try:
             found = metadata.version(req.name)
         except metadata.PackageNotFoundError:
-            out.append(f"{req.name} is not installed; longpatch needs {wanted} (pip install '{wanted}')")
+            # Not an error here: a missing package fails where it is imported, with Python's own clear
+            # ModuleNotFoundError, and only on the paths that need it (an offline GPU box without
+            # accelerate still runs the ops and benchmarks).
             continue
         try:
             # A local build tag (torch 2.13.0+cpu) is the same release for the range's purpose.
@@ -52,7 +54,7 @@ def problems(dist: str = "longpatch") -> list[str]:
 
 
 def check(dist: str = "longpatch") -> None:
-    """Raise DependencyError with one line naming every dependency that is missing or out of range."""
+    """Raise DependencyError with one line naming every dependency installed outside its range."""
     found = problems(dist)
     if found:
         raise DependencyError("longpatch: " + "; ".join(found))

@@ -23,12 +23,12 @@ def _fake(monkeypatch, declared, versions):
     monkeypatch.setattr(metadata, "version", version)
 
 
-def test_out_of_range_missing_and_fitting(monkeypatch):
+def test_out_of_range_and_missing(monkeypatch):
+    """A missing package is left to its own ModuleNotFoundError where it is imported (see problems())."""
     _fake(monkeypatch, ["typer<1,>=0.16", "torch>=2.11", "rich>=13", "pytest>=8; extra == \"dev\""],
           {"typer": "0.12.5", "torch": "2.13.0+cpu"})
     found = dependencies.problems()
-    assert found == ["typer 0.12.5 is installed; longpatch needs typer<1,>=0.16 (pip install 'typer<1,>=0.16')",
-                     "rich is not installed; longpatch needs rich>=13 (pip install 'rich>=13')"]
+    assert found == ["typer 0.12.5 is installed; longpatch needs typer<1,>=0.16 (pip install 'typer<1,>=0.16')"]
     with pytest.raises(dependencies.DependencyError) as e:
         dependencies.check()
     assert "\n" not in str(e.value) and "typer 0.12.5" in str(e.value)
