@@ -155,6 +155,26 @@ def test_moba_and_nsa_on_flex_equal_their_torch_paths():
 
 
 @needs_flex
+def test_one_token_steps_on_flex_equal_their_torch_paths():
+    """A one-token step of moba and nsa (query-aware: the kept blocks, decode_topk more by their key
+    bounds, the own and local blocks) as one flex call over the blocks, at ragged cache lengths: one
+    compile (block 64, one local block before the own one, d 32) for both methods and every length."""
+    for n in (333, 640, 1001):
+        q, k, v = qkv(n)
+        q1 = q[:, :, -1:]
+        kept = random_blocks(2, 2, n, 64, 3, seed=n)[:, :, -1]  # a prefill's list for the last block
+        kw = dict(selection="estimate", chunk_size=64, topk=4, local_blocks=1, decode_topk=2, kept=kept)
+        torch.testing.assert_close(moba_attention(q1, k, v, backend="flex", **kw),
+                                   moba_attention(q1, k, v, backend="torch", **kw), rtol=1e-5, atol=2e-6)
+        state = {"kept": kept}
+        kw = dict(selection="estimate", select_block=64, num_selected=4, window=96, local_blocks=2,
+                  gates=(0.0, 0.75, 0.25), decode_topk=2)
+        torch.testing.assert_close(nsa_attention(q1, k, v, backend="flex", state=dict(state), **kw),
+                                   nsa_attention(q1, k, v, backend="torch", state=dict(state), **kw),
+                                   rtol=1e-5, atol=2e-6)
+
+
+@needs_flex
 @pytest.mark.slow
 def test_sparse_on_flex_equals_its_torch_path():
     q, k, v = qkv(333)

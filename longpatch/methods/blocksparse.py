@@ -112,12 +112,18 @@ def block_sparse_prefill(q, k, v, blocks: torch.Tensor, block: int, scale: float
     return out[:, :, :n].to(q.dtype), lse[:, :, :n]
 
 
-def block_sparse_decode(q, k, v, kept: torch.Tensor, block: int, local_blocks: int, scale: float):
+def block_sparse_decode(q, k, v, kept: torch.Tensor, block: int, local_blocks: int, scale: float,
+                        backend: str = "torch", need_lse: bool = True):
     """(out, lse) of one query per head at the last position t = kv_len - 1: its own (partial) block,
-    the ``local_blocks`` blocks before it, and the past blocks ``kept`` [b, kv_heads, S] (-1 pads)
-    that are not among those. Reads only those rows of the cache: in place with fused calls on views
-    (``attend_spans``, touching blocks joined), or, without the fused kernel or under autograd, by
-    gathering them into one masked call."""
+    the ``local_blocks`` blocks before it, and the past blocks ``kept`` [b, kv_heads, S] (-1 pads, no
+    duplicates) that are not among those. Reads only those rows of the cache: in place with fused
+    calls on views (``attend_spans``, touching blocks joined), or, without the fused kernel or under
+    autograd, by gathering them into one masked call. backend "flex": one FlexAttention call over the
+    blocks (``flex.flex_decode``: no host round-trip; lse None without ``need_lse``), where it runs."""
+    if backend == "flex":
+        from .flex import flex_decode, supports
+        if supports(q, k, v, block, need_lse):
+            return flex_decode(q, k, v, kept, block, local_blocks, scale, need_lse)
     b, hq, _, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     g, t = hq // hk, nk - 1

@@ -107,6 +107,10 @@ def _causal(b, h, q_idx, kv_idx):
     return q_idx >= kv_idx
 
 
+def _any_key(b, h, q_idx, kv_idx):
+    return kv_idx >= 0
+
+
 def _own_and_listed(blocks: torch.Tensor, nb: int, wide: bool):
     """(partial counts, partial indices, full counts, full indices), int32, of a selection
     [B, 1, nb, S]: the own block as the one partial block, the listed ones as full blocks (listed
@@ -201,7 +205,41 @@ def _band_call(q, k, v, *, block: int, window: int, glob: int, scale: float, nee
     return res if need_lse else (res, None)
 
 
-_CALLS = {"block_sparse": _block_sparse_call, "band": _band_call}
+def _decode_call(q, k, v, kept, *, block: int, local_blocks: int, scale: float, need_lse: bool):
+    """One query per head at the last position t = kv_len - 1 (q [b, hq, 1, d], k/v [b, hk, n, d]):
+    ``blocksparse.block_sparse_decode``'s keys, its own block up to t (a partial block) and the
+    ``local_blocks`` blocks before it with the past blocks ``kept`` [b, hk, S] (full blocks, listed
+    once). Shapes only, no host round-trip: the step can run inside a CUDA graph."""
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    b, hq, _, d = q.shape
+    hk, n = k.shape[1], k.shape[2]
+    g = hq // hk
+    nbk = (n + block - 1) // block
+    own = (n - 1) // block
+    local = own - 1 - torch.arange(local_blocks, device=q.device)  # the blocks before the own one
+    local = torch.where(local >= 0, local, -1).view(1, 1, -1).expand(b, hk, -1)
+    kept = kept.masked_fill((kept >= own - local_blocks) | (kept > own), -1)  # the local ones are listed once
+    lst = torch.cat([local, kept], -1).reshape(b * hk, 1, 1, -1).sort(-1, descending=True).values
+    full_num = (lst >= 0).sum(-1).to(torch.int32)
+    full_idx = lst.clamp(min=0).to(torch.int32)
+    own_idx = torch.full((b * hk, 1, 1, 1), own, dtype=torch.int32, device=q.device)
+    part_num = torch.ones(b * hk, 1, 1, dtype=torch.int32, device=q.device)
+    if not q.is_cuda:  # the CPU template reads the tables as wide as the key blocks
+        own_idx = torch.nn.functional.pad(own_idx, (0, nbk - 1))
+        full_idx = torch.nn.functional.pad(full_idx, (0, max(0, nbk - full_idx.shape[-1])))[..., :nbk]
+    # the own block needs no causal mask: the cache ends at t, and the kernel reads no key past the
+    # sequence length (a partial block only because the block may be cut short by it)
+    mask = BlockMask.from_kv_blocks(part_num, own_idx.contiguous(), full_num, full_idx.contiguous(),
+                                    BLOCK_SIZE=block, mask_mod=_any_key, seq_lengths=(1, n), compute_q_blocks=False)
+    res = flex_attention(q.reshape(b * hk, g, 1, d), k.reshape(b * hk, 1, n, d), v.reshape(b * hk, 1, n, d),
+                         block_mask=mask, scale=scale, enable_gqa=True, return_lse=need_lse,
+                         kernel_options=_kernel_options(block, q.device))
+    out, lse = res if need_lse else (res, None)
+    return out.reshape(b, hq, 1, d), None if lse is None else lse.reshape(b, hq, 1)
+
+
+_CALLS = {"block_sparse": _block_sparse_call, "band": _band_call, "decode": _decode_call}
 _COMPILED: dict[tuple, object] = {}
 
 
@@ -261,6 +299,14 @@ def flex_band(q, k, v, window: int, global_tokens: int, scale: float, need_lse: 
                   need_lse=need_lse and q.is_cuda)
     with _cpu_no_grad(q):
         return _cast(*fn(q, k, v), q)
+
+
+def flex_decode(q, k, v, kept: torch.Tensor, block: int, local_blocks: int, scale: float, need_lse: bool = True):
+    """``blocksparse.block_sparse_decode`` on FlexAttention: (out [b, hq, 1, d], lse [b, hq, 1] float32
+    or None on the CPU). One compile per configuration; the cache length is dynamic."""
+    fn = compiled("decode", block=block, local_blocks=local_blocks, scale=float(scale), need_lse=need_lse and q.is_cuda)
+    with _cpu_no_grad(q):
+        return _cast(*fn(q, k, v, kept), q)
 
 
 def _cpu_no_grad(q):

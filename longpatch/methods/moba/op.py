@@ -130,7 +130,7 @@ def _estimated(q, k, v, causal, scale, C, topk, mass, scoring, local_blocks, kep
         return exact_attention(q, k, v, causal=True, scale=scale, return_lse=return_lse, backend=backend)
     if nq == 1 and nk > 1:
         kept = decode_kept(state, q, k, C, topk - 1, local_blocks, scale, kept=kept, decode_topk=decode_topk)
-        out, lse = block_sparse_decode(q, k, v, kept, C, local_blocks, scale)
+        out, lse = block_sparse_decode(q, k, v, kept, C, local_blocks, scale, backend, need_lse=return_lse)
     else:
         blocks = prefill_blocks(state, q, k, C, topk - 1, mass, scoring, local_blocks, scale)
         out, lse = block_sparse_prefill(q, k, v, blocks, C, scale, backend, need_lse=return_lse)

@@ -50,7 +50,7 @@ def _estimated(q, k, v, scale, sb, num_selected, window, init_blocks, local_bloc
     acc = acc_dtype(q.dtype)
     if nq == 1 and nk > 1:
         kept = decode_kept(state, q, k, sb, num_selected - 1, past, scale, init_blocks, decode_topk=decode_topk)
-        o_s, l_s = block_sparse_decode(q, k, v, kept, sb, past, scale)
+        o_s, l_s = block_sparse_decode(q, k, v, kept, sb, past, scale, backend, need_lse=return_lse)
         w0 = max(0, nk - window)
         o_w, l_w = attend(q.reshape(b, hk, hq // hk, d), k[:, :, w0:], v[:, :, w0:], scale)
         o_w, l_w = o_w.reshape(b, hq, 1, d), l_w.reshape(b, hq, 1)
