@@ -215,7 +215,7 @@ def test_flex_calls_compile_fullgraph_once_for_every_length():
 def test_warm_up_reports_its_compile_time():
     res = flex.warm_up("cpu", torch.float32, heads=4, kv_heads=2, head_dim=D, blocks=(64,), bands=((96, 0),),
                        lengths=(150, 333))
-    assert res["compile_s"] >= sum(s for _, s in res["calls"]) * 0.99 and len(res["calls"]) == 4
+    assert res["compile_s"] >= sum(s for _, s in res["calls"]) * 0.99 and len(res["calls"]) == 6
 
 
 @needs_flex

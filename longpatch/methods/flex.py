@@ -317,11 +317,14 @@ def _cpu_no_grad(q):
 # --------------------------------------------------------------------------- warm-up
 
 def warm_up(device="cuda", dtype=torch.bfloat16, heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
-            blocks=(64, 128, 256), bands=((512, 0), (1024, 64)), lengths=(1000, 2100), need_lse: bool = False) -> dict:
-    """Compile the flex calls ahead of the timed ones: the block-sparse call for each block size and
-    the band for each (window, global_tokens) of ``bands``, each at two lengths (a dynamic-shape
-    function may specialise its first call and compile the general form on the second). The
-    constants must be the calls' own (head_dim's scale, need_lse: a route asks for no LSE).
+            blocks=(64, 128, 256), bands=((512, 0), (1024, 64)), lengths=(1000, 2100), need_lse: bool = False,
+            decode_local=(1,)) -> dict:
+    """Compile the flex calls ahead of the timed ones: the block-sparse call for each block size, the
+    one-token step for each block size and count of local blocks in ``decode_local`` (MoBA's
+    local_blocks, NSA's local_blocks - 1), and the band for each (window, global_tokens) of ``bands``,
+    each at two lengths (a dynamic-shape function may specialise its first call and compile the
+    general form on the second). The constants must be the calls' own (head_dim's scale, need_lse: a
+    route asks for no LSE).
     Returns {"compile_s": seconds in all, "calls": [[what, seconds], ...]}: what a benchmark
     reports as the compile cost instead of hiding it in its first timed call."""
     dev = torch.device(device)
@@ -345,6 +348,9 @@ def warm_up(device="cuda", dtype=torch.bfloat16, heads: int = 32, kv_heads: int 
                 sel = torch.arange(nb, device=dev).view(-1, 1) - 1 - torch.arange(2, device=dev)  # two past blocks
                 sel = sel.masked_fill(sel < 0, -1).expand(1, kv_heads, nb, 2).contiguous()
                 timed(f"block_sparse block={block} n={n}", flex_block_sparse, q, k, v, sel, block, scale, need_lse)
+                for local in decode_local:
+                    timed(f"decode block={block} local_blocks={local} n={n}", flex_decode, q[:, :, -1:], k, v,
+                          sel[:, :, -1], block, local, scale, need_lse)
         for window, glob in bands:
             if supports(q, k, v, 128, need_lse):
                 timed(f"band window={window} global={glob} n={n}", flex_band, q, k, v, window, glob, scale, need_lse)
