@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 import time
 import types
 
@@ -251,16 +252,18 @@ def compiled(name: str, **consts):
     key = (name, *sorted(consts.items()))
     fn = _COMPILED.get(key)
     if fn is None:
-        fn = _COMPILED[key] = _Compiled(_own_code(_CALLS[name], len(_COMPILED)), consts)
+        tag = re.sub(r"\W", "_", "_".join(f"{k}{v}" for k, v in sorted(consts.items())))
+        fn = _COMPILED[key] = _Compiled(_own_code(_CALLS[name], tag), consts)
     return fn
 
 
-def _own_code(fn, tag: int):
-    """A copy of ``fn`` with its own code object. Dynamo keeps its compiled entries per code object
-    and recompiles at most a few times per object (``recompile_limit``): every configuration gets its
-    own, so that several configurations never push one past the limit (into eager flex: slow on a
-    GPU, wrong on this CPU)."""
-    code = fn.__code__.replace(co_name=f"{fn.__name__}_{tag}")
+def _own_code(fn, tag: str):
+    """A copy of ``fn`` with its own code object, named after its configuration. Dynamo keeps its
+    compiled entries per code object and recompiles at most a few times per object
+    (``recompile_limit``): every configuration gets its own, so that several configurations never
+    push one past the limit (into eager flex: slow on a GPU, wrong on this CPU); the name is the same
+    in every process, so inductor's on-disk cache finds its compiled kernels again."""
+    code = fn.__code__.replace(co_name=f"{fn.__name__}__{tag}")
     return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
 
 
