@@ -69,16 +69,20 @@ def test_block_tables_are_the_executors_definition(n, block, S, wide):
     assert torch.equal(got, block_mask_reference(blocks, n, block))
 
 
-@pytest.mark.parametrize("n,block,window,glob", [(333, 64, 100, 16), (500, 128, 1024, 64), (130, 16, 7, 0),
-                                                 (257, 32, 64, 33)])
+@pytest.mark.parametrize("n,block,window,glob,dilation", [
+    (333, 64, 100, 16, 1), (500, 128, 1024, 64, 1), (130, 16, 7, 0, 1), (257, 32, 64, 33, 1), (333, 64, 40, 16, 3),
+    (200, 16, 9, 0, 7)])
 @pytest.mark.parametrize("wide", [True, False])
-def test_band_tables_are_the_band(n, block, window, glob, wide):
-    tables = flex._band_tables(n, n, block, window, glob, "cpu", wide)
-    got = dense_of(tables, flex._band_mod(window, glob), n, block)[0, 0]
+def test_band_tables_are_the_band(n, block, window, glob, dilation, wide):
+    from longpatch.methods.sparse import SparsePattern
+
+    tables = flex._band_tables(n, n, block, window, glob, "cpu", wide, dilation)
+    got = dense_of(tables, flex._band_mod(window, glob, dilation), n, block)[0, 0]
     p, c = torch.arange(n).view(-1, 1), torch.arange(n).view(1, -1)
-    assert torch.equal(got, (c <= p) & ((c < glob) | (c > p - window)))
+    pat = SparsePattern(window=window, global_tokens=glob, dilation=dilation)
+    assert torch.equal(got, (c <= p) & ((c < glob) | pat.in_window(p, c)))  # sparse's own definition
     full = tables[2]
-    assert int(full.max()) > 0 or window < 2 * block  # the band's inside runs maskless
+    assert int(full.max()) > 0 or window < 2 * block or dilation > 1  # the band's inside runs maskless
 
 
 def test_bad_backend_is_one_line():
@@ -183,10 +187,11 @@ def test_sparse_on_flex_equals_its_torch_path():
         torch.testing.assert_close(sparse_attention(a, b, c, window=100, global_tokens=16, backend="flex"),
                                    sparse_attention(a, b, c, window=100, global_tokens=16, backend="torch"),
                                    rtol=1e-5, atol=2e-6)
-    # random blocks and dilated windows are not a band: the torch path runs them
-    kw = dict(window=64, global_tokens=16, random_blocks=2, block=32)
-    assert torch.equal(sparse_attention(q, k, v, backend="flex", **kw),
-                       sparse_attention(q, k, v, backend="torch", **kw))
+    # random blocks and dilated windows (whose band mask torch 2.13's CPU template cannot compile): the
+    # torch path runs them
+    for kw in (dict(window=64, global_tokens=16, random_blocks=2, block=32), dict(window=40, dilation=3)):
+        assert torch.equal(sparse_attention(q, k, v, backend="flex", **kw),
+                           sparse_attention(q, k, v, backend="torch", **kw))
 
 
 @needs_flex

@@ -130,20 +130,22 @@ def _own_and_listed(blocks: torch.Tensor, nb: int, wide: bool):
     return part_num, own.contiguous(), full_num, full_idx.contiguous()
 
 
-def _band_tables(nq: int, nk: int, block: int, window: int, glob: int, device, wide: bool):
-    """The tables of a causal band (dilation 1): query row r sits at position p = r + nk - nq and
-    sees key c when c <= p and (c < glob or c > p - window). A (query block, key block) pair is
-    full when every row sees every key of it, partial when some row sees some key; the lists hold
-    the full (and the partial) blocks first, in block order. Sizes nqb x nkb: one entry per block
-    pair, shared by every head (the band does not depend on the data)."""
+def _band_tables(nq: int, nk: int, block: int, window: int, glob: int, device, wide: bool, dilation: int = 1):
+    """The tables of a causal band: query row r sits at position p = r + nk - nq and sees key c when
+    c <= p and (c < glob, or p - c = i * dilation for some 0 <= i < window). A (query block, key
+    block) pair is full when every row sees every key of it (a dilated window is never full), partial
+    when some row may see some key; the lists hold the full (and the partial) blocks first, in block
+    order. Sizes nqb x nkb: one entry per block pair, shared by every head (the band does not depend
+    on the data)."""
     off = nk - nq
     nqb, nkb = -(-nq // block), -(-nk // block)
     i = torch.arange(nqb, device=device).view(-1, 1)
     j = torch.arange(nkb, device=device).view(1, -1)
     plo, phi = off + i * block, off + torch.clamp((i + 1) * block, max=nq) - 1  # positions of the block's rows
     clo, chi = j * block, torch.clamp((j + 1) * block, max=nk) - 1  # keys of the key block
-    full = (chi <= plo) & ((chi < glob) | (clo > phi - window))
-    some = (clo <= phi) & ((clo < glob) | (chi > plo - window))
+    span = (window - 1) * dilation  # the farthest key of the window
+    full = (chi <= plo) & ((chi < glob) | ((clo >= phi - span) & (dilation == 1)))
+    some = (clo <= phi) & ((clo < glob) | (chi >= plo - span))
     part = some & ~full
 
     def lists(sel):  # the selected key blocks of each row first, in block order
@@ -152,16 +154,22 @@ def _band_tables(nq: int, nk: int, block: int, window: int, glob: int, device, w
         num = sel.sum(-1).to(torch.int32)
         idx = torch.where(idx >= nkb, idx - nkb, idx).to(torch.int32)
         if not wide:  # as wide as the most blocks a row can list
-            width = min(nkb, -(-window // block) + -(-glob // block) + 2)
+            width = min(nkb, -(-(span + 1) // block) + -(-glob // block) + 2)
             idx = idx[..., :width]
         return num.view(1, 1, nqb), idx.reshape(1, 1, nqb, -1).contiguous()
 
     return (*lists(part), *lists(full))
 
 
-def _band_mod(window: int, glob: int):
-    def mod(b, h, q_idx, kv_idx):
-        return (kv_idx <= q_idx) & ((kv_idx < glob) | (kv_idx > q_idx - window))
+def _band_mod(window: int, glob: int, dilation: int = 1):
+    if dilation == 1:
+        def mod(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx) & ((kv_idx < glob) | (kv_idx > q_idx - window))
+    else:
+        def mod(b, h, q_idx, kv_idx):
+            dist = q_idx - kv_idx
+            on_grid = (dist // dilation) * dilation == dist
+            return (dist >= 0) & ((kv_idx < glob) | (on_grid & (dist <= (window - 1) * dilation)))
     return mod
 
 
@@ -191,15 +199,15 @@ def _block_sparse_call(q, k, v, blocks, *, block: int, scale: float, need_lse: b
     return out.reshape(b, hq, n, d), None if lse is None else lse.reshape(b, hq, n)
 
 
-def _band_call(q, k, v, *, block: int, window: int, glob: int, scale: float, need_lse: bool):
+def _band_call(q, k, v, *, block: int, window: int, glob: int, dilation: int, scale: float, need_lse: bool):
     """q [b, hq, n, d], k/v [b, hk, n, d]: (out, lse or None) of the causal band (``_band_tables``),
     prefill (q_len == kv_len: the mask's positions are the rows' indices)."""
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
     n = q.shape[2]
     grad = _grad(q, k, v)
-    tables = _band_tables(n, n, block, window, glob, q.device, wide=not q.is_cuda or grad)
-    mask = BlockMask.from_kv_blocks(*tables, BLOCK_SIZE=block, mask_mod=_band_mod(window, glob),
+    tables = _band_tables(n, n, block, window, glob, q.device, wide=not q.is_cuda or grad, dilation=dilation)
+    mask = BlockMask.from_kv_blocks(*tables, BLOCK_SIZE=block, mask_mod=_band_mod(window, glob, dilation),
                                     seq_lengths=(n, n), compute_q_blocks=grad)
     res = flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=True, return_lse=need_lse,
                          kernel_options=_kernel_options(block, q.device))
@@ -295,10 +303,12 @@ def flex_block_sparse(q, k, v, blocks: torch.Tensor, block: int, scale: float, n
         return _cast(*fn(q, k, v, blocks), q)
 
 
-def flex_band(q, k, v, window: int, global_tokens: int, scale: float, need_lse: bool = True, block: int = 128):
+def flex_band(q, k, v, window: int, global_tokens: int, scale: float, need_lse: bool = True, block: int = 128,
+              dilation: int = 1):
     """Causal band attention on FlexAttention, prefill (q_len == kv_len): the query at position p
-    sees keys c <= p with c < global_tokens or c > p - window. (out, lse float32 or None on the CPU)."""
-    fn = compiled("band", block=block, window=window, glob=global_tokens, scale=float(scale),
+    sees keys c <= p with c < global_tokens or p - c = i * dilation (0 <= i < window): sparse's
+    global keys and (dilated) window, NSA's window. (out, lse float32 or None on the CPU)."""
+    fn = compiled("band", block=block, window=window, glob=global_tokens, dilation=dilation, scale=float(scale),
                   need_lse=need_lse and q.is_cuda)
     with _cpu_no_grad(q):
         return _cast(*fn(q, k, v), q)

@@ -454,7 +454,7 @@ def sparse_attention(q, k, v, *, causal: bool = True, scale: float | None = None
         out, lse = _triton_path(q, k, v, pat, scale)
     elif backend == "flex":
         from .flex import flex_band
-        out, lse = flex_band(q, k, v, pat.window, pat.global_tokens, scale, return_lse)
+        out, lse = flex_band(q, k, v, pat.window, pat.global_tokens, scale, return_lse, dilation=pat.dilation)
     else:
         out, lse = _torch_sparse(q, k, v, pat, scale)
     out = out.to(q.dtype)
@@ -462,8 +462,10 @@ def sparse_attention(q, k, v, *, causal: bool = True, scale: float | None = None
 
 
 def _flex_runs(q, k, v, pat: SparsePattern, return_lse: bool) -> bool:
-    """Whether FlexAttention runs this call: a causal prefill of the plain window and global keys (a
-    dilated window or random blocks run on the other paths), where ``flex.supports`` it."""
+    """Whether FlexAttention runs this call: a causal prefill of the plain window and global keys
+    (random blocks and dilated windows run on the other paths: flex's band has the dilated mask, but
+    torch 2.13's CPU template fails to compile it, so it waits for a GPU check), where
+    ``flex.supports`` it."""
     from .flex import supports
     plain = pat.causal and pat.dilation == 1 and pat.random_blocks == 0
     return plain and 1 < q.shape[2] == k.shape[2] and supports(q, k, v, 128, return_lse)
