@@ -234,13 +234,14 @@ def _decode_call(q, k, v, kept, *, block: int, local_blocks: int, scale: float, 
     full_idx = lst.clamp(min=0).to(torch.int32)
     own_idx = torch.full((b * hk, 1, 1, 1), own, dtype=torch.int32, device=q.device)
     part_num = torch.ones(b * hk, 1, 1, dtype=torch.int32, device=q.device)
-    if not q.is_cuda:  # the CPU template reads the tables as wide as the key blocks
+    grad = _grad(q, k, v)  # the backward reads the transposed tables, built from full-width ones
+    if not q.is_cuda or grad:  # the CPU template reads the tables as wide as the key blocks
         own_idx = torch.nn.functional.pad(own_idx, (0, nbk - 1))
         full_idx = torch.nn.functional.pad(full_idx, (0, max(0, nbk - full_idx.shape[-1])))[..., :nbk]
     # the own block needs no causal mask: the cache ends at t, and the kernel reads no key past the
     # sequence length (a partial block only because the block may be cut short by it)
     mask = BlockMask.from_kv_blocks(part_num, own_idx.contiguous(), full_num, full_idx.contiguous(),
-                                    BLOCK_SIZE=block, mask_mod=_any_key, seq_lengths=(1, n), compute_q_blocks=False)
+                                    BLOCK_SIZE=block, mask_mod=_any_key, seq_lengths=(1, n), compute_q_blocks=grad)
     res = flex_attention(q.reshape(b * hk, g, 1, d), k.reshape(b * hk, 1, n, d), v.reshape(b * hk, 1, n, d),
                          block_mask=mask, scale=scale, enable_gqa=True, return_lse=need_lse,
                          kernel_options=_kernel_options(block, q.device))
