@@ -21,6 +21,9 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from .errors import check_int
+from .options import MAX_TOKENS
+
 # The smallest growth step, in tokens: short prompts do not reallocate on every few tokens.
 MIN_GROWTH = 256
 
@@ -96,6 +99,8 @@ class GrowingCache(DynamicCache):
     allocated with the prompt (e.g. ``max_new_tokens``), so generation never reallocates."""
 
     def __init__(self, config=None, reserve: int = 0, **kwargs):
+        # checked here, not at the first allocation deep inside generate()
+        check_int("GrowingCache: reserve", reserve, 0, MAX_TOKENS)
         super().__init__(config=config, **kwargs)
         if self.layer_class_to_replicate is DynamicLayer:
             self.layer_class_to_replicate = lambda: GrowingLayer(reserve=reserve)

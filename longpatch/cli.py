@@ -1,6 +1,7 @@
 """The `longpatch` command line: list, apply, demo, bench attention|decode|generate, eval ppl|needle|longbench."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 from typing import Optional
@@ -33,12 +34,62 @@ def command(group: typer.Typer, name: str | None = None):
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
             try:
-                return fn(*args, **kwargs)
+                _check_paths(kwargs)
+                with _quiet_loading(kwargs.get("progress") is False):
+                    return fn(*args, **kwargs)
             except LongpatchError as e:
                 _err.print(f"longpatch: error: {e}", style="red", markup=False)
                 raise typer.Exit(2) from None
+            except (MemoryError, RuntimeError) as e:
+                # sizes past this machine's memory (--prefill, --seq-lens, ...) are input errors too: one line
+                if not _out_of_memory(e):
+                    raise
+                _err.print(f"longpatch: error: out of memory ({_first_line(e)}); allowed: sizes that fit this "
+                           "machine's memory", style="red", markup=False)
+                raise typer.Exit(2) from None
         return group.command(name)(wrapper)
     return register
+
+
+# The options that name a file, directory, model or tokenizer: each is checked by options.check_path before the
+# command runs (empty, blank or over-long text is a one-line error, not a write into '.' or an OSError)
+PATH_OPTIONS = ("model", "config", "save", "out", "data", "filler", "template", "needle_template", "essays", "qa",
+                "tokenizer")
+
+
+def _check_paths(kwargs: dict) -> None:
+    from .options import check_path
+
+    for name in PATH_OPTIONS:
+        if kwargs.get(name) is not None:
+            check_path("--" + name.replace("_", "-"), kwargs[name])
+
+
+@contextlib.contextmanager
+def _quiet_loading(quiet: bool):
+    """--no-progress also silences transformers' own bars ("Loading weights"), for the command's duration."""
+    if not quiet:
+        yield
+        return
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    """MemoryError, torch's OutOfMemoryError (CUDA), or the CPU allocator's RuntimeError."""
+    return isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or "can't allocate memory" in str(e)
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0][:200] if lines else type(e).__name__
 
 
 MODEL_HELP = "bundled alias, hub id, local path, saved patch dir, demo, or tiny:<family>"
@@ -165,30 +216,35 @@ def apply(
 ):
     """Load a model, patch it, and print which layers run which method."""
     from . import loading
+    from .options import MAX_TOKENS
     from .patching import patch_model
     from .specs import resolve
 
-    if prefill < 0:
-        raise ConfigError(f"--prefill: got {prefill}; allowed: an int >= 0 (0: no forward pass)")
+    if not 0 <= prefill <= MAX_TOKENS:
+        raise ConfigError(f"--prefill: got {prefill}; allowed: an int in [0, {MAX_TOKENS}] (0: no forward pass)")
     spec = resolve(model, config, method, layers, set_, trust_remote_code=trust_remote_code)
     cfg = spec.patch
-    if save:
+    if save is not None:
         loading.check_save_target(save)  # before minutes of loading
     loaded, tokenizer = loading.load_model(spec.load)
     patch_model(loaded, cfg)
     report = loaded.longpatch
-    t = Table(title=escape(f"{spec.load.model}: {report.family.name} family, {report.num_layers} layers"),
+    from .eval.sweep import model_dtype
+
+    t = Table(title=escape(f"{spec.load.model} ({model_dtype(loaded)}): {report.family.name} family, "
+                           f"{report.num_layers} layers"),
               title_justify="left")
     t.add_column("layer", justify="right"), t.add_column("method"), t.add_column("params")
     for row in report.rows():
         params = ", ".join(f"{k}={v}" for k, v in row["params"].items()) or "-"
         t.add_row(str(row["layer"]), row["method"], escape(params))
     console.print(t)
+    # the patch keys, named as such: a method param of the same name (hyper's min_seq_len) is in the table
     console.print(f"patched {len(report.layers)} of {report.num_layers} layers with '{cfg.method}' "
-                  f"(min_seq_len={cfg.min_seq_len}, backend={cfg.backend})", markup=False)
+                  f"(patch keys: min_seq_len={cfg.min_seq_len}, backend={cfg.backend})", markup=False)
     if prefill:
         _run_prefill(loaded, prefill)
-    if save:
+    if save is not None:
         out = loading.save_patch(loaded, cfg, save, tokenizer, spec.load)
         console.print(f"saved the model and longpatch.yaml to {out}: transformers loads it unpatched, "
                       f"longpatch.from_pretrained('{out}') or --model {out} re-applies the patch", markup=False)
@@ -246,7 +302,8 @@ def demo(
                        needle_length=needle_length,
                        needle_template=needle_template, needle_trials=needle_trials)
     nd = summary.get("needle")
-    t = Table(title=f"demo model, {summary['seq_len']} tokens, {summary['max_docs']} held-out docs: "
+    docs = f"{summary['max_docs']} held-out doc{'' if summary['max_docs'] == 1 else 's'}"
+    t = Table(title=f"demo model ({summary.get('dtype')}), {summary['seq_len']} tokens, {docs}: "
                     "perplexity, attention speed and retrieval vs replaced layers", title_justify="left")
     cols = ["config", "method", "layers", "ppl", "attention s", "speedup"]
     if nd:
@@ -290,17 +347,24 @@ def bench_attention(
     threads: Optional[int] = typer.Option(None, "--threads", help="torch.set_num_threads"),
     device: str = typer.Option("cpu", "--device", help="cpu, or cuda: the Triton kernels against torch SDPA"),
 ):
-    """Time each method against exact attention in the same run; writes JSON + a PNG plot."""
+    """Time each method against exact attention in the same run; writes JSON + a PNG plot.
+
+    Columns: ms and speedup (forward, median of --repeats calls, vs exact = torch SDPA); pairs: the
+    query-key products a call computes, its selection included (- where a method does not count them);
+    ideal: exact's pairs / the method's, the speedup if each product cost what exact's do; ratio: the
+    achieved speedup / ideal (1.0: as fast per product as SDPA); err random / err structured:
+    ||o - o_exact|| / ||o_exact|| on q, k, v ~ N(0, 1) (nearly uniform attention) / on inputs where each
+    query has one dominant key n/3 back; mem MiB: peak memory of one call (docs/benchmarks.md)."""
     from .bench.attention import run_attention_bench
     from .bench.common import method_params_from_sets
-    from .options import parse_ints
+    from .options import MAX_TOKENS, parse_ints
 
     modes = {"causal": (True,), "non-causal": (False,), "both": (True, False)}
     if mode not in modes:
         raise ConfigError(f"--mode: got {mode!r}; allowed: causal, non-causal, both")
     _set_threads(threads)
     names = _methods(methods)
-    run_attention_bench(methods=names, seq_lens=tuple(parse_ints("--seq-lens", seq_lens, 1)),
+    run_attention_bench(methods=names, seq_lens=tuple(parse_ints("--seq-lens", seq_lens, 1, high=MAX_TOKENS)),
                         causal_modes=modes[mode], heads=heads, head_dim=head_dim, batch=batch, dtype=dtype,
                         backward=backward, repeats=repeats, out_dir=out,
                         method_params=method_params_from_sets(("exact", *names), set_),
@@ -510,15 +574,20 @@ def bench_decode(
     errors: bool = typer.Option(True, "--errors/--no-errors", help="error columns vs exact attention"),
     device: str = typer.Option("cpu", "--device", help="cpu, or cuda: the Triton kernels against torch SDPA"),
 ):
-    """Time one decode step against caches of each length (decode state given) vs exact decode."""
+    """Time one decode step against caches of each length (decode state given) vs exact decode.
+
+    Columns: decode ms and exact ms (one q_len = 1 step, median of --repeats), speedup, init_state ms (the
+    method's decode state built from the cache once), err random / err structured: ||o - o_exact|| /
+    ||o_exact|| on N(0, 1) inputs / on inputs with one dominant key per query (docs/benchmarks.md)."""
     from .bench.common import method_params_from_sets
     from .bench.decode import run_decode_bench
-    from .options import parse_ints
+    from .options import MAX_TOKENS, parse_ints
 
     _set_threads(threads)
     names = _methods(methods)
-    run_decode_bench(methods=names, cache_lens=tuple(parse_ints("--cache-lens", cache_lens, 1)), heads=heads,
-                     head_dim=head_dim, repeats=repeats, out_dir=out,
+    cache_lens_ = tuple(parse_ints("--cache-lens", cache_lens, 1, high=MAX_TOKENS))
+    run_decode_bench(methods=names, cache_lens=cache_lens_, heads=heads, head_dim=head_dim, repeats=repeats,
+                     out_dir=out,
                      method_params=method_params_from_sets(("exact", *names), set_),
                      kv_heads=kv_heads, batch=batch, dtype=dtype, errors=errors, device=device)
 

@@ -170,8 +170,8 @@ def as_config(cfg: "PatchConfig | dict | str | Path") -> PatchConfig:
     """Accept a PatchConfig, a plain dict, or a YAML path / bundled alias."""
     if isinstance(cfg, PatchConfig):
         return cfg
-    if isinstance(cfg, dict):  # like a YAML file: loading keys are checked and left to load_model
-        return split_config(cfg).patch
+    if isinstance(cfg, dict):  # a patch: a loading key here would be dropped silently, so it is refused
+        return PatchConfig.from_dict(cfg)
     if isinstance(cfg, (str, Path)):
         return load_config(cfg)
     raise ConfigError(f"config: got a {type(cfg).__name__}; allowed: PatchConfig, dict, or a YAML path/alias")

@@ -198,7 +198,13 @@ class ByteTokenizer:
 def resolve_tokenizer(given=None, loaded=None, model_name: str | None = None, trust_remote_code: bool = False):
     """The tokenizer of every evaluation: `given` (--tokenizer / tokenizer=: 'bytes', a name or path, or an
     object), else the one loaded with the model, else the model's name looked up (model_name None: nothing
-    to look up, e.g. a model object without a name); one line when there is none."""
+    to look up, e.g. a model object without a name); one line when there is none. 'bytes' for a model that
+    came with its own tokenizer is an error: its ids would mean other tokens, and every score would be noise."""
+    if given == BYTES and loaded is not None and not isinstance(loaded, ByteTokenizer):
+        raise ConfigError(f"--tokenizer bytes: {model_name or 'the model'} comes with its own tokenizer "
+                          f"({getattr(loaded, 'name_or_path', '') or type(loaded).__name__}), which its ids mean; "
+                          "allowed: that tokenizer (leave --tokenizer out), or 'bytes' only for models without one "
+                          "(tiny:*)")
     if isinstance(given, str):
         return load_tokenizer(given, trust_remote_code)
     if given is not None:

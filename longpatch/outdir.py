@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 
 from .errors import ConfigError
+from .options import check_path
 
 MARKER = ".longpatch-command"
 
@@ -20,7 +21,7 @@ def check_creatable(path: "str | os.PathLike", flag: str, allowed: str) -> Path:
     """`path` as a directory `flag` will write: an existing directory, or a path whose nearest existing
     ancestor is a directory. Whether we can write there is probed with a temporary directory, removed at
     once: permissions alone miss read-only and virtual file systems (/proc) and root's rights."""
-    out = Path(path)
+    out = Path(check_path(flag, os.fspath(path)))
     if out.exists() and not out.is_dir():
         raise ConfigError(f"{flag}: {out} exists and is not a directory; allowed: {allowed}")
     ancestor = out
@@ -46,13 +47,17 @@ def written_by(path: "str | os.PathLike") -> str | None:
 
 def check_out(path: "str | os.PathLike", command: str, flag: str = "--out") -> Path:
     """Refuse, before any work, an output directory `command` (e.g. 'eval ppl') cannot use: a file, a
-    path that cannot be created, or a directory another command wrote. Creates nothing."""
-    allowed = f"a new directory or one `longpatch {command}` wrote"
+    path that cannot be created, a directory another command wrote, or a non-empty directory no command
+    marked (the user's own files, which our results.json or records would overwrite). Creates nothing."""
+    allowed = f"a new or empty directory, or one `longpatch {command}` wrote"
     out = check_creatable(path, flag, allowed)
     owner = written_by(out)
     if owner is not None and owner != command:
         raise ConfigError(f"{flag}: {out} holds the output of `longpatch {owner}`, which `longpatch {command}` "
                           f"would overwrite or mix with; allowed: {allowed}")
+    if owner is None and out.is_dir() and next(out.iterdir(), None) is not None:
+        raise ConfigError(f"{flag}: {out} is a non-empty directory that longpatch did not write (no {MARKER}); "
+                          f"its files could be overwritten; allowed: {allowed}")
     return out
 
 

@@ -82,13 +82,17 @@ def patch_model(model, cfg: "PatchConfig | dict | str | Path", *, timed: bool = 
     timed: time every attention call from the start (as ``timing(model)`` does for a block); the
     evaluations and benchmarks set it, a served model should not (each timed call syncs a GPU).
 
-    Patching an already patched model is an error: call unpatch_model first.
+    Patching a model whose patch replaces some layers is an error: call unpatch_model first. A patch
+    that replaces no layers (layers=0, the sweeps' baseline) is replaced by the new one.
     """
     cfg = as_config(cfg)
     check_runnable(None, [cfg])
-    if getattr(model, REPORT_ATTR, None) is not None:
-        raise ConfigError("model is already patched by longpatch (see model.longpatch); "
-                          "call unpatch_model(model) first")
+    current = getattr(model, REPORT_ATTR, None)
+    if current is not None and current.layers:
+        raise ConfigError(f"model is already patched by longpatch ({len(current.layers)} layers run "
+                          f"'{current.config.method}', see model.longpatch); call unpatch_model(model) first")
+    if current is not None:  # a patch of no layers replaced nothing: the new patch takes its place
+        unpatch_model(model)
     family = detect_family(model, cfg.family)
     n = family.num_layers(model)
     chosen = set(select_layers(cfg.layers, n))

@@ -80,7 +80,7 @@ def test_save_onto_a_file_or_an_uncreatable_path_fails_before_loading(tmp_path, 
 
 
 def test_negative_prefill():
-    assert_one_line_error(invoke("apply", "--model", "tiny:llama", "--prefill", "-5"), "--prefill", "-5", ">= 0")
+    assert_one_line_error(invoke("apply", "--model", "tiny:llama", "--prefill", "-5"), "--prefill", "-5", "[0, ")
 
 
 def test_triton_backend_without_cuda_or_interpreter_is_refused_up_front(tmp_path, monkeypatch):
@@ -548,3 +548,193 @@ def test_a_method_that_is_exact_for_the_whole_run_is_said_once(tmp_path, caplog)
     # 8-token chunks: 8 chunks at 64 tokens, 32 at 256 and more: top-4 approximates
     assert said("ppl", "--layer-counts", "0,1", "--set", "chunk_size=8") == []
     assert said("needle", "--layer-counts", "0,1", "--set", "chunk_size=8") == []
+
+
+# ---- issue 42: a new user's third round ------------------------------------------------------------
+
+def listing(root):
+    """Every path under root with its bytes: what 'nothing written' compares."""
+    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None for p in sorted(root.rglob("*"))}
+
+
+# 1. an --out that holds the user's own files (no marker of ours) is refused before any work, '' and blank too
+@pytest.mark.parametrize("command", ["eval ppl", "eval needle", "eval longbench", "demo", "bench attention",
+                                     "bench decode"])
+def test_out_with_the_users_files_is_refused_and_left_alone(tmp_path, no_work, command):
+    mine = tmp_path / "d"
+    mine.mkdir()
+    (mine / "results.json").write_text('{"my": "important"}')
+    (mine / "records.jsonl").write_text("notes\n")
+    before = listing(tmp_path)
+    argv = out_commands(tmp_path)[command]
+    assert_one_line_error(invoke(*argv, "--out", str(mine)), "--out", str(mine), "non-empty", "did not write")
+    for blank in ("", "   "):
+        assert_one_line_error(invoke(*argv, "--out", blank), "--out", "empty")
+    assert listing(tmp_path) == before
+
+
+def test_out_that_is_an_empty_directory_is_used(tmp_path):
+    out = tmp_path / "empty"
+    out.mkdir()
+    assert invoke(*bench_argv("attention"), "--out", str(out)).exit_code == 0
+    assert (out / ".longpatch-command").read_text().strip() == "bench attention"
+
+
+def test_save_blank_is_refused_before_loading(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for blank in ("", "   "):
+        r = invoke("apply", "--model", "tiny:llama", "--method", "exact", "--save", blank)
+        assert_one_line_error(r, "--save", "empty")
+    assert list(tmp_path.iterdir()) == []
+
+
+# 4. a 5000-character path or name is one line, not an OSError, for every path option
+LONG = "x" * 5000
+
+
+@pytest.mark.parametrize("argv", [
+    ("apply", "--model", LONG), ("apply", "--model", "tiny:llama", "--config", LONG),
+    ("apply", "--model", "tiny:llama", "--method", "exact", "--save", LONG),
+    ("eval", "ppl", "--model", "tiny:llama", "--out", LONG), ("eval", "ppl", "--model", "tiny:llama", "--data", LONG),
+    ("eval", "ppl", "--model", "tiny:llama", "--tokenizer", LONG),
+    ("eval", "needle", "--model", "tiny:llama", "--filler", LONG),
+    ("eval", "needle", "--model", "tiny:llama", "--template", LONG),
+    ("eval", "ruler", "--model", "tiny:llama", "--essays", LONG),
+    ("eval", "ruler", "--model", "tiny:llama", "--qa", LONG),
+    ("demo", "--needle-template", LONG),
+])
+def test_an_over_long_path_is_one_line(tmp_path, monkeypatch, argv):
+    monkeypatch.chdir(tmp_path)
+    flag = next(a for a, b in zip(argv, argv[1:]) if b == LONG)
+    assert_one_line_error(invoke(*argv), flag, "5000 characters", "at most 4096")
+    assert list(tmp_path.iterdir()) == []
+
+
+# 4. ranges are counted before they are expanded; sizes past any context are one line
+@pytest.mark.parametrize("argv, flag", [
+    (bench_argv("attention", **{"--seq-lens": "1:100000000000"}), "--seq-lens"),
+    (bench_argv("attention", **{"--seq-lens": "99999999999999999999"}), "--seq-lens"),
+    (bench_argv("decode", **{"--cache-lens": "1:100000000000"}), "--cache-lens"),
+    ((*EVAL, "--layer-counts", "0:100000000", "--data", "x"), "--layer-counts"),
+    (("eval", "needle", "--model", "tiny:llama", "--depths", "0:1:0.0000001"), "--depths"),
+    (("eval", "needle", "--model", "tiny:llama", "--lengths", "64:99999999999"), "--lengths"),
+    (("apply", "--model", "tiny:llama", "--prefill", "99999999999999999999"), "--prefill"),
+])
+def test_huge_ranges_and_sizes_are_one_line(tmp_path, no_work, argv, flag):
+    out = tmp_path / "o"
+    assert_one_line_error(invoke(*argv, *(("--out", str(out)) if argv[0] != "apply" else ())), flag)
+    assert not out.exists()
+
+
+# 6. nonsense that used to be accepted
+def test_bench_max_exact_len_must_be_positive(tmp_path, no_work):
+    out = tmp_path / "b"
+    for bad in ("-1", "0"):
+        assert_one_line_error(invoke(*bench_argv("attention", **{"--max-exact-len": bad, "--out": str(out)})),
+                              "--max-exact-len", bad)
+    assert not out.exists()
+
+
+def test_a_400_digit_param_is_one_line():
+    r = invoke("apply", "--model", "tiny:llama", "--method", "hyper", "--set", "block_size=" + "9" * 400)
+    assert_one_line_error(r, "block_size", "400 digits", "2**62")
+
+
+def test_bytes_tokenizer_for_a_model_with_its_own_is_refused(tmp_path):
+    out = tmp_path / "o"
+    r = invoke("eval", "ppl", "--model", "demo", "--data", "demo", "--seq-len", "64", "--max-docs", "1",
+               "--tokenizer", "bytes", "--out", str(out), "--no-progress")
+    assert_one_line_error(r, "--tokenizer bytes", "its own tokenizer")
+    assert not out.exists()
+
+
+# 5. one answer to one input
+def test_repeated_layers_are_an_error_on_the_cli_as_in_a_config():
+    assert_one_line_error(invoke("apply", "--model", "tiny:llama", "--method", "exact", "--layers", "0,0"),
+                          "--layers", "more than once")
+    assert_one_line_error(invoke("apply", "--model", "tiny:llama", "--method", "exact", "--layers", "0:1,1:1"),
+                          "--layers", "more than once")
+
+
+def test_a_param_without_effect_under_the_selection_is_an_error():
+    r = invoke("apply", "--model", "tiny:llama", "--method", "moba", "--set", "mass=0.5")
+    assert_one_line_error(r, "params.mass", "no effect with selection 'gate'")
+    r = invoke("apply", "--model", "tiny:llama", "--method", "moba", "--set", "mass=0.5", "--set", "selection=estimate",
+               "--set", "chunk_size=16")
+    assert r.exit_code == 0, r.output
+
+
+# 7. messages name the flags a CLI user typed
+@pytest.mark.parametrize("argv, flag", [
+    ((*EVAL, "--max-docs", "0", "--data", "x"), "--max-docs: got 0"),
+    ((*EVAL, "--seq-len", "1", "--data", "x"), "--seq-len: got 1"),
+    ((*EVAL, "--loss-chunk", "0", "--data", "x"), "--loss-chunk: got 0"),
+    (("eval", "needle", "--model", "tiny:llama", "--batch-size", "0"), "--batch-size: got 0"),
+    (("eval", "longbench", "--model", "tiny:llama", "--data", "demo", "--max-length", "1"), "--max-length: got 1"),
+    (("eval", "needle", "--model", "tiny:llama", "--num-processes", "0"), "--num-processes: got 0"),
+])
+def test_errors_name_the_flag(tmp_path, argv, flag):
+    out = tmp_path / "o"
+    assert_one_line_error(invoke(*argv, "--out", str(out), "--no-progress"), flag)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (("eval", "needle", "--model", "tiny:llama", "--tokenizer", "bytes", "--filler"), "--filler"),
+    (("eval", "ruler", "--model", "tiny:llama", "--tokenizer", "bytes", "--tasks", "niah_single_2", "--essays"),
+     "--essays"),
+    (("eval", "ruler", "--model", "tiny:llama", "--tokenizer", "bytes", "--tasks", "qa_1", "--qa"), "--qa"),
+])
+def test_a_missing_input_file_says_it_does_not_exist(tmp_path, argv, flag):
+    missing = str(tmp_path / "nope.txt")
+    r = invoke(*argv, missing, "--lengths", "256", "--out", str(tmp_path / "o"), "--no-progress")
+    assert_one_line_error(r, flag, "does not exist")
+
+
+def test_bench_set_lists_each_benchmarked_method_once(tmp_path, no_work):
+    r = invoke(*bench_argv("attention", **{"--methods": "exact,hyper", "--set": "bogus=1",
+                                           "--out": str(tmp_path / "b")}))
+    assert_one_line_error(r, "(exact, hyper)")
+
+
+# 8. docs and output say the same thing
+def test_demo_model_eval_output_names_one_document_the_dtype_and_no_loading_bars(tmp_path):
+    out = tmp_path / "o"
+    r = invoke("eval", "ppl", "--model", "demo", "--data", "demo", "--seq-len", "64", "--max-docs", "1",
+               "--warmup", "0", "--layer-counts", "0", "--no-progress", "--out", str(out))
+    assert r.exit_code == 0, r.output
+    assert "Loading weights" not in r.stderr and "Loading weights" not in r.stdout
+    title = " ".join(r.stdout.split())
+    assert "(float32)" in title and "1 document (" in title and "1 documents" not in title
+    results = json.loads((out / "results.json").read_text())
+    assert results["dtype"] == "float32"
+    assert [c["label"] for c in results["configs"]] == ["exact"]  # the baseline's one name (was baseline:0)
+
+
+def test_apply_names_the_patch_keys_apart_from_the_method_params_and_the_dtype():
+    r = invoke("apply", "--model", "tiny:llama", "--method", "hyper")
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.stdout.split())
+    assert "(patch keys: min_seq_len=0, backend=auto)" in text and "min_seq_len=4096" in text
+    assert "tiny:llama (float32)" in text
+
+
+def test_readme_names_every_config_the_demo_runs():
+    from pathlib import Path
+
+    from longpatch.eval.demo import demo_configs
+
+    readme = " ".join((Path(__file__).parents[1] / "README.md").read_text().split())
+    start = readme.index("`longpatch demo` patches")
+    para = readme[start:readme.index("prints held-out", start)]
+    for alias in demo_configs():
+        assert f"`{alias}`" in para, alias
+    assert f"{['no', 'one', 'two', 'three', 'four', 'five', 'six', 'seven'][len(demo_configs())]} configs" in para
+
+
+def test_bench_help_explains_its_columns():
+    text = " ".join(invoke("bench", "attention", "--help").stdout.split())
+    for column in ("pairs:", "ideal:", "ratio:", "err random / err structured:", "mem MiB:"):
+        assert column in text, column
+    text = " ".join(invoke("bench", "decode", "--help").stdout.split())
+    assert "init_state ms" in text and "err random / err structured:" in text

@@ -69,9 +69,11 @@ def test_patch_and_load_specs_apart():
         LoadSpec(model="x", device_map="cuda")
     both = split_config({"model": "demo", "dtype": "float32", "method": "moba", "layers": 2})
     assert both.load == {"model": "demo", "dtype": "float32"} and both.patch == PatchConfig("moba", layers=2)
-    # a dict given to patch_model is read like a YAML file: its loading keys are checked, then left out
+    # a dict given to patch_model is a patch, as PatchConfig.from_dict reads it: a loading key is refused, not
+    # dropped (issue 42); a YAML file holds both halves
     from longpatch.config import as_config
-    assert as_config({"model": "demo", "method": "moba"}) == PatchConfig("moba")
+    with pytest.raises(ConfigError, match="^model: a loading key"):
+        as_config({"model": "demo", "method": "moba"})
 
 
 def test_yaml_errors(tmp_path):

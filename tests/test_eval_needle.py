@@ -119,7 +119,7 @@ def test_summary_and_heatmap(tmp_path):
              "expected": "1", "predicted": "1" if (t + n) % 2 else "2", "correct": bool((t + n) % 2)}
             for n in (1024, 2048) for d in (0.0, 0.5) for t in range(3)]
     summary = N.summarize_records(recs)
-    assert [(s["length"], s["trials"]) for s in summary] == [(1024, 6), (2048, 6)]
+    assert [(s["length"], s["prompts"]) for s in summary] == [(1024, 6), (2048, 6)]
     assert summary[0]["accuracy"] == pytest.approx(1 / 3)
     lengths, depths, grid = N.accuracy_grid(recs, "c", 2)
     assert lengths == [1024, 2048] and depths == [0.0, 0.5] and grid[0][1] == pytest.approx(1 / 3)
@@ -171,7 +171,7 @@ def test_cli_writes_results_csv_and_heatmaps(grid_run):
     assert len(summary) == 3 * 2
     for (config, layers, length), s in summary.items():
         cell = [r for r in recs if (r["config"], r["layers"], r["length"]) == (config, layers, length)]
-        assert s["trials"] == 2 and s["accuracy"] == sum(r["correct"] for r in cell) / 2
+        assert s["prompts"] == 2 and s["accuracy"] == sum(r["correct"] for r in cell) / 2
         assert s["attention_seconds"] > 0 and "patched" in s["attention_seconds_by_path"] or layers == 0
     rows = list(csv.DictReader((grid_run / "results.csv").open()))
     assert {(r["config"], int(r["layers"]), int(r["length"])) for r in rows} == set(summary)
@@ -199,7 +199,7 @@ def test_a_smaller_grid_in_the_same_out_reports_only_its_own_cells(tmp_path):
     assert len((out / "records.jsonl").read_text().splitlines()) == 4
     res = json.loads((out / "results.json").read_text())
     assert [(x["depth"], x["trial"]) for x in res["records"]] == [(0.25, 0)]
-    assert res["trials"] == 1 and res["summary"][0]["trials"] == 1
+    assert res["trials"] == 1 and res["summary"][0]["prompts"] == 1
 
 
 @pytest.mark.parametrize("argv, needle", [

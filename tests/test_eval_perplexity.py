@@ -168,7 +168,7 @@ def test_layer_sweep_repatches_and_reports(data, tmp_path, blur):
     r = perplexity("tiny:llama", "0:4:2", method=blur, data=data, out=str(out), max_docs=1,
                    **{**FAST, "plots": True})
     assert [(c["label"], c["layers"], c["indices"]) for c in r["configs"]] == [
-        ("baseline:0", 0, []), ("test_blur:2", 2, [2, 3]), ("test_blur:4", 4, [0, 1, 2, 3])]
+        ("exact", 0, []), ("test_blur:2", 2, [2, 3]), ("test_blur:4", 4, [0, 1, 2, 3])]
     ppl = [c["all"]["ppl"] for c in r["configs"]]
     assert len(set(ppl)) == 3  # each point really ran with its own layers
     assert r["documents"]["skipped"] == {"too_short": 1, "not_examined": 3 + 1 + 2}  # max_docs=1 per subset

@@ -279,7 +279,7 @@ def test_compressed_given_and_callable_compress():
 # --------------------------------------------------------------------------- decode
 
 def _decode(q, k, v, state, **params):
-    full = NSA.resolve_params({"gates": list(nsa_mod.DEFAULT_GATES), **params})  # the op's gates, to compare
+    full = NSA.resolve_params(params)  # the op's default gates are the method's
     return NSA.decode(q, k, v, causal=True, scale=None, backend="torch", buffers={}, state=state, **full)
 
 

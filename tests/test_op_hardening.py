@@ -169,7 +169,9 @@ def test_nonfinite_isolation_with_lse_per_branch(b, nq):
     g = torch.Generator().manual_seed(1)
     q = torch.randn(b, 4, nq, 16, generator=g)
     k, v = torch.randn(b, 2, 63, 16, generator=g), torch.randn(b, 2, 63, 16, generator=g)
-    kw = dict(return_lse=True, compress_block=8, compress_stride=4, select_block=8, num_selected=3, window=8)
+    # every branch in the output (the op's default g_cmp = 0 leaves the compressed branch out of it)
+    kw = dict(return_lse=True, compress_block=8, compress_stride=4, select_block=8, num_selected=3, window=8,
+              gates=(1 / 3, 1 / 3, 1 / 3))
     out_ref, lse_ref = nsa_attention(q, k, v, **kw)
     k[0, 0, 21, 5] = float("nan")
     out, lse = nsa_attention(q, k, v, **kw)
@@ -180,3 +182,88 @@ def test_nonfinite_isolation_with_lse_per_branch(b, nq):
     torch.testing.assert_close(out[:, 2:], out_ref[:, 2:])  # the other KV head never sees it
     if b == 2:
         torch.testing.assert_close(out[1], out_ref[1])  # nor does the other batch row
+
+
+# ------------------------------------------------------------------- issue 42: params beyond the input, one scale rule
+
+BIG = 10 ** 23  # past int64: an OverflowError before, and a window of it allocated gigabytes
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_sparse_sizes_past_the_input_are_clamped_to_it(causal):
+    from longpatch.methods.sparse import SparsePattern
+
+    q, k, v = qkv(40, 40)
+    everything = exact_attention(q, k, v, causal=causal)
+    for window in (81, 10 ** 6, BIG):  # every key (non-causal: 39 on each side): exact
+        out = sparse_attention(q, k, v, causal=causal, window=window, global_tokens=0)
+        torch.testing.assert_close(out, everything)
+    only_self = sparse_attention(q, k, v, causal=causal, window=3, dilation=BIG, global_tokens=0)
+    torch.testing.assert_close(only_self, sparse_attention(q, k, v, causal=causal, window=1, global_tokens=0))
+    all_blocks = dict(causal=causal, window=1, global_tokens=0, block=8)
+    torch.testing.assert_close(sparse_attention(q, k, v, random_blocks=BIG, **all_blocks),
+                               sparse_attention(q, k, v, random_blocks=5, **all_blocks))
+    torch.testing.assert_close(sparse_attention(q, k, v, causal=causal, global_tokens=BIG), everything)
+    fitted = SparsePattern(window=BIG, global_tokens=BIG, dilation=BIG, random_blocks=BIG, block=BIG,
+                           causal=causal).fitted(40, 40)
+    assert max(fitted.window, fitted.global_tokens, fitted.dilation, fitted.random_blocks, fitted.block) <= 161
+
+
+def test_nsa_sizes_past_the_input_are_clamped_to_it():
+    from longpatch.methods.nsa.blocks import fit_params
+
+    q, k, v = qkv(40, 40)
+    small = dict(compress_block=8, compress_stride=4, select_block=8)
+    torch.testing.assert_close(nsa_attention(q, k, v, num_selected=BIG, **small),
+                               nsa_attention(q, k, v, num_selected=5, **small))  # 5 blocks of 8: every block
+    torch.testing.assert_close(nsa_attention(q, k, v, window=BIG, **small), nsa_attention(q, k, v, window=40, **small))
+    torch.testing.assert_close(nsa_attention(q, k, v, compress_block=BIG, compress_stride=BIG, select_block=BIG),
+                               nsa_attention(q, k, v, compress_block=41, compress_stride=41, select_block=41))
+    assert max(fit_params(40, BIG, BIG, BIG, BIG, BIG, BIG, BIG)) <= 41
+
+
+ALL_OPS = [exact_attention, hyper_attention, linear_attention, moba_attention, nsa_attention, performer_attention,
+           sparse_attention]
+
+
+@pytest.mark.parametrize("op", ALL_OPS, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("scale", [0, -1.0, float("nan"), float("inf"), "abc", True])
+def test_every_op_takes_one_scale_rule(op, scale):
+    q, k, v = qkv(16, 16, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"^scale: got .*allowed: a positive finite number"):
+        op(q, k, v, scale=scale)
+
+
+@pytest.mark.parametrize("op", ALL_OPS, ids=lambda f: f.__name__)
+def test_op_argument_errors_are_one_clear_line(op):
+    q, k, v = qkv(16, 16, dtype=torch.float32)
+    cases = [((q.tolist(), k, v), {}, "must be torch tensors"),
+             ((q[..., :0], k[..., :0], v[..., :0]), {}, "head_dim must be >= 1"),
+             (tuple(t.to("meta") for t in (q, k, v)), {}, "meta tensors"),
+             ((q, k, v), {"causal": "yes"}, "causal must be True or False")]
+    for args, kw, match in cases:
+        with pytest.raises(ValueError, match=match) as e:
+            op(*args, **kw)
+        assert "\n" not in str(e.value)
+    empty = op(q[:0], k[:0], v[:0], causal=True)  # an empty batch is an empty answer
+    assert empty.shape == (0, *q.shape[1:])
+
+
+def test_exact_attn_mask_of_the_wrong_shape_is_one_line():
+    q, k, v = qkv(16, 16, dtype=torch.float32)
+    for mask in (torch.ones(3, 5, dtype=torch.bool), [[1]], torch.ones(1, 2, 16, 16, dtype=torch.int64)):
+        with pytest.raises(ValueError, match="attn_mask must be a bool or float tensor broadcastable"):
+            exact_attention(q, k, v, attn_mask=mask)
+
+
+def test_nsa_default_gates_are_the_methods():
+    from longpatch.methods import get_method
+
+    q, k, v = qkv(40, 40)
+    params = get_method("nsa").resolve_params({"compress_block": 8, "compress_stride": 4, "select_block": 8,
+                                               "num_selected": 3, "window": 8})
+    assert params["gates"] == [0.0, 0.75, 0.25]
+    torch.testing.assert_close(nsa_attention(q, k, v, **{n: params[n] for n in ("compress_block", "compress_stride",
+                                                                                "select_block", "num_selected",
+                                                                                "window")}),
+                               nsa_attention(q, k, v, **{n: p for n, p in params.items() if n not in ("seed",)}))

@@ -299,9 +299,9 @@ def test_eval_ppl_sequence_parallel_matches_one_process(tmp_path, monkeypatch, c
 def test_eval_ppl_sequence_parallel_errors(tmp_path, monkeypatch, capsys):
     code, _, err = _cli(["eval", "ppl", "--model", "tiny:llama", "--sequence-parallel", "2", "--num-processes", "2",
                          "--out", str(tmp_path / "x")], monkeypatch, capsys)
-    assert code == 2 and "cannot be combined with num_processes" in err and len(err.strip().splitlines()) == 1
+    assert code == 2 and "cannot be combined with --num-processes" in err and len(err.strip().splitlines()) == 1
     code, _, err = _cli(["eval", "ppl", "--model", "tiny:llama", "--sequence-parallel", "0"], monkeypatch, capsys)
-    assert code == 2 and "sequence_parallel: got 0" in err
+    assert code == 2 and "--sequence-parallel: got 0" in err
 
 
 def test_eval_ppl_sequence_parallel_worker_error_is_one_line(tmp_path, monkeypatch, capfd):

@@ -189,3 +189,45 @@ def test_save_pretrained_of_a_patched_model_loads_into_the_unpatched_model(tmp_p
     assert not info["unexpected_keys"] and not info["missing_keys"]
     moved = model.to(torch.float64)  # the buffers still move with the model
     assert all(t.dtype == torch.float64 for k, t in moved.named_buffers() if k.endswith("longpatch_lsh_dirs"))
+
+
+# issue 42: one answer to one input in the Python API
+@pytest.mark.parametrize("key, value", [("dtype", "float16"), ("model", "x"), ("trust_remote_code", True)])
+def test_patch_model_refuses_a_loading_key_as_patchconfig_does(key, value):
+    cfg = {"method": "hyper", key: value}
+    with pytest.raises(ConfigError, match=f"^{key}: a loading key"):
+        longpatch.PatchConfig.from_dict(cfg)
+    model = tiny_model("llama")
+    with pytest.raises(ConfigError, match=f"^{key}: a loading key"):
+        patch_model(model, cfg)
+    assert patched_layers(model) == [] and getattr(model, "longpatch", None) is None
+
+
+def test_a_patch_of_no_layers_is_replaced_by_the_next_patch():
+    model = tiny_model("llama")
+    patch_model(model, {"method": "hyper", "layers": 0})
+    assert patched_layers(model) == []
+    patch_model(model, {"method": "exact", "layers": 1})
+    assert patched_layers(model) == [model.config.num_hidden_layers - 1]
+    with pytest.raises(ConfigError, match="already patched by longpatch .1 layers run 'exact'"):
+        patch_model(model, {"method": "hyper", "layers": 1})
+
+
+def test_growing_cache_reserve_is_checked_when_built():
+    from longpatch import GrowingCache
+
+    for bad in (-1, "abc", 10 ** 12, 1.5):
+        with pytest.raises(ConfigError, match="GrowingCache: reserve"):
+            GrowingCache(reserve=bad)
+    assert GrowingCache(reserve=64) is not None
+
+
+def test_nsa_module_sizes_are_checked():
+    from longpatch.ops import NSAAttention
+
+    for args in ((0, 4, 2, 16), (64, 0, 2, 16), (64, 4, 0, 16), (64, 4, 2, 0)):
+        with pytest.raises(ValueError, match="NSAAttention: "):
+            NSAAttention(*args)
+    with pytest.raises(ValueError, match="^scale: got -1"):
+        NSAAttention(64, 4, 2, 16, scale=-1)
+    assert NSAAttention(64, 4, 2, 16) is not None

@@ -77,3 +77,38 @@ def test_list_grammar():
         parse_floats("--d", "0.5,2", 0, 1, "x")
     with pytest.raises(ConfigError, match="malformed YAML"):
         parse_set("layers=[1, 2")
+
+
+# issue 42: a float range never yields a value past its end (float steps included); ranges are counted
+# against their bounds before they are expanded; de-duplication is linear
+@pytest.mark.parametrize("spec, want", [
+    ("0.1:0.9:0.3", [0.1, 0.4, 0.7]), ("0:1:0.6", [0.0, 0.6]), ("0:0.5:0.3", [0.0, 0.3]),
+    ("0:1:0.1", [round(i / 10, 6) for i in range(11)]), ("0.1:1:0.3", [0.1, 0.4, 0.7, 1.0]),
+    ("0:0.3:0.1", [0.0, 0.1, 0.2, 0.3]), ("0.25:0.25:1", [0.25]),
+])
+def test_float_ranges_stop_at_their_end(spec, want):
+    assert parse_floats("--depths", spec, 0, 1, "x") == want
+
+
+def test_ranges_are_bounded_before_expansion_and_deduplicated_in_linear_time():
+    from longpatch.options import MAX_VALUES
+
+    for spec in ("1:100000000000", f"0:{MAX_VALUES}", f"1:{MAX_VALUES // 2},1:{MAX_VALUES // 2 + 2}"):
+        with pytest.raises(ConfigError, match=f"at most {MAX_VALUES} values"):
+            parse_ints("--x", spec)
+    with pytest.raises(ConfigError, match="at most"):
+        parse_floats("--d", "0:1:0.0000001", 0, 1, "x")
+    with pytest.raises(ConfigError, match=r"<= 100"):
+        parse_ints("--x", "1:1000000000", high=100)
+    with pytest.raises(ConfigError, match=r"in \[1, 100\]"):
+        parse_ints("--x", "101", 1, high=100)
+    half = MAX_VALUES // 2
+    assert parse_ints("--x", f"1:{half},1:{half}") == list(range(1, half + 1))  # quadratic: seconds
+
+
+def test_layers_refuse_repeats_like_a_config():
+    for spec in ("3,3", "0:2,2:2"):
+        with pytest.raises(ConfigError, match="more than once"):
+            parse_layers(spec)
+    with pytest.raises(ConfigError, match="repeated"):
+        PatchConfig.from_dict({"method": "exact", "layers": [1, 1, 2]})

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import check_int
 from ..outdir import claim_out, write_json
 from .common import (
     DTYPES,
@@ -154,6 +155,8 @@ def run_attention_bench(methods=("exact", "hyper"), seq_lens=DEFAULT_SEQ_LENS, c
     sync = synchronizer(dev)
     method_params = dict(method_params or {})
     tdtype = torch_dtype(dtype)
+    if max_exact_len is not None:
+        check_int("--max-exact-len", max_exact_len, 1)
     others = [m for m in methods if m != "exact"]
     kv_heads = check_options(COMMAND, out_dir, "--seq-lens", seq_lens, method_params, ["exact", *others],
                              heads=heads, kv_heads=kv_heads, head_dim=head_dim, batch=batch, repeats=repeats)

@@ -22,7 +22,7 @@ SLOW_CALL_S = 10.0
 
 def torch_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
-        raise ConfigError(f"dtype: got {name!r}; allowed: {', '.join(DTYPES)}")
+        raise ConfigError(f"--dtype: got {name!r}; allowed: {', '.join(DTYPES)}")
     return DTYPES[name]
 
 
@@ -57,6 +57,7 @@ def method_params_from_sets(methods, sets) -> dict[str, dict]:
     from ..methods import available_methods, get_method
     from ..options import parse_set
 
+    methods = list(dict.fromkeys(methods))  # exact is the baseline whether or not --methods names it too
     out: dict[str, dict] = {}
     params = {m: set(get_method(m).params) for m in methods if m in available_methods()}
     for pair in sets:

@@ -53,12 +53,12 @@ log = logging.getLogger("longpatch")
 RESULTS_FILE = "results.json"
 CSV_FILE = "results.csv"
 PLOT_FILE = "generate.png"
-UNPATCHED = "unpatched"
+UNPATCHED = "exact"  # the row of the model without a patch: the baseline's one name in every output
 COMMAND = "bench generate"  # marks its --out (outdir.claim_out)
 CACHES = ("growing", "dynamic")  # --cache: longpatch.cache.GrowingCache, transformers' DynamicCache
 CSV_COLUMNS = ["config", "method", "layers", "context", "batch", "new_tokens", "ttft_s", "decode_ms_per_token",
                "decode_tokens_per_s", "tokens_per_s", "total_s", "ttft_speedup", "decode_speedup", "peak_rss_mib",
-               "rss_increase_mib", "peak_cuda_mib", "tokens_match_unpatched", "warmup_s"]
+               "rss_increase_mib", "peak_cuda_mib", "tokens_match_exact", "warmup_s"]
 
 
 def parse_contexts(spec: "str | Sequence[int]") -> list[int]:
@@ -237,10 +237,10 @@ def run_generate_bench(model: str, config=None, layer_counts=None, contexts="819
     from ..specs import resolve
 
     ctx = parse_contexts(contexts)
-    check_int("new_tokens", new_tokens, 2)
-    check_int("repeats", repeats, 1)
-    check_int("warmup", warmup, 0)
-    check_int("batch_size", batch_size, 1)
+    check_int("--new-tokens", new_tokens, 2)
+    check_int("--repeats", repeats, 1)
+    check_int("--warmup", warmup, 0)
+    check_int("--batch-size", batch_size, 1)
     if cache not in CACHES:
         raise ConfigError(f"cache: got {cache!r}; allowed: {', '.join(CACHES)}")
     if layers is not None and layer_counts is not None:
@@ -380,14 +380,14 @@ def _record(label: str, point: Point | None, n: int, new_tokens: int, row: dict,
            "indices": point.indices if point else [], "context": n, "new_tokens": new_tokens, **row}
     if point is None:
         base[n] = rec
-        rec.update(paths=None, ttft_speedup=1.0, decode_speedup=1.0, tokens_match_unpatched=None)
+        rec.update(paths=None, ttft_speedup=1.0, decode_speedup=1.0, tokens_match_exact=None)
         return rec
     rec["paths"] = paths
     ref = base[n]
     rec["ttft_speedup"] = ref["ttft_s"] / rec["ttft_s"]
     rec["decode_speedup"] = ref["decode_ms_per_token"] / rec["decode_ms_per_token"]
     # how many leading greedy tokens equal the unpatched model's at this context
-    rec["tokens_match_unpatched"] = next((i for i, (a, b) in enumerate(zip(rec["tokens"], ref["tokens"])) if a != b),
+    rec["tokens_match_exact"] = next((i for i, (a, b) in enumerate(zip(rec["tokens"], ref["tokens"])) if a != b),
                                          min(len(rec["tokens"]), len(ref["tokens"])))
     return rec
 
@@ -408,14 +408,14 @@ def print_table(results: dict, console=None) -> None:
     cols += ["peak CUDA MiB"] if cuda else []
     cells = []
     for r in results["records"]:
-        same = "–" if r["tokens_match_unpatched"] is None else f"{r['tokens_match_unpatched']}/{r['new_tokens']}"
+        same = "–" if r["tokens_match_exact"] is None else f"{r['tokens_match_exact']}/{r['new_tokens']}"
         c = [escape(r["config"]), str(r["layers"]), str(r["context"]), fmt(r["ttft_s"], ".3f"),
              fmt(r["ttft_speedup"], ".2f") + "×", fmt(r["decode_ms_per_token"], ".2f"),
              fmt(r["decode_speedup"], ".2f") + "×", fmt(r["tokens_per_s"], ".1f"), fmt(r["peak_rss_mib"], ".0f"), same]
         cells.append(c + ([fmt(r.get("peak_cuda_mib"), ".0f")] if cuda else []))
     meta = results["meta"]
-    title = escape(f"{meta['model']}: greedy generation of {meta['new_tokens']} tokens, unpatched vs patched "
-                   "(speedups vs unpatched at the same context)")
+    title = escape(f"{meta['model']}: greedy generation of {meta['new_tokens']} tokens, exact (no patch) vs patched "
+                   "(speedups vs exact at the same context)")
     show_table(title, cols, cells, console or Console(width=wide_console(140).width, emoji=False, highlight=False),
                left=("config",))
 

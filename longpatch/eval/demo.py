@@ -89,6 +89,7 @@ def run_demo(layer_counts: str = "0:4:1", max_docs: int = 6, out: str = "runs/de
 
     from .needle.run import needle
     from .ppl.run import perplexity
+    from .sweep import model_dtype
 
     check_out(out, COMMAND)  # before minutes of work
     path = demo_model_path()
@@ -106,7 +107,8 @@ def run_demo(layer_counts: str = "0:4:1", max_docs: int = 6, out: str = "runs/de
             rows.append({"config": alias, "method": c["method"] if c["layers"] else "exact", "layers": c["layers"],
                          "ppl": a["ppl"], "attention_seconds": a["attention_seconds"],
                          "attention_speedup": a["attention_speedup"], "docs": a["docs"]})
-    summary = {"model": str(path), "seq_len": EVAL_MIN_TOKENS, "max_docs": max_docs, "rows": rows}
+    summary = {"model": str(path), "dtype": model_dtype(model), "seq_len": EVAL_MIN_TOKENS, "max_docs": max_docs,
+               "rows": rows}
     if needle_length:
         found = needle(model, layer_counts, config=configs, template=needle_template, lengths=[needle_length],
                        depths=needle_depths, trials=needle_trials, out=str(Path(out) / "needle"), tokenizer=tok,
@@ -126,6 +128,7 @@ def run_demo(layer_counts: str = "0:4:1", max_docs: int = 6, out: str = "runs/de
 def _check_needle_options(tok, length: int, template: str, depths: str, trials: int) -> None:
     """Plan the needle prompts now, so that a bad --needle-* option fails at once (naming the demo's own
     flag) rather than after the minutes of perplexity that come first."""
+    from ..options import MAX_TOKENS, MAX_VALUES
     from .needle import prompts as N
     from .needle.run import MIN_LENGTH, plan_trials
 
@@ -135,10 +138,11 @@ def _check_needle_options(tok, length: int, template: str, depths: str, trials: 
         except ConfigError as e:  # the needle command's wording names its own flags
             raise ConfigError(f"{flag}: {str(e).split(': ', 1)[-1]}") from None
 
-    if length < MIN_LENGTH:
-        raise ConfigError(f"--needle-length: got {length}; allowed: 0 (no retrieval) or a token count >= {MIN_LENGTH}")
+    if not MIN_LENGTH <= length <= MAX_TOKENS:
+        raise ConfigError(f"--needle-length: got {length}; allowed: 0 (no retrieval) or a token count in "
+                          f"[{MIN_LENGTH}, {MAX_TOKENS}]")
     tmpl = check("--needle-template", lambda: N.load_template(template))
-    check("--needle-trials", lambda: check_int("trials", trials, 1))
+    check("--needle-trials", lambda: check_int("--trials", trials, 1, MAX_VALUES))
     check("--needle-length", lambda: plan_trials(N.Filler(N.filler_texts(tmpl.filler or "demo"), tok), tmpl,
                                                  [length], N.parse_depths(depths), trials, 0))
 

@@ -99,10 +99,10 @@ def run_sharded(spec, model, entry: str, body: Callable[[Dist, str], dict], repo
         if spec.num_processes <= 1:
             return body(dist, run_id)
         if dist.world > 1:
-            raise ConfigError(f"num_processes: already running under a launcher with {dist.world} processes; "
-                              "pass num_processes=1 (the launcher's processes share the work)")
+            raise ConfigError(f"--num-processes: already running under a launcher with {dist.world} processes; "
+                              "pass --num-processes 1 (the launcher's processes share the work)")
         if not isinstance(model, str) or not spec.named_inputs():
-            raise ConfigError("num_processes > 1 needs the model, tokenizer and config given by name or path "
+            raise ConfigError("--num-processes > 1 needs the model, tokenizer and config given by name or path "
                               "(each worker loads its own copy)")
         spawn(entry, dict(spec.to_kwargs(), model=model, run_id=run_id), spec.num_processes, out)
         return report()
@@ -122,17 +122,17 @@ def run_sequence_parallel(spec, model, entry: str, body: Callable[[Dist, str], d
         world = int(os.environ.get("WORLD_SIZE", "1") or 1)
         if world == 1:
             if not isinstance(model, str) or not spec.named_inputs():
-                raise ConfigError("sequence_parallel > 1 needs the model, tokenizer and config given by name or "
+                raise ConfigError("--sequence-parallel > 1 needs the model, tokenizer and config given by name or "
                                   "path (each process loads its own copy)")
             run_id = spec.run_id or uuid.uuid4().hex[:12]
             torchrun(entry, dict(spec.to_kwargs(), model=model, run_id=run_id), n, out)
             return report()
         if world != n:
-            raise ConfigError(f"sequence_parallel: got {n}, but the launcher started {world} processes; "
+            raise ConfigError(f"--sequence-parallel: got {n}, but the launcher started {world} processes; "
                               f"allowed: {world} (or start {n} processes)")
         dist = distributed()
         if dist.mode != "launcher":
-            raise ConfigError("sequence_parallel cannot run inside --num-processes workers")
+            raise ConfigError("--sequence-parallel cannot run inside --num-processes workers")
         run_id = shared_run_id(dist, spec.run_id)
         return body(Dist(dist.rank, dist.world, "sequence", dist.state), run_id)
 

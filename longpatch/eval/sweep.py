@@ -56,7 +56,7 @@ class RunSpec:
         self.out = str(self.out)
         if isinstance(self.config, tuple):
             self.config = list(self.config)
-        check_int("num_processes", self.num_processes, 1)
+        check_int("--num-processes", self.num_processes, 1)
         if self.layer_counts is not None and self.layers is not None:
             raise ConfigError(f"--layers {self.layers} and --layer-counts {self.layer_counts}: give one (--layers: "
                               "which layers every run replaces; --layer-counts: a sweep of counts of final layers)")
@@ -142,7 +142,7 @@ def make_points(cfg: PatchConfig, sweep: list, num_layers: int, identity: dict) 
         if isinstance(spec, list):
             label = f"{cfg.method}:[{','.join(map(str, indices))}]"
         else:
-            label = "baseline:0" if n == 0 else f"{cfg.method}:{n}"
+            label = "exact" if n == 0 else f"{cfg.method}:{n}"  # the baseline's one name in every output
         points.append(Point(point_cfg, n, indices, config_id(identity, indices, cfg), label))
     return points
 
@@ -169,7 +169,7 @@ def prepare(model, spec: RunSpec, dist, device_map: str | None = None) -> Prepar
         name = resolved.load.model
     else:
         if device_map:
-            raise ConfigError("device_map: only for a model given by name or path; place a loaded model yourself")
+            raise ConfigError("--device-map: only for a model given by name or path; place a loaded model yourself")
         resolved = resolve(None, spec.config, spec.method, spec.layers, spec.sets)
         loaded, tok = model, None
         name = (getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", None)
@@ -182,7 +182,7 @@ def prepare(model, spec: RunSpec, dist, device_map: str | None = None) -> Prepar
 
 def _dispatch(model, device_map: str):
     if device_map != "auto":
-        raise ConfigError(f"device_map: got {device_map!r}; allowed: auto")
+        raise ConfigError(f"--device-map: got {device_map!r}; allowed: auto")
     from accelerate import dispatch_model, infer_auto_device_map
 
     no_split = getattr(model, "_no_split_modules", None) or []
@@ -320,6 +320,15 @@ def _check_vocab(model, tokenizer) -> None:
         raise ConfigError(f"tokenizer: {getattr(tokenizer, 'name_or_path', '') or type(tokenizer).__name__} has "
                           f"{ids} ids, more than the model's {rows} embedding rows; pass the model's "
                           "own tokenizer")
+
+
+def model_dtype(model) -> str | None:
+    """The dtype the model's weights were loaded in ('float32', 'bfloat16', ...), recorded in every output:
+    scores and timings depend on it, and `--set dtype=` or a config may have chosen it."""
+    try:
+        return str(next(model.parameters()).dtype).removeprefix("torch.")
+    except (AttributeError, StopIteration, TypeError):
+        return None
 
 
 def eval_tokenizer(given, loaded, model, name: str | None, trust_remote_code: bool):

@@ -13,6 +13,10 @@ from typing import Any, Callable
 
 from ..errors import ConfigError
 
+# The largest int any method param takes: sizes past the input are clamped to it by the ops (window=10**9 is
+# a valid wish for every key), but a 400-digit number is a typo, and past int64 torch cannot take it at all.
+MAX_INT = 2 ** 62
+
 
 @dataclass(frozen=True)
 class Param:
@@ -25,6 +29,9 @@ class Param:
     allowed: str = ""  # how `check` reads to a user, e.g. "an int >= 1"
 
     def validate(self, method: str, name: str, value: Any) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
+            raise ConfigError(f"params.{name} of method '{method}': got an int of {len(str(abs(value)))} digits; "
+                              f"allowed: {self.allowed or ' or '.join(t.__name__ for t in self.types)}, at most 2**62")
         ok_type = isinstance(value, self.types) and not (isinstance(value, bool) and bool not in self.types)
         if float in self.types and isinstance(value, int) and not isinstance(value, bool):
             value, ok_type = float(value), True

@@ -18,6 +18,11 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
               value_dim: bool = False) -> tuple[int, int, int]:
     """Validate the shared layout; returns (q_heads // kv_heads, q_len, kv_len). value_dim: the op
     supports a value head_dim other than q's (exact, linear, performer); the others refuse one."""
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        raise ValueError("q, k, v must be torch tensors [batch, heads, len, head_dim]; got "
+                         f"{', '.join(type(t).__name__ for t in (q, k, v))}")
+    if causal not in (True, False):  # 'yes' or None would read as True or False by accident
+        raise ValueError(f"causal must be True or False; got {causal!r}")
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("q, k, v must be 4-D [batch, heads, len, head_dim]; "
                          f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
@@ -32,6 +37,10 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     if v.shape[-1] != d and not value_dim:
         raise ValueError(f"v's head_dim must equal q's and k's ({d}); got {v.shape[-1]} (q {tuple(q.shape)}, "
                          f"v {tuple(v.shape)}): a separate value head_dim is not supported")
+    if d == 0:
+        raise ValueError(f"head_dim must be >= 1; got q {tuple(q.shape)}")
+    if any(t.is_meta for t in (q, k, v)):
+        raise ValueError("q, k, v are meta tensors (shapes without data); allowed: tensors on a real device")
     if not q.is_floating_point():  # integer inputs would run integer arithmetic: garbage, not attention
         raise ValueError(f"q, k, v must be floating point (float16, bfloat16, float32 or float64); got {q.dtype}")
     if not q.dtype == k.dtype == v.dtype:  # the fused kernels would fail deep inside, or misread the data
@@ -118,7 +127,7 @@ def guards_nonfinite(op):
     def guarded(q, k, v, **kwargs):
         q, k, v = (t.contiguous() if isinstance(t, torch.Tensor) and t.dim() == 4 and t.shape[-1] > 1
                    and t.stride(-1) != 1 else t for t in (q, k, v))
-        floats = all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in (q, k, v))
+        floats = all(isinstance(t, torch.Tensor) and t.is_floating_point() and not t.is_meta for t in (q, k, v))
         if not floats:  # the op's own argument check names what is wrong
             return op(q, k, v, **kwargs)
         lse = bool(kwargs.get("return_lse", False))
@@ -142,7 +151,18 @@ def all_finite(t: torch.Tensor) -> bool:
 
 
 def default_scale(scale: float | None, head_dim: int) -> float:
-    return head_dim ** -0.5 if scale is None else float(scale)
+    """The softmax temperature of every op, one rule for all: None -> 1/sqrt(head_dim), else a positive
+    finite number (0, a negative or a NaN scale would give NaN in some ops and a finite, meaningless result
+    in others)."""
+    if scale is None:
+        return head_dim ** -0.5
+    try:
+        value = float(scale) if not isinstance(scale, (bool, str)) else None
+    except (TypeError, ValueError, OverflowError):
+        value = None
+    if value is None or not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"scale: got {scale!r}; allowed: a positive finite number, or None (1/sqrt(head_dim))")
+    return value
 
 
 def group_queries(q: torch.Tensor, kv_heads: int) -> torch.Tensor:

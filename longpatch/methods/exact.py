@@ -28,6 +28,7 @@ def exact_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
     """
     group, nq, nk = check_qkv(q, k, v, causal, value_dim=True)
     scale = default_scale(scale, q.shape[-1])
+    _check_mask(attn_mask, (q.shape[0], q.shape[1], nq, nk))
     backend = resolve_backend(backend, q, k, v)
     if backend == "triton" and attn_mask is None:
         from ..kernels import attention as tk  # imported lazily: triton is optional
@@ -45,6 +46,18 @@ def exact_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
         cm = causal_mask(nq, nk, q.device)
         mask = cm if mask is None else _and_masks(mask, cm)
     return _sdpa(q, k, v, mask, is_causal, scale, group)
+
+
+def _check_mask(mask, shape: tuple) -> None:
+    """attn_mask: None, or a bool or float tensor broadcastable to [b, q_heads, q_len, kv_len]."""
+    if mask is None:
+        return
+    ok = isinstance(mask, torch.Tensor) and (mask.dtype == torch.bool or mask.is_floating_point()) \
+        and mask.dim() <= 4 and all(m in (1, s) for m, s in zip(mask.shape[::-1], shape[::-1]))
+    if not ok:
+        got = f"{mask.dtype} {tuple(mask.shape)}" if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(f"attn_mask must be a bool or float tensor broadcastable to [b, q_heads, q_len, kv_len] = "
+                         f"{list(shape)}; got {got}")
 
 
 def _sdpa(q, k, v, mask, is_causal, scale, group):

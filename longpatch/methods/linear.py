@@ -36,6 +36,7 @@ from .base import Method, one_of, register_method
 from .common import (
     acc_dtype,
     check_qkv,
+    default_scale,
     group_queries,
     guards_nonfinite,
     probe_positions,
@@ -277,10 +278,12 @@ def linear_attention(q, k, v, *, causal: bool = True, scale: float | None = None
 
     q [b, hq, nq, d], k/v [b, hk, nk, d] (GQA by views), queries the last nq positions (causal:
     bottom-right). ``feature_map``: "elu+1" (the paper's) or "relu". ``scale`` is accepted for the
-    common signature but has no effect: this kernel has no temperature (it is not a softmax).
+    common signature and checked by the common rule (a positive finite number or None) but has no
+    effect: this kernel has no temperature (it is not a softmax).
     There is no softmax LSE: ``return_lse=True`` is an error. Returns out [b, hq, nq, dv] in q's dtype.
     """
     check_qkv(q, k, v, causal, value_dim=True)
+    default_scale(scale, q.shape[-1])  # the one rule of every op, though this kernel has no temperature
     _check_feature_map(feature_map)
     if return_lse:
         raise ValueError("linear_attention has no softmax log-sum-exp (return_lse is not supported)")

@@ -50,6 +50,7 @@ band; parts 3 and 4 run in PyTorch and are merged by LSE.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -101,6 +102,27 @@ class SparsePattern:
         for name, low in (("window", 1), ("global_tokens", 0), ("dilation", 1), ("random_blocks", 0),
                           ("block", 1), ("seed", 0)):
             check_int(f"sparse_attention: {name}", getattr(self, name), low)
+
+    def fitted(self, nq: int, nk: int) -> "SparsePattern":
+        """The same key sets for nq queries on nk keys, with every size at most what the input can use,
+        so that the cost is bounded by the input whatever a param says (window=10**9 is a valid wish
+        for every key). No key is span = nq + nk or more positions from a query: window steps past it
+        change nothing, and a window left with only the query itself needs no dilation; a block of nk
+        keys is one block, as is any larger one; with at least as many draws as key blocks every
+        candidate block is taken."""
+        span, n = max(nq + nk, 1), max(nk, 1)
+        r = min(self.dilation, span)
+        reach = (span - 1) // r  # window steps that can still land on a key
+        if self.causal:
+            window = min(self.window, reach + 1)
+            alone = window == 1
+        else:
+            window = self.window if self.window // 2 <= reach else 2 * reach + 1
+            alone = window // 2 == 0
+        block = min(self.block, n)
+        return dataclasses.replace(self, window=window, dilation=1 if alone else r,
+                                   global_tokens=min(self.global_tokens, n), block=block,
+                                   random_blocks=min(self.random_blocks, -(-n // block)))
 
     @property
     def band(self) -> tuple[int, int]:
@@ -437,13 +459,14 @@ def sparse_attention(q, k, v, *, causal: bool = True, scale: float | None = None
     check_qkv(q, k, v, causal)
     pat = SparsePattern(window=window, global_tokens=global_tokens, dilation=dilation, random_blocks=random_blocks,
                         block=block, seed=0 if seed is None else seed, causal=bool(causal))
+    pat = pat.fitted(q.shape[2], k.shape[2])
     scale = default_scale(scale, q.shape[-1])
     backend = resolve_backend(backend, q, k, v, flex=True)
     b, hq, nq, d = q.shape
     if backend == "flex" and not _flex_runs(q, k, v, pat, return_lse):
         from .flex import fallback_backend
         backend = fallback_backend(q)
-    if nq == 0 or k.shape[2] == 0:
+    if b == 0 or nq == 0 or k.shape[2] == 0:
         out = q.new_zeros(q.shape)
         lse = torch.full((b, hq, nq), float("-inf"), dtype=acc_dtype(q.dtype), device=q.device)
         return (out, lse) if return_lse else out

@@ -38,6 +38,7 @@ from ..sweep import (
     generation_shapes,
     input_device,
     labelled_points,
+    model_dtype,
     num_layers,
     prepare_configs,
     resolve_spec,
@@ -90,12 +91,12 @@ class LongBenchSpec(RunSpec):
         if self.layers is None and self.layer_counts is None and self.data == "demo":
             self.layer_counts = DEMO_LAYERS
         if self.max_new_tokens is not None:
-            check_int("max_new_tokens", self.max_new_tokens, 1)
+            check_int("--max-new-tokens", self.max_new_tokens, 1)
         if self.max_length is not None:
-            check_int("max_length", self.max_length, 16)
+            check_int("--max-length", self.max_length, 16)
         if self.max_samples is not None:
-            check_int("max_samples", self.max_samples, 1)
-        check_int("batch_size", self.batch_size, 1)
+            check_int("--max-samples", self.max_samples, 1)
+        check_int("--batch-size", self.batch_size, 1)
         if self.e and self.data == "demo":
             raise ConfigError("--e: LongBench-E needs LongBench's data; --data demo has no length-balanced set")
 
@@ -187,7 +188,8 @@ def _evaluate(model, spec: LongBenchSpec, dist: Dist, run_id: str) -> dict:
     if dist.main:
         claim_out(out, spec.COMMAND)
         write_json(out / PLAN_FILE, {
-            "model": name, "data": lb.source, "tasks": list(lb.records), "e": spec.e, "max_length": max_length,
+            "model": name, "dtype": model_dtype(model), "data": lb.source, "tasks": list(lb.records), "e": spec.e,
+            "max_length": max_length,
             "max_samples": spec.max_samples, "max_new_tokens": spec.max_new_tokens, "num_layers": n_layers,
             "points": [dict(p.describe(), config=label) for label, p in points],
             "items": [{"task": w.task, "doc_id": w.record.doc_id, "digest": w.digest, "prompt_tokens": len(w.ids),
@@ -320,8 +322,8 @@ def summarize(out: "str | Path", plots: bool = True) -> dict:
         raise ConfigError(f"eval longbench: no generation finished in {out}; nothing to report")
     configs.sort(key=lambda c: (c["config"] != "exact", c["config"], c["layers"]))
     files = {"results": RESULTS_FILE, "csv": CSV_FILE, "points": [c["dir"] for c in configs]}
-    results = {k: plan[k] for k in ("model", "data", "tasks", "e", "max_length", "max_samples", "max_new_tokens",
-                                    "num_layers")}
+    results = {k: plan.get(k) for k in ("model", "dtype", "data", "tasks", "e", "max_length", "max_samples",
+                                        "max_new_tokens", "num_layers")}
     results.update(definitions={
         "score": "LongBench's scorer: 100 x mean over records of the best metric score against any reference "
                  "answer, rounded to 2 decimals (longpatch.eval.longbench_score)",

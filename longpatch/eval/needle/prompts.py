@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...errors import ConfigError
+from ...options import missing_path
 
 TEMPLATE_KEYS = ("name", "needle", "question", "answer", "digits", "fields", "filler")
 
@@ -161,8 +162,7 @@ def filler_texts(source: str) -> list[str]:
         return [r.context for records in lb.records.values() for r in records]
     path = Path(source)
     if not path.is_file():
-        raise ConfigError(f"--filler: {source!r}; allowed: demo, a .txt or .jsonl file, or "
-                          "longbench:<subsets>[@<data>]")
+        raise missing_path("--filler", source, "demo, a .txt or .jsonl file, or longbench:<subsets>[@<data>]")
     try:
         raw = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
@@ -258,11 +258,12 @@ def answer_tokens(tokenizer, expected: str) -> int:
 # ---- report ----------------------------------------------------------------------------------------
 
 def summarize_records(records: list[dict]) -> list[dict]:
-    """Accuracy per (config, layers, length), in first-seen order of (config, layers)."""
+    """Accuracy per (config, layers, length), in first-seen order of (config, layers); ``prompts``: how many
+    prompts the accuracy is over (depths x trials)."""
     groups: dict[tuple, list[bool]] = {}
     for r in records:
         groups.setdefault((r["config"], r["method"], r["layers"], r["length"]), []).append(bool(r["correct"]))
-    return [{"config": c, "method": m, "layers": n, "length": length, "trials": len(v),
+    return [{"config": c, "method": m, "layers": n, "length": length, "prompts": len(v),
              "accuracy": sum(v) / len(v)}
             for (c, m, n, length), v in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][2], kv[0][3]))]
 

@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 
 from ...errors import ConfigError, check_int
-from ...options import parse_ints
+from ...options import MAX_TOKENS, MAX_VALUES, parse_ints
 from ...outdir import claim_out, write_csv, write_json
 from ...patching import total_seconds
 from ..launch import Dist, run_sharded
@@ -29,6 +29,7 @@ from ..sweep import (
     generation_shapes,
     input_device,
     labelled_points,
+    model_dtype,
     num_layers,
     prepare_configs,
     resolve_spec,
@@ -65,9 +66,9 @@ class NeedleSpec(RunSpec):
 
     def __post_init__(self):
         super().__post_init__()
-        check_int("trials", self.trials, 1)
-        check_int("seed", self.seed, 0)
-        check_int("batch_size", self.batch_size, 1)
+        check_int("--trials", self.trials, 1, MAX_VALUES)  # a grid of prompts, not a loop of a billion
+        check_int("--seed", self.seed, 0)
+        check_int("--batch-size", self.batch_size, 1)
         if isinstance(self.lengths, (list, tuple)):
             self.lengths = list(self.lengths)
 
@@ -86,7 +87,8 @@ MIN_LENGTH = 64  # tokens: room for the needle, the question and some haystack
 
 def parse_lengths(spec: "str | Sequence[int]", flag: str = "--lengths") -> list[int]:
     """'4096,8192' (or a list; ranges as options.parse_ints) -> sorted distinct prompt lengths >= MIN_LENGTH."""
-    return sorted(parse_ints(flag, spec, MIN_LENGTH, allowed=f"comma-separated token counts >= {MIN_LENGTH}"))
+    return sorted(parse_ints(flag, spec, MIN_LENGTH, high=MAX_TOKENS,
+                             allowed=f"comma-separated token counts in [{MIN_LENGTH}, {MAX_TOKENS}]"))
 
 
 def plan_trials(filler: N.Filler, template: N.Template, lengths: list[int], depths: list[float], trials: int,
@@ -131,7 +133,8 @@ def _evaluate(model, spec: NeedleSpec, tmpl: N.Template, lengths: list[int], dep
     points = labelled_points(prep, spec, n_layers, identity)
     if dist.main:
         claim_out(out, spec.COMMAND)
-        write_json(out / PLAN_FILE, {"model": name, "template": tmpl.name, "filler": filler, "lengths": lengths,
+        write_json(out / PLAN_FILE, {"model": name, "dtype": model_dtype(model), "template": tmpl.name,
+                                     "filler": filler, "lengths": lengths,
                                      "depths": depths, "trials": spec.trials, "seed": spec.seed,
                                      "points": [dict(p.describe(), config=label) for label, p in points]})
     device, eos = input_device(model), tokenizer.eos_token_id
@@ -216,7 +219,7 @@ def summarize(out: "str | Path", plots: bool = True) -> dict:
             files["heatmaps"].append(name)
     keep = ("config", "method", "layers", "length", "depth", "trial", "expected", "predicted", "correct",
             "needle_token", "seconds", "attention_seconds", "attention")
-    info = {k: meta[k] for k in ("model", "template", "filler", "lengths", "depths", "trials", "seed")}
+    info = {k: meta.get(k) for k in ("model", "dtype", "template", "filler", "lengths", "depths", "trials", "seed")}
     results = {**info, "records": [{k: r[k] for k in keep} for r in records], "summary": summary, "files": files}
     write_json(out / RESULTS_FILE, results)
     write_csv(out / CSV_FILE, list(summary[0]), summary)

@@ -50,7 +50,8 @@ def summarize(out: "str | Path", plots: bool = True) -> dict:
     for s in plan["skipped"]:
         skipped_reasons[s["reason"]] = skipped_reasons.get(s["reason"], 0) + 1
     results = {
-        "model": plan["model"], "tokenizer": plan["tokenizer"], "seq_len": plan["seq_len"], "data": plan["data"],
+        "model": plan["model"], "dtype": plan.get("dtype"), "tokenizer": plan["tokenizer"], "seq_len": plan["seq_len"],
+        "data": plan["data"],
         "num_layers": plan["num_layers"], "max_docs": plan["max_docs"],
         "definitions": {
             "ppl": "exp(sum of token NLLs / scored tokens), natural log, pooled over the group's documents",
@@ -229,8 +230,10 @@ def print_results(results: dict, out: "str | Path") -> None:
     from rich.table import Table
 
     docs = results["documents"]
-    t = Table(title=f"{results['model']}: {source_name(results['data'])} perplexity at {results['seq_len']} tokens, "
-                    f"{docs['kept']} documents ({sum(docs['skipped'].values())} skipped)",
+    dtype = f" ({results['dtype']})" if results.get("dtype") else ""
+    t = Table(title=f"{results['model']}{dtype}: {source_name(results['data'])} perplexity at {results['seq_len']} "
+                    f"tokens, {docs['kept']} document{'' if docs['kept'] == 1 else 's'} "
+                    f"({sum(docs['skipped'].values())} skipped)",
               title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
     for col in ("config", "layers", "docs", "ppl", "doc-mean", "fwd s", "attn s", "speedup", "tok/s"):
         t.add_column(col, justify="left" if col == "config" else "right")

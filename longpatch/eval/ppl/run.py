@@ -53,6 +53,7 @@ from ..sweep import (
     eval_tokenizer,
     input_device,
     labelled_points,
+    model_dtype,
     num_layers,
     prepare,
     resolve_spec,
@@ -94,19 +95,20 @@ class PerplexitySpec(RunSpec):
 
     def __post_init__(self):
         super().__post_init__()
-        check_int("seq_len", self.seq_len, 2)
-        check_int("sequence_parallel", self.sequence_parallel, 1)
+        check_int("--seq-len", self.seq_len, 2)
+        check_int("--sequence-parallel", self.sequence_parallel, 1)
         if self.sequence_parallel > 1 and self.num_processes > 1:
-            raise ConfigError(f"sequence_parallel={self.sequence_parallel} cannot be combined with num_processes="
+            raise ConfigError(f"--sequence-parallel {self.sequence_parallel} cannot be combined with --num-processes "
                               f"{self.num_processes}: both use the processes; use one of them")
         if self.sequence_parallel > 1 and self.device_map:
-            raise ConfigError("device_map: one process over all GPUs; with sequence_parallel each process takes one")
-        check_int("loss_chunk", self.loss_chunk, 1)
-        check_int("warmup", self.warmup, 0)
+            raise ConfigError("--device-map: one process over all GPUs; with --sequence-parallel each process takes "
+                              "one")
+        check_int("--loss-chunk", self.loss_chunk, 1)
+        check_int("--warmup", self.warmup, 0)
         if self.max_docs is not None:
-            check_int("max_docs", self.max_docs, 1)
+            check_int("--max-docs", self.max_docs, 1)
         if self.device_map and self.num_processes > 1:
-            raise ConfigError("device_map: spreads one process over all GPUs; with num_processes > 1 each worker "
+            raise ConfigError("--device-map: spreads one process over all GPUs; with --num-processes > 1 each worker "
                               "takes one GPU")
 
 
@@ -136,7 +138,8 @@ def perplexity(model, layer_counts=None, *, spec: PerplexitySpec | None = None, 
 def _evaluate(model, spec: PerplexitySpec, dist: Dist, run_id: str) -> dict:
     out = Path(spec.out)
     if spec.device_map and dist.world > 1:
-        raise ConfigError("device_map: spreads one process over all GPUs; under a launcher each process takes one GPU")
+        raise ConfigError("--device-map: spreads one process over all GPUs; under a launcher each process takes one "
+                          "GPU")
     wanted = resolve_subsets(spec.subsets, spec.data)
     lb = load_longbench(spec.data, spec.subsets, strict=spec.strict)
     if dist.main:
@@ -165,7 +168,8 @@ def _evaluate(model, spec: PerplexitySpec, dist: Dist, run_id: str) -> dict:
     if dist.main:
         claim_out(out, spec.COMMAND)
         write_json(out / PLAN_FILE, {
-            "model": model_name, "tokenizer": tok_id, "seq_len": spec.seq_len, "data": lb.source, "subsets": wanted,
+            "model": model_name, "dtype": model_dtype(model), "tokenizer": tok_id, "seq_len": spec.seq_len,
+            "data": lb.source, "subsets": wanted,
             "max_docs": spec.max_docs, "num_layers": n_layers,
             "baseline_id": config_id(dict(identity, dtype=prep.load.dtype,
                                           attn_implementation=prep.load.attn_implementation), [], cfg),

@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 from ...errors import ConfigError
+from ...options import missing_path
 
 DEMO_ESSAYS = "demo"
 DEMO_LABEL = "demo stand-in: the demo model's held-out Python source, not Paul Graham essays"
@@ -35,8 +36,8 @@ def load_essays(spec: str) -> tuple[list[str], str]:
                 raise ConfigError(f"--essays {spec}: a directory without .txt files")
             return [f.read_text(encoding="utf-8") for f in files], f"essays: {path}"
         if not path.is_file():
-            raise ConfigError(f"--essays: {spec!r}; allowed: a .json ({{\"text\": ...}}), a .txt file, a directory "
-                              "of .txt files, or demo")
+            raise missing_path("--essays", spec, 'a .json ({"text": ...}), a .txt file, a directory of .txt files, '
+                               "or demo")
         raw = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         raise ConfigError(f"--essays {spec}: not UTF-8 text") from None
@@ -105,7 +106,7 @@ def load_qa(spec: str, wanted: list[str]) -> tuple[dict, str, list[str]]:
 def _file(spec: str, name: str):
     root = Path(spec)
     if not root.is_dir():
-        raise ConfigError(f"--qa: {spec!r}; allowed: a directory holding squad.json and/or hotpotqa.json, or hub")
+        raise missing_path("--qa", spec, "a directory holding squad.json and/or hotpotqa.json, or hub")
     path = root / f"{name}.json"
     if not path.is_file():
         raise ConfigError(f"--qa {spec}: no {name}.json")

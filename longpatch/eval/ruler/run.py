@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from ...errors import ConfigError, check_int
-from ...options import parse_ints
+from ...options import MAX_TOKENS, MAX_VALUES, parse_ints
 from ...outdir import claim_out, write_csv, write_json
 from ...patching import total_seconds
 from ..launch import WORKER_ENV, Dist, run_sharded
@@ -39,6 +39,7 @@ from ..sweep import (
     generation_shapes,
     input_device,
     labelled_points,
+    model_dtype,
     num_layers,
     prepare_configs,
     resolve_spec,
@@ -80,9 +81,9 @@ class RulerSpec(RunSpec):
 
     def __post_init__(self):
         super().__post_init__()
-        check_int("samples", self.samples, 1)
-        check_int("seed", self.seed, 0)
-        check_int("batch_size", self.batch_size, 1)
+        check_int("--samples", self.samples, 1, MAX_VALUES)  # prompts are built up front: bounded
+        check_int("--seed", self.seed, 0)
+        check_int("--batch-size", self.batch_size, 1)
         if isinstance(self.lengths, (list, tuple)):
             self.lengths = list(self.lengths)
         T.resolve_tasks(self.tasks)
@@ -90,8 +91,8 @@ class RulerSpec(RunSpec):
 
 
 def parse_lengths(spec) -> list[int]:
-    return sorted(parse_ints("--lengths", spec, MIN_LENGTH,
-                             allowed=f"comma-separated token counts >= {MIN_LENGTH}"))
+    return sorted(parse_ints("--lengths", spec, MIN_LENGTH, high=MAX_TOKENS,
+                             allowed=f"comma-separated token counts in [{MIN_LENGTH}, {MAX_TOKENS}]"))
 
 
 @dataclass
@@ -176,7 +177,8 @@ def _evaluate(model, spec: RulerSpec, sources: Sources, dist: Dist, run_id: str)
         claim_out(out, spec.COMMAND)
         _write_data(out, samples, sources)
         write_json(out / PLAN_FILE, {
-            "model": name, "tokenizer": tok_name, "chat_template": wrapper.chat, "tasks": sources.tasks,
+            "model": name, "dtype": model_dtype(model), "tokenizer": tok_name, "chat_template": wrapper.chat,
+            "tasks": sources.tasks,
             "skipped": sources.skipped, "lengths": lengths, "samples": spec.samples, "seed": spec.seed,
             "essays": sources.essays, "qa": sources.qa, "num_layers": n_layers,
             "points": [dict(p.describe(), config=label) for label, p in points],
@@ -331,8 +333,8 @@ def summarize(out: "str | Path", plots: bool = True) -> dict:
                             "attention_seconds_by_path": seconds_by_path(rs_all)})
     if not records:
         raise ConfigError(f"eval ruler: no generation finished in {out}; nothing to report")
-    info = {k: plan[k] for k in ("model", "tokenizer", "chat_template", "tasks", "skipped", "lengths", "samples",
-                                 "seed", "essays", "qa")}
+    info = {k: plan.get(k) for k in ("model", "dtype", "tokenizer", "chat_template", "tasks", "skipped", "lengths",
+                                     "samples", "seed", "essays", "qa")}
     if plots:
         for config, layers in dict.fromkeys((s["config"], s["layers"]) for s in summary):
             fname = f"heatmap_{point_dir(config, layers)}.png"

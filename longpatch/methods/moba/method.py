@@ -7,7 +7,7 @@ import torch
 
 from ..base import Method, Param, nonneg_int, one_of, positive_int, register_method
 from ..common import default_scale, window_summaries
-from ..selection import check_stride_config, estimate_params, estimated_pairs, scoring_of
+from ..selection import SCORINGS, check_applicable, check_stride_config, estimate_params, estimated_pairs, scoring_of
 from .cpu import DEFAULT_CHUNK_SIZE, DEFAULT_TOPK, moba_chunk_means
 from .op import SELECTIONS, moba_attention
 
@@ -83,6 +83,7 @@ class _MoBAMethod(Method):
     def resolve_params(self, given):
         params = super().resolve_params(given)
         check_stride_config("moba", params, "chunk_size")
+        check_applicable(self, params, {"local_blocks": SCORINGS})
         return params
 
 

@@ -12,9 +12,11 @@ from ..common import (
 
 DEFAULTS = dict(compress_block=32, compress_stride=16, select_block=64, num_selected=16, window=512,
                 init_blocks=1, local_blocks=2)
-DEFAULT_GATES = (1 / 3, 1 / 3, 1 / 3)  # the op's neutral default: every branch weighted alike
+# NSAAttention's initial gates (trainable sigmoid outputs, so none can start at 0): every branch alike
+DEFAULT_GATES = (1 / 3, 1 / 3, 1 / 3)
 # Training-free patching of a pretrained model: the mean-pooled compressed branch only ranks the
-# selection blocks; mixing its blurred output in costs perplexity (docs/nsa.md, measured).
+# selection blocks; mixing its blurred output in costs perplexity (docs/nsa.md, measured). The default
+# of both the op and the method, so that nsa_attention(q, k, v) is what the patched layer computes.
 TRAINING_FREE_GATES = (0.0, 0.75, 0.25)
 
 # --------------------------------------------------------------------------- parameters
@@ -32,6 +34,21 @@ def check_params(compress_block, compress_stride, select_block, num_selected, wi
     if init_blocks + local_blocks > num_selected:
         raise ValueError(f"num_selected ({num_selected}) must be >= init_blocks + local_blocks "
                          f"({init_blocks} + {local_blocks}): the forced blocks must fit in the selection")
+
+
+def fit_params(nk: int, compress_block, compress_stride, select_block, num_selected, window, init_blocks,
+               local_blocks):
+    """The same attention on nk keys with every size at most what nk keys can use, so that the cost is
+    bounded by the input whatever a param says (and a 10**23 never reaches torch as an int64): a block
+    of nk + 1 keys is as incomplete as any larger one, a window of nk keys is every key, and with as
+    many picks as select blocks every block is picked."""
+    compress_block = min(compress_block, nk + 1)
+    select_block = min(select_block, nk + 1)
+    blocks = max(-(-nk // select_block), 1)
+    init_blocks, local_blocks = min(init_blocks, blocks), min(local_blocks, blocks)
+    return (compress_block, min(compress_stride, compress_block), select_block,
+            min(num_selected, max(blocks, init_blocks + local_blocks)), min(window, max(nk, 1)), init_blocks,
+            local_blocks)
 
 
 def num_compressed(kv_len: int, compress_block: int, compress_stride: int) -> int:

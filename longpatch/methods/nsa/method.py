@@ -9,7 +9,7 @@ import torch
 from ...errors import ConfigError
 from ..base import Method, Param, nonneg_int, one_of, positive_int, register_method
 from ..common import default_scale, window_summaries
-from ..selection import check_stride_config, estimate_params, estimated_pairs, scoring_of
+from ..selection import check_applicable, check_stride_config, estimate_params, estimated_pairs, scoring_of
 from .blocks import DEFAULTS, TRAINING_FREE_GATES, check_params, nsa_compress, visible_cmp
 from .op import SELECTIONS, nsa_attention
 
@@ -103,6 +103,7 @@ class _NSAMethod(Method):
                               f"'{params['selection']}' has no compressed branch: allowed: g_cmp = 0, e.g. "
                               "[0.0, 0.75, 0.25]")
         check_stride_config("nsa", params, "select_block")
+        check_applicable(self, params)
         return params
 
 

@@ -19,6 +19,8 @@ import math
 import torch
 from torch import nn
 
+from ...errors import check_int
+from ..common import default_scale
 from .blocks import DEFAULT_GATES, DEFAULTS, check_params, num_compressed
 from .op import nsa_attention
 
@@ -58,6 +60,11 @@ class NSAAttention(nn.Module):
                  scale: float | None = None):
         super().__init__()
         check_params(compress_block, compress_stride, select_block, num_selected, window, init_blocks, local_blocks)
+        for name, value in (("hidden_size", hidden_size), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
+                            ("head_dim", head_dim)):
+            check_int(f"NSAAttention: {name}", value, 1)
+        if scale is not None:
+            default_scale(scale, head_dim)  # the ops' one rule, checked at construction
         if num_kv_heads < 1 or num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         if len(tuple(gates)) != 3 or not all(0 < float(x) < 1 for x in gates):

@@ -19,7 +19,7 @@ from ..common import (
 from ..cpu_flash import fused_ok
 from ..lse_attention import attend
 from ..selection import SCORINGS, check_estimate_args, decode_kept, prefill_blocks, scoring_of
-from .blocks import DEFAULT_GATES, check_params, nsa_compress, num_compressed
+from .blocks import TRAINING_FREE_GATES, check_params, fit_params, nsa_compress, num_compressed
 from .cpu import decode_one, fast_forward, gated_sum
 from .naive import REFERENCE, compose
 
@@ -105,7 +105,7 @@ def _compressed_for(k, v, compress, compressed, l, s):
 @guards_nonfinite
 def nsa_attention(q, k, v, *, causal: bool = True, scale: float | None = None, compress_block: int = 32,
                   compress_stride: int = 16, select_block: int = 64, num_selected: int = 16, window: int = 512,
-                  init_blocks: int = 1, local_blocks: int = 2, gates=DEFAULT_GATES, compress="mean",
+                  init_blocks: int = 1, local_blocks: int = 2, gates=TRAINING_FREE_GATES, compress="mean",
                   compressed=None, return_lse: bool = False, backend: str = "auto", selection: str = "compressed",
                   mass: float | None = None, estimate_queries: int = 64, score_stride: int = 16,
                   decode_topk: int = 8, state: dict | None = None):
@@ -134,6 +134,8 @@ def nsa_attention(q, k, v, *, causal: bool = True, scale: float | None = None, c
                          "among past keys); use exact or moba for non-causal layers")
     check_qkv(q, k, v, causal)
     check_params(compress_block, compress_stride, select_block, num_selected, window, init_blocks, local_blocks)
+    compress_block, compress_stride, select_block, num_selected, window, init_blocks, local_blocks = fit_params(
+        k.shape[2], compress_block, compress_stride, select_block, num_selected, window, init_blocks, local_blocks)
     gates = _check_gates(gates, q)
     scale = default_scale(scale, q.shape[-1])
     backend = resolve_backend(backend, q, k, v, flex=selection in SCORINGS)  # flex runs block selections
