@@ -421,7 +421,6 @@ def resolve_backend(backend: str, *tensors: torch.Tensor, flex: bool = False) ->
         raise ConfigError(f"backend: got {backend!r}; allowed: {', '.join(BACKENDS)}")
     on_cuda = all(t.is_cuda for t in tensors)
     if backend == "flex" or (backend == "auto" and flex and on_cuda):
-        from .flex import flex_available
         if flex and flex_available():
             return "flex"
         if backend == "flex" and flex:
@@ -443,3 +442,13 @@ def triton_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def flex_available() -> bool:
+    """Whether this torch has the FlexAttention APIs ``methods/flex.py`` uses (torch >= 2.11: its
+    ``enable_gqa``, ``return_lse`` and ``BlockMask.from_kv_blocks``; pyproject's floor)."""
+    try:
+        from torch.nn.attention.flex_attention import BlockMask, flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 11)

@@ -27,7 +27,7 @@ hiding it in a user's first call.
 
 Versions: ``flex_attention(..., enable_gqa=, return_lse=)`` and ``BlockMask.from_kv_blocks(...,
 seq_lengths=, compute_q_blocks=)`` as in torch 2.11 (GPU, measured) and 2.13 (CPU, tested here);
-``flex_available`` asks for >= 2.11. On the CPU (torch 2.13) the compiled kernel supports inference
+``common.flex_available`` asks for >= 2.11. On the CPU (torch 2.13) the compiled kernel supports inference
 only and no LSE ("torch.compile on CPU only supports inference and `return_lse` is not supported
 yet"), and it needs the key-index tables as wide as the number of key blocks; on CUDA they are as
 narrow as the selection (``compute_q_blocks=False``: forward only, the transposed tables that only
@@ -44,17 +44,7 @@ import types
 
 import torch
 
-MIN_TORCH = (2, 11)
-
-
-def flex_available() -> bool:
-    """Whether this torch has the FlexAttention APIs this executor uses (torch >= 2.11)."""
-    try:
-        from torch.nn.attention.flex_attention import BlockMask, flex_attention  # noqa: F401
-    except ImportError:
-        return False
-    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
-    return (major, minor) >= MIN_TORCH
+from .common import flex_available, ordered_int, triton_available
 
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int, need_lse: bool = False) -> bool:
@@ -71,7 +61,6 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int, need
 
 def fallback_backend(q: torch.Tensor) -> str:
     """What a call that flex cannot run (``supports``) runs instead: what 'auto' runs without flex."""
-    from .common import triton_available
     return "triton" if q.is_cuda and triton_available() else "torch"
 
 
@@ -249,7 +238,76 @@ def _decode_call(q, k, v, kept, *, block: int, local_blocks: int, scale: float, 
     return out.reshape(b, hq, 1, d), None if lse is None else lse.reshape(b, hq, 1)
 
 
-_CALLS = {"block_sparse": _block_sparse_call, "band": _band_call, "decode": _decode_call}
+def _gate_select_call(q, means, *, chunk: int, topk: int, shared: bool, qblock: int, scale: float):
+    """MoBA's gate (causal prefill, q_len == kv_len): each query row attends to its own chunk up to
+    itself and to the topk - 1 past chunks with the largest q . mean(chunk keys), chosen as
+    ``moba.cpu.select_chunks`` chooses them (float64 products rounded to float32, ties to the later
+    chunk), per query head or (``shared``) per KV group. The rows' choices are a table [b, hq, n,
+    chunks] the mask reads (own chunk included); a (query block, chunk) pair is full when every row
+    of the block chose the chunk, partial when some did (or it is the block's own chunk). means
+    [b, hk, nc, d]: the full chunks before the last row's own one. Returns the table and the mask's
+    four tables; ``_gate_attend_call`` attends with them (two compiled calls: the CPU template reads
+    a mask's tables only from its inputs)."""
+
+    b, hq, n, d = q.shape
+    hk = means.shape[1]
+    g = hq // hk
+    nc = means.shape[2]
+    nkb = (n + chunk - 1) // chunk
+    nqb = (n + qblock - 1) // qblock
+    pos = torch.arange(n, device=q.device)
+    own = pos // chunk
+    qd = q.double().view(b, hk, g, n, d)
+    if shared:
+        qd = qd.sum(2, keepdim=True)
+    scores = (torch.matmul(qd, means.double().transpose(-1, -2).unsqueeze(2)) * scale).float()  # [b, hk, hs, n, nc]
+    cidx = torch.arange(nc, device=q.device)
+    key = (ordered_int(scores).to(torch.int64) << 32) | cidx  # the later chunk wins a tie
+    key = torch.where(cidx < own.view(-1, 1), key, torch.full_like(key, -(2 ** 63)))
+    kk = min(topk - 1, nc)
+    val, idx = torch.topk(key, kk, dim=-1)
+    idx = torch.where(val > -(2 ** 63), idx, torch.full_like(idx, nkb))  # not chosen: a dump column
+    table = torch.zeros(*idx.shape[:-1], nkb + 1, dtype=torch.bool, device=q.device)
+    j = torch.arange(nkb, device=q.device)
+    table = table.scatter(-1, idx, True)[..., :nkb] | (j == own.view(-1, 1))
+    table = table.expand(b, hk, g, n, nkb).reshape(b, hq, n, nkb)  # per query head, its own chunk included
+    # per query block: the chunks some rows chose (partial) and those every row chose (full)
+    pad = nqb * qblock - n
+    rows = torch.nn.functional.pad(table, (0, 0, 0, pad)).view(b, hq, nqb, qblock, nkb)
+    real = (torch.arange(nqb * qblock, device=q.device) < n).view(1, 1, nqb, qblock, 1)
+    some = (rows & real).any(3)
+    every = (rows | ~real).all(3)
+    own_blk = (torch.arange(nqb, device=q.device) * qblock // chunk).view(-1, 1) == j  # qblock divides chunk
+    part = (some & ~every) | own_blk
+    full = every & ~own_blk
+
+    def lists(sel):
+        keyj = torch.where(sel, j, j + nkb)
+        idx_ = keyj.sort(-1).values
+        return sel.sum(-1).to(torch.int32), torch.where(idx_ >= nkb, idx_ - nkb, idx_).to(torch.int32).contiguous()
+
+    return (table, *lists(part), *lists(full))
+
+
+def _gate_attend_call(q, k, v, table, part_num, part_idx, full_num, full_idx, *, chunk: int, qblock: int,
+                      scale: float, need_lse: bool):
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    n = q.shape[2]
+
+    def mod(b_, h_, q_idx, kv_idx):  # no arithmetic on q_idx: torch 2.13's CPU template miscompiles it
+        return (kv_idx <= q_idx) & table[b_, h_, q_idx, kv_idx // chunk]
+
+    grad = _grad(q, k, v)
+    mask = BlockMask.from_kv_blocks(part_num, part_idx, full_num, full_idx, BLOCK_SIZE=(qblock, chunk), mask_mod=mod,
+                                    seq_lengths=(n, n), compute_q_blocks=grad)
+    res = flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=True, return_lse=need_lse,
+                         kernel_options=_kernel_options(min(qblock, chunk), q.device))
+    return res if need_lse else (res, None)
+
+
+_CALLS = {"block_sparse": _block_sparse_call, "band": _band_call, "decode": _decode_call,
+          "gate_select": _gate_select_call, "gate_attend": _gate_attend_call}
 _COMPILED: dict[tuple, object] = {}
 
 
@@ -321,6 +379,30 @@ def flex_decode(q, k, v, kept: torch.Tensor, block: int, local_blocks: int, scal
     fn = compiled("decode", block=block, local_blocks=local_blocks, scale=float(scale), need_lse=need_lse and q.is_cuda)
     with _cpu_no_grad(q):
         return _cast(*fn(q, k, v, kept), q)
+
+
+def flex_gate(q, k, v, means: torch.Tensor, chunk: int, topk: int, scale: float, shared: bool = False,
+              need_lse: bool = True):
+    """MoBA's gate selection and attention on FlexAttention (``_gate_call``): (out [b, hq, n, d], lse
+    float32 or None on the CPU). Causal prefill; ``gate_runs`` says where it applies."""
+    qblock = gate_qblock(chunk)
+    select = compiled("gate_select", chunk=chunk, topk=topk, shared=shared, qblock=qblock, scale=float(scale))
+    attend = compiled("gate_attend", chunk=chunk, qblock=qblock, scale=float(scale), need_lse=need_lse and q.is_cuda)
+    with torch.no_grad():  # the gate carries no gradient (as MoBA's)
+        tables = select(q, means)
+    with _cpu_no_grad(q):
+        return _cast(*attend(q, k, v, *tables), q)
+
+
+def gate_qblock(chunk: int) -> int:
+    """Query rows per mask block of the gate: 128 (the GPU kernel's tile) or the chunk when smaller;
+    it divides the chunk, so that a query block lies inside one chunk."""
+    return 128 if chunk % 128 == 0 else chunk
+
+
+def gate_runs(q, k, v, chunk: int, need_lse: bool) -> bool:
+    """Whether ``flex_gate`` runs this call (``supports``; chunks of a multiple of 16 keys)."""
+    return supports(q, k, v, gate_qblock(chunk), need_lse)
 
 
 def _cpu_no_grad(q):
