@@ -230,7 +230,7 @@ def test_reused_out_computes_speedups_within_one_run_only(tmp_path):
 
 def test_model_names_print_verbatim_not_as_emoji():
     r = invoke("apply", "--model", "tiny:llama", "--method", "exact")
-    assert r.exit_code == 0 and "tiny:llama:" in r.stdout and "\U0001f999" not in r.stdout
+    assert r.exit_code == 0 and "tiny:llama (float32):" in r.stdout and "\U0001f999" not in r.stdout
 
 
 def test_help_shows_flags_without_a_value():
@@ -283,6 +283,8 @@ def test_generation_evals_refuse_a_missing_or_mismatched_tokenizer_in_one_line(t
     ("--needle-length", "300000", "the filler has only"),
     ("--needle-template", "nope", "neither a built-in template"),
     ("--needle-trials", "0", "got 0"),
+    ("--needle-length", str(10 ** 12), "[64, "),  # issue 42: bounded like every length
+    ("--needle-trials", str(10 ** 9), "[1, 10000]"),
 ])
 def test_demo_refuses_a_bad_needle_option_before_any_work(tmp_path, option, value, needle):
     # checked before the perplexity part (minutes), and named by the demo's own flag
@@ -619,6 +621,12 @@ def test_an_over_long_path_is_one_line(tmp_path, monkeypatch, argv):
     (("eval", "needle", "--model", "tiny:llama", "--depths", "0:1:0.0000001"), "--depths"),
     (("eval", "needle", "--model", "tiny:llama", "--lengths", "64:99999999999"), "--lengths"),
     (("apply", "--model", "tiny:llama", "--prefill", "99999999999999999999"), "--prefill"),
+    # other counts of the same kind: a typo, not days of work or an overflow inside torch
+    (bench_argv("attention", **{"--heads": str(10 ** 20)}), "--heads"),
+    (bench_argv("decode", **{"--repeats": str(10 ** 9)}), "--repeats"),
+    (bench_argv("attention", **{"--threads": str(10 ** 20)}), "--threads"),
+    (("eval", "needle", "--model", "tiny:llama", "--trials", str(10 ** 9)), "--trials"),
+    (("eval", "ruler", "--model", "tiny:llama", "--samples", str(10 ** 9)), "--samples"),
 ])
 def test_huge_ranges_and_sizes_are_one_line(tmp_path, no_work, argv, flag):
     out = tmp_path / "o"
@@ -669,6 +677,7 @@ def test_a_param_without_effect_under_the_selection_is_an_error():
     ((*EVAL, "--max-docs", "0", "--data", "x"), "--max-docs: got 0"),
     ((*EVAL, "--seq-len", "1", "--data", "x"), "--seq-len: got 1"),
     ((*EVAL, "--loss-chunk", "0", "--data", "x"), "--loss-chunk: got 0"),
+    ((*EVAL, "--device-map", "cuda", "--data", "x"), "--device-map: got 'cuda'"),
     (("eval", "needle", "--model", "tiny:llama", "--batch-size", "0"), "--batch-size: got 0"),
     (("eval", "longbench", "--model", "tiny:llama", "--data", "demo", "--max-length", "1"), "--max-length: got 1"),
     (("eval", "needle", "--model", "tiny:llama", "--num-processes", "0"), "--num-processes: got 0"),

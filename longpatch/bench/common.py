@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import ConfigError
+from ..options import MAX_VALUES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # A call slower than this is timed once (plus its warm-up): SDPA at 131k causal takes ~20 s a call.
@@ -36,9 +37,11 @@ def check_options(command: str, out_dir, lens_flag: str, lens, method_params: di
 
     if not lens or not all(_is_count(n) for n in lens):
         raise ConfigError(f"{lens_flag}: got {','.join(map(str, lens))!r}; allowed: comma-separated ints >= 1")
+    # sizes and counts past MAX_VALUES are typos (a 10**20 head count would overflow torch's shapes, a
+    # billion repeats run for days): one line, like the ranges of options.py
     for flag, value in (("--heads", heads), ("--head-dim", head_dim), ("--batch", batch), ("--repeats", repeats)):
-        if not _is_count(value):
-            raise ConfigError(f"{flag}: got {value!r}; allowed: an int >= 1")
+        if not _is_count(value) or value > MAX_VALUES:
+            raise ConfigError(f"{flag}: got {value!r}; allowed: an int in [1, {MAX_VALUES}]")
     kv_heads = heads if kv_heads is None else kv_heads
     if not _is_count(kv_heads) or heads % kv_heads:
         raise ConfigError(f"--kv-heads: got {kv_heads!r}; allowed: a divisor of --heads ({heads})")

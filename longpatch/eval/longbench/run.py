@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from ...errors import ConfigError, LongpatchError, check_int
-from ...options import split_items
+from ...options import MAX_TOKENS, split_items
 from ...outdir import claim_out, write_csv, write_json
 from ...patching import total_seconds
 from ..launch import Dist, run_sharded
@@ -91,9 +91,9 @@ class LongBenchSpec(RunSpec):
         if self.layers is None and self.layer_counts is None and self.data == "demo":
             self.layer_counts = DEMO_LAYERS
         if self.max_new_tokens is not None:
-            check_int("--max-new-tokens", self.max_new_tokens, 1)
+            check_int("--max-new-tokens", self.max_new_tokens, 1, MAX_TOKENS)
         if self.max_length is not None:
-            check_int("--max-length", self.max_length, 16)
+            check_int("--max-length", self.max_length, 16, MAX_TOKENS)
         if self.max_samples is not None:
             check_int("--max-samples", self.max_samples, 1)
         check_int("--batch-size", self.batch_size, 1)

@@ -41,6 +41,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from ...errors import ConfigError, LongpatchError, check_int
+from ...options import MAX_TOKENS
 from ...outdir import claim_out, write_json
 from ...patching import total_seconds
 from ..launch import Dist, run_sequence_parallel, run_sharded
@@ -95,7 +96,9 @@ class PerplexitySpec(RunSpec):
 
     def __post_init__(self):
         super().__post_init__()
-        check_int("--seq-len", self.seq_len, 2)
+        check_int("--seq-len", self.seq_len, 2, MAX_TOKENS)
+        if self.device_map not in (None, "auto"):  # before loading, named by its flag (LoadSpec says device_map)
+            raise ConfigError(f"--device-map: got {self.device_map!r}; allowed: auto")
         check_int("--sequence-parallel", self.sequence_parallel, 1)
         if self.sequence_parallel > 1 and self.num_processes > 1:
             raise ConfigError(f"--sequence-parallel {self.sequence_parallel} cannot be combined with --num-processes "
