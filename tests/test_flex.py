@@ -88,12 +88,12 @@ def test_band_tables_are_the_band(n, block, window, glob, dilation, wide):
 def test_bad_backend_is_one_line():
     for cfg, words in ((dict(method="moba", backend="flax"), "allowed: auto, torch, triton, flex"),
                        (dict(method="hyper", backend="flex"), "method 'hyper' has no FlexAttention path"),
-                       (dict(method="moba", backend="flex"), "selection 'gate'"),
                        (dict(method="nsa", backend="flex"), "selection 'compressed'")):
         with pytest.raises(ConfigError) as e:
             PatchConfig(**cfg)
         assert words in str(e.value) and "\n" not in str(e.value)
     PatchConfig(method="moba", backend="flex", params={"selection": "estimate"})
+    PatchConfig(method="moba", backend="flex")  # the gate runs on flex too
     PatchConfig(method="sparse", backend="flex")
     with pytest.raises(ConfigError, match="backend: got 'flax'"):
         resolve_backend("flax", torch.zeros(1))
@@ -102,7 +102,7 @@ def test_bad_backend_is_one_line():
 def test_auto_picks_flex_on_cuda_for_block_selections():
     cuda = SimpleNamespace(is_cuda=True)
     assert resolve_backend("auto", cuda, flex=True) == "flex"
-    assert resolve_backend("auto", cuda, flex=False) in ("triton", "torch")  # hyper, moba's gate: as before
+    assert resolve_backend("auto", cuda, flex=False) in ("triton", "torch")  # hyper: as before
     assert resolve_backend("auto", torch.zeros(1), flex=True) == "torch"  # the CPU keeps its own paths
     assert resolve_backend("flex", torch.zeros(1), flex=True) == "flex"  # asked for: compiled on the CPU too
     assert resolve_backend("flex", torch.zeros(1), flex=False) == "torch"  # an exact call inside a flex route
@@ -176,6 +176,18 @@ def test_one_token_steps_on_flex_equal_their_torch_paths():
         torch.testing.assert_close(nsa_attention(q1, k, v, backend="flex", state=dict(state), **kw),
                                    nsa_attention(q1, k, v, backend="torch", state=dict(state), **kw),
                                    rtol=1e-5, atol=2e-6)
+
+
+@needs_flex
+@pytest.mark.slow
+def test_moba_gate_on_flex_equals_its_torch_path():
+    """MoBA's gate (each query row its own top-k chunks by q . chunk mean, per head or shared by the
+    KV group) as a table the flex mask reads, against the torch path, ragged lengths."""
+    for n, shared in ((333, False), (640, True)):
+        q, k, v = qkv(n)
+        kw = dict(chunk_size=64, topk=3, shared_selection=shared)
+        torch.testing.assert_close(moba_attention(q, k, v, backend="flex", **kw),
+                                   moba_attention(q, k, v, backend="torch", **kw), rtol=1e-5, atol=2e-6)
 
 
 @needs_flex

@@ -66,7 +66,7 @@ def fallback_backend(q: torch.Tensor) -> str:
 
 # The methods whose attention is a block selection (moba, nsa: their query-aware selections,
 # selection.SCORINGS) or a band (sparse): what flex expresses.
-FLEX_METHODS = ("moba", "nsa", "sparse")
+FLEX_METHODS = ("moba", "nsa", "sparse")  # moba: its gate too (``flex_gate``)
 
 
 def flex_refusal(method: str, params: dict) -> str | None:
@@ -74,9 +74,9 @@ def flex_refusal(method: str, params: dict) -> str | None:
     from .selection import SCORINGS
 
     if method not in FLEX_METHODS:
-        return (f"method '{method}' has no FlexAttention path (flex runs: moba and nsa with a query-aware selection "
+        return (f"method '{method}' has no FlexAttention path (flex runs: moba, nsa with a query-aware selection "
                 f"({', '.join(SCORINGS)}), sparse)")
-    if method != "sparse" and params.get("selection") not in SCORINGS:
+    if method == "nsa" and params.get("selection") not in SCORINGS:
         return (f"{method}'s selection {params.get('selection')!r} picks keys per query row, which flex does not run "
                 f"(flex runs selection {', '.join(SCORINGS)})")
     return None
@@ -400,9 +400,16 @@ def gate_qblock(chunk: int) -> int:
     return 128 if chunk % 128 == 0 else chunk
 
 
+# Gate scores held at once (query heads x rows x chunks): float64 scores and int64 keys of this many
+# elements take about 4 GB; beyond (short chunks on long inputs) the gate stays on its Triton path.
+_GATE_ELEMS = 1 << 28
+
+
 def gate_runs(q, k, v, chunk: int, need_lse: bool) -> bool:
-    """Whether ``flex_gate`` runs this call (``supports``; chunks of a multiple of 16 keys)."""
-    return supports(q, k, v, gate_qblock(chunk), need_lse)
+    """Whether ``flex_gate`` runs this call: ``supports`` it (chunks of a multiple of 16 keys) and
+    the gate's scores fit (``_GATE_ELEMS``)."""
+    b, hq, n, _ = q.shape
+    return b * hq * n * max(1, (n - 1) // chunk) <= _GATE_ELEMS and supports(q, k, v, gate_qblock(chunk), need_lse)
 
 
 def _cpu_no_grad(q):

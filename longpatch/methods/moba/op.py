@@ -171,7 +171,7 @@ def moba_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
     check_int("moba_attention: chunk_size", chunk_size, 1)
     check_int("moba_attention: topk", topk, 1)
     scale = default_scale(scale, q.shape[-1])
-    backend = resolve_backend(backend, q, k, v, flex=selection in SCORINGS)  # flex runs block selections
+    backend = resolve_backend(backend, q, k, v, flex=causal)  # flex runs the causal selections
     if selection not in SELECTIONS:
         raise ValueError(f"moba_attention: selection must be one of {', '.join(SELECTIONS)}; got {selection!r}")
     if selection != "gate":
@@ -203,6 +203,13 @@ def moba_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
         means = prefix_means(k, chunk_size, (k.shape[2] - 1) // chunk_size, chunk_means)
         out, lse = decode_one(q, k, v, means, chunk_size, topk, scale, shared_selection, need_lse=return_lse)
         return (out, lse.float()) if return_lse else out
+    if backend == "flex":  # the gate on FlexAttention: a causal prefill, where it runs
+        from ..flex import fallback_backend, flex_gate, gate_runs
+        if causal and nq == nk and not needs_grad and gate_runs(q, k, v, chunk_size, return_lse):
+            means = prefix_means(k, chunk_size, (nk - 1) // chunk_size, chunk_means)
+            out, lse = flex_gate(q, k, v, means, chunk_size, topk, scale, shared_selection, return_lse)
+            return (out, lse) if return_lse else out
+        backend = fallback_backend(q)
     plan = Plan(q, k, chunk_size, topk, causal, chunk_means, scale, shared_selection)
     if backend == "triton":
         out, lse = _triton_path(q, k, v, plan)
