@@ -19,7 +19,8 @@ Peak memory (``mem_mb``): the increase of the peak resident set size (VmHWM, res
 allocations do not hide it. Linux only; ``None`` elsewhere. On a GPU (``device="cuda"``): the
 peak of torch's CUDA allocator during one call beyond what was allocated before it.
 
-On a GPU the methods run their Triton kernels (backend auto) and the exact baseline is torch SDPA
+On a GPU the methods run backend auto (FlexAttention for moba, nsa's query-aware selections and
+sparse; Triton kernels for the rest) and the exact baseline is torch SDPA
 (flash-attn when installed), never longpatch's own Triton flash kernel: the speedups are against
 what a user runs without longpatch. Timings drain the GPU's queue before each clock reading.
 """

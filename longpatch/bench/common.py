@@ -81,8 +81,8 @@ def method_params_from_sets(methods, sets) -> dict[str, dict]:
 
 
 def bench_device(device: str) -> torch.device:
-    """--device: 'cpu', or 'cuda' / 'cuda:N' when that GPU is visible (then the methods run their Triton
-    kernels, backend auto, and exact attention is torch SDPA or flash-attn)."""
+    """--device: 'cpu', or 'cuda' / 'cuda:N' when that GPU is visible (then the methods run backend
+    auto: FlexAttention or their Triton kernels, and exact attention is torch SDPA or flash-attn)."""
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):

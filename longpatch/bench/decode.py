@@ -11,7 +11,8 @@ an existing cache, paid once per sequence, not per token), and the relative erro
 output vs exact (‖o − o_exact‖ / ‖o_exact‖) on the timed random inputs and on the last query of
 ``longpatch.bench.common.structured_inputs`` (one dominant key n/3 positions back).
 
-On a GPU (``device="cuda"``) the methods run their Triton kernels (backend auto) and exact attention
+On a GPU (``device="cuda"``) the methods run backend auto (FlexAttention for the query-aware
+steps, Triton or their gather paths for the rest) and exact attention
 is torch SDPA (flash-attn when installed); timings drain the GPU's queue before each clock reading.
 
 Prints a table, writes ``decode_bench.json`` and ``decode_bench.png`` into ``out_dir``.
