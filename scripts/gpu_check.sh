@@ -36,8 +36,8 @@ issue40() {
   else
     $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
 'transformers', transformers.__version__, torch.cuda.get_device_name())"
-    step 200 $PY scripts/gpu_flex.py --out "$OUT/flex.json"
-    step 100 $PY scripts/gpu_kernels.py --device cuda --n 4100 --head-dims 128 --dtypes bfloat16 --grad-n 0 \
+    step 180 $PY scripts/gpu_flex.py --out "$OUT/flex.json"
+    step 120 $PY scripts/gpu_kernels.py --device cuda --n 4100 --head-dims 128 --dtypes bfloat16 --grad-n 0 \
       --out "$TMP/kb"
     cp "$TMP/kb/results.json" "$OUT/kernels_bf16.json"
     CTX=32768,65536,131072; SEL="--set chunk_size=256 --set topk=16"
