@@ -42,7 +42,9 @@ SUBSET = {"code": "lcc", "prose": "gov_report"}  # LongBench subset names the pp
 # Needles of forms of our own (not the built-in passkey or `NAME = key` code templates), one per corpus,
 # written as `eval needle --template` YAML files.
 TEMPLATES = {
-    "code": {"name": "heldout-code", "needle": "self.buffer_limit = {key}", "question": "assert self.buffer_limit =="},
+    # (an attribute form, `self.buffer_limit = key`, was found by exact attention in 1 of 3 tries: too
+    # hard for the demo model to tell configs apart)
+    "code": {"name": "heldout-code", "needle": "MAX_BUFFER_SIZE = {key}", "question": "assert MAX_BUFFER_SIZE =="},
     "prose": {"name": "heldout-prose", "needle": "The access code of the archive is {key}.",
               "question": "What is the access code of the archive? The access code of the archive is"},
 }
