@@ -32,6 +32,7 @@ from longpatch.config import load_config, read_config
 from longpatch.errors import ConfigError, LongpatchError
 from longpatch.eval.needle.run import MIN_LENGTH, needle
 from longpatch.eval.records import removed_on_failure
+from longpatch.outdir import check_out, claim_out
 
 # name: (bundled demo config, parameter overrides). The first of each method is the bundled config as is
 # (tuned for perplexity at 4096 tokens), then budgets that grow toward the whole context.
@@ -137,7 +138,9 @@ def main() -> None:
     try:  # bad options fail in one line (eval needle's checks); a run that finished nothing leaves no --out
         if args.length < MIN_LENGTH:  # checked here to name this script's flag (eval needle's is --lengths)
             raise ConfigError(f"--length: got {args.length}; allowed: a token count >= {MIN_LENGTH}")
+        check_out(out, "eval needle")  # a user's own non-empty directory is refused, as by eval needle itself
         with removed_on_failure(out, keep_if_existed=out.exists()):
+            claim_out(out, "eval needle")  # the configs sit beside eval needle's results, in its directory
             paths = write_configs(out)
             results = needle("demo", "0,all", config=",".join(str(p) for p in paths.values()),
                              template=args.template, lengths=str(args.length), depths=args.depths, trials=args.trials,

@@ -269,10 +269,10 @@ def test_longbench_e_buckets(tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["--tasks", "bogus"], "--tasks: unknown name 'bogus'"),
-    (["--max-length", "3"], "max_length: got 3"),
+    (["--max-length", "3"], "--max-length: got 3"),
     (["--e"], "--e: LongBench-E needs"),
     (["--layers", "x"], "--layers"),
-    (["--max-new-tokens", "0"], "max_new_tokens: got 0"),
+    (["--max-new-tokens", "0"], "--max-new-tokens: got 0"),
 ])
 def test_bad_options_fail_in_one_line(tmp_path, argv, message):
     out = tmp_path / "out"
