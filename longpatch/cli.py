@@ -212,7 +212,7 @@ def apply(
                                            help="allow remote code (bundled aliases set it themselves)"),
     prefill: int = typer.Option(0, "--prefill", metavar="N",
                                 help="run one forward pass on this many random tokens and report "
-                        "where attention time went"),
+                                     "where attention time went"),
 ):
     """Load a model, patch it, and print which layers run which method."""
     from . import loading
@@ -386,12 +386,12 @@ def eval_ppl(
     max_docs: Optional[int] = typer.Option(None, "--max-docs", metavar="N", help="at most N documents per subset"),
     data: Optional[str] = typer.Option(None, "--data", metavar="DATA",
                                        help="data.zip, dir of <subset>.jsonl, parquet, demo; "
-                                  "default: hub THUDM/LongBench"),
+                                            "default: hub THUDM/LongBench"),
     out: str = out_option("runs/eval", "records, results.json/.csv, plots; rerun to resume"),
     tokenizer: Optional[str] = tokenizer_option(),
     device_map: Optional[str] = typer.Option(None, "--device-map", metavar="auto",
                                              help="auto: spread one model over this "
-                                  "machine's GPUs"),
+                                                  "machine's GPUs"),
     num_processes: int = typer.Option(1, "--num-processes", help="local worker processes sharing the documents"),
     sequence_parallel: int = typer.Option(1, "--sequence-parallel",
                                           help="split every document over N processes (torch.distributed.run; "
@@ -435,7 +435,7 @@ def eval_needle(
     num_processes: int = typer.Option(1, "--num-processes", help="local worker processes sharing the prompts"),
     batch_size: int = typer.Option(1, "--batch-size",
                                    help="prompts generated together in one left-padded batch (each row's "
-                        "answer is what its prompt gives alone)"),
+                                        "answer is what its prompt gives alone)"),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code"),
     progress: bool = typer.Option(True, "--progress/--no-progress"),
 ):
@@ -470,22 +470,22 @@ def eval_longbench(
                                               "scores per length bucket 0-4k/4-8k/8k+)"),
     max_length: Optional[int] = typer.Option(None, "--max-length",
                                              help="prompt budget in tokens, cut in the middle (default: "
-                                  "LongBench's for the model, else its positions - 500; "
+                                                  "LongBench's for the model, else its positions - 500; "
                                   "--data demo: 2048)"),
     max_samples: Optional[int] = typer.Option(None, "--max-samples",
                                               help="at most the first N records per task (--data demo: 4)"),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens",
                                                  help="cap every task's generation length (quick checks "
-                                  "only: not LongBench's protocol)"),
+                                                      "only: not LongBench's protocol)"),
     data: Optional[str] = typer.Option(None, "--data", help="data.zip, dir of <task>.jsonl, parquet, or demo (code "
-                                                  "completion from the demo model's held-out code); "
+                                                            "completion from the demo model's held-out code); "
                                                   "default: hub THUDM/LongBench"),
     out: str = out_option("runs/longbench", "records, predictions, results.json/.csv, plot; rerun to resume"),
     tokenizer: Optional[str] = tokenizer_option(),
     num_processes: int = typer.Option(1, "--num-processes", help="local worker processes sharing the records"),
     batch_size: int = typer.Option(1, "--batch-size",
                                    help="records of a task generated together in one left-padded batch "
-                        "(each prediction is what its record gives alone)"),
+                                        "(each prediction is what its record gives alone)"),
     strict: bool = typer.Option(False, "--strict/--no-strict",
                                 help="a malformed record is fatal instead of reported and skipped"),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code"),
@@ -517,17 +517,17 @@ def eval_ruler(
     layers: Optional[str] = layers_option(),
     layer_counts: Optional[str] = layer_counts_option(),
     tasks: str = typer.Option("all", "--tasks", metavar="TASKS", help="all, niah, qa, or comma-separated RULER tasks "
-                                                           "(niah_single_1, ..., vt, cwe, fwe, qa_1, qa_2)"),
+                                                                      "(niah_single_1, ..., vt, cwe, fwe, qa_1, qa_2)"),
     lengths: str = typer.Option("4096,8192,16384,32768,65536,131072", "--lengths", metavar="N[,N...]",
                                 help="target lengths in tokens (prompt + the task's generation budget)"),
     samples: int = typer.Option(20, "--samples", help="prompts per (task, length)"),
     essays: Optional[str] = typer.Option(None, "--essays", metavar="FILE",
                                          help="essay haystack: RULER's PaulGrahamEssays.json, "
-                                  "a .txt file or a directory of them, or demo (a "
+                                              "a .txt file or a directory of them, or demo (a "
                                   "stand-in); default: essay tasks skipped"),
     qa: Optional[str] = typer.Option(None, "--qa", metavar="DIR",
                                      help="directory with squad.json and/or hotpotqa.json, or "
-                                  "hub; default: qa_1 and qa_2 skipped"),
+                                          "hub; default: qa_1 and qa_2 skipped"),
     seed: int = typer.Option(42, "--seed", help="seed of every prompt"),
     out: str = out_option("runs/ruler", "records, results.json/.csv, heatmaps, RULER data/pred files; rerun to "
                                         "resume"),
@@ -535,7 +535,7 @@ def eval_ruler(
     num_processes: int = typer.Option(1, "--num-processes", help="local worker processes sharing the prompts"),
     batch_size: int = typer.Option(1, "--batch-size",
                                    help="prompts generated together in one left-padded batch (each row's "
-                        "answer is what its prompt gives alone)"),
+                                        "answer is what its prompt gives alone)"),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code"),
     progress: bool = typer.Option(True, "--progress/--no-progress"),
 ):
@@ -601,14 +601,14 @@ def bench_generate(
     layers: Optional[str] = layers_option(),
     layer_counts: Optional[str] = layer_counts_option(),
     contexts: str = typer.Option("8192,16384,32768", "--contexts", metavar="N[,N...]", help="prompt lengths in tokens, "
-                                                                              "comma-separated"),
+                                                                                            "comma-separated"),
     new_tokens: int = typer.Option(64, "--new-tokens",
                                    help="greedy tokens per generation (the first comes from the prefill)"),
     repeats: int = typer.Option(1, "--repeats", help="generations per row (medians over them)"),
     warmup: int = typer.Option(1, "--warmup", help="untimed short generations per configuration"),
     cache: str = typer.Option("growing", "--cache",
                               help="KV cache of the decode steps: growing (longpatch.cache.GrowingCache, "
-                        "no per-token copy) or dynamic (transformers' DynamicCache, which "
+                                   "no per-token copy) or dynamic (transformers' DynamicCache, which "
                         "copies the whole cache every token)"),
     filler: str = typer.Option("demo", "--filler",
                                help="prompt text: demo, a .txt or .jsonl file, or longbench:<subsets>"),
