@@ -85,8 +85,10 @@ def _one_line_error(r, *needles):
 @pytest.mark.parametrize("args, needles", [
     (["--contexts", "0"], ["--contexts", "'0'", "[64, "]),
     (["--contexts", "256,x"], ["--contexts", "comma-separated"]),
-    (["--new-tokens", "0"], ["--new-tokens: got 0", ">= 2"]),
+    (["--new-tokens", "0"], ["--new-tokens: got 0", "[2, "]),
+    (["--new-tokens", "99999999999"], ["--new-tokens: got 99999999999", "[2, 1073741824]"]),
     (["--repeats", "0"], ["--repeats: got 0"]),
+    (["--repeats", "100000"], ["--repeats: got 100000", "[1, 10000]"]),
     (["--config", "demo-moba,nope"], ["config: 'nope'", "neither a file nor a bundled alias"]),
     (["--layer-counts", "1,"], ["--layer-counts", "empty item"]),
     (["--layers", "0,4"], ["--layers 0,4", "--layer-counts 0,4", "layers=[0, 4]"]),

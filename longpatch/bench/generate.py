@@ -44,7 +44,7 @@ from ..eval.sweep import (
     num_layers,
     say_if_exact,
 )
-from ..options import parse_layer_counts
+from ..options import MAX_TOKENS, MAX_VALUES, parse_layer_counts
 from ..outdir import check_out, claim_out, write_csv, write_json
 from .common import figure, fmt, machine_meta, save_figure, show_table, synchronizer, wide_console
 
@@ -237,10 +237,10 @@ def run_generate_bench(model: str, config=None, layer_counts=None, contexts="819
     from ..specs import resolve
 
     ctx = parse_contexts(contexts)
-    check_int("--new-tokens", new_tokens, 2)
-    check_int("--repeats", repeats, 1)
-    check_int("--warmup", warmup, 0)
-    check_int("--batch-size", batch_size, 1)
+    check_int("--new-tokens", new_tokens, 2, MAX_TOKENS)
+    check_int("--repeats", repeats, 1, MAX_VALUES)
+    check_int("--warmup", warmup, 0, MAX_VALUES)
+    check_int("--batch-size", batch_size, 1, MAX_VALUES)
     if cache not in CACHES:
         raise ConfigError(f"cache: got {cache!r}; allowed: {', '.join(CACHES)}")
     if layers is not None and layer_counts is not None:
