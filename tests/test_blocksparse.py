@@ -366,24 +366,28 @@ def test_antidiagonal_finds_what_a_middle_block_reads():
     assert blocks[0, 0, 7].tolist() == [0, 6, 4]
 
 
+@pytest.mark.parametrize("selection", ["antidiagonal", "hybrid"])
 @pytest.mark.parametrize("method", ["moba", "nsa"])
-def test_antidiagonal_selection_runs_the_executor_causally_and_decodes(method):
-    """Both methods with selection='antidiagonal': output equal to the masked dense reference of the
-    blocks it selects (GQA: 4 query heads, 2 KV heads; ragged n), values after a position never
+def test_strided_selections_run_the_executor_causally_and_decode(method, selection):
+    """Both methods with selection='antidiagonal' or 'hybrid': output equal to the masked dense reference
+    of the blocks it selects (GQA: 4 query heads, 2 KV heads; ragged n), values after a position never
     reach it, and a one-token step equals the prefill's last row."""
     from longpatch.ops import nsa_attention
 
     n, block = 90, 16
     q, k, v = qkv(n)
+    sel = dict(selection=selection, score_stride=4, mass=0.8, **({"estimate_queries": 8} if selection == "hybrid"
+                                                                 else {}))
     if method == "moba":
-        kw = dict(chunk_size=block, topk=3, selection="antidiagonal", score_stride=4, mass=0.8)
+        kw = dict(chunk_size=block, topk=3, **sel)
         run = moba_attention
     else:
-        kw = {**NSA_EST, "selection": "antidiagonal", "score_stride": 4, "mass": 0.8}
+        kw = {**NSA_EST, **sel}
         run = nsa_attention
+    scoring = ("hybrid", 8, 4) if selection == "hybrid" else ("antidiagonal", 4)
     state = {}
     out = run(q, k, v, state=state, **kw)
-    blocks = estimated_blocks(q, k, block, 2 if method == "moba" else 3, 0.8, ("antidiagonal", 4), 1, 0.25)
+    blocks = estimated_blocks(q, k, block, 2 if method == "moba" else 3, 0.8, scoring, 1, 0.25)
     sel = masked_reference(q, k, v, blocks, block)[0]
     if method == "moba":
         torch.testing.assert_close(out, sel, atol=1e-12, rtol=1e-10)
