@@ -6,10 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers import load_script
 from typer.testing import CliRunner
 
 from longpatch import cli
-from tests.helpers import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 options = load_script("cli_options")

@@ -29,6 +29,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import ConfigError, LongpatchError
+from ..outdir import claim_out
 from .records import removed_on_failure
 
 WORKER_ENV = "LONGPATCH_EVAL_WORKER"  # set in the processes --num-processes spawns
@@ -104,6 +105,9 @@ def run_sharded(spec, model, entry: str, body: Callable[[Dist, str], dict], repo
         if not isinstance(model, str) or not spec.named_inputs():
             raise ConfigError("--num-processes > 1 needs the model, tokenizer and config given by name or path "
                               "(each worker loads its own copy)")
+        # Marked before the workers start: a worker's own check_out must not find a sibling's records in an
+        # unmarked directory (a non-empty directory longpatch did not write is refused).
+        claim_out(out, spec.COMMAND)
         spawn(entry, dict(spec.to_kwargs(), model=model, run_id=run_id), spec.num_processes, out)
         return report()
 
@@ -125,6 +129,7 @@ def run_sequence_parallel(spec, model, entry: str, body: Callable[[Dist, str], d
                 raise ConfigError("--sequence-parallel > 1 needs the model, tokenizer and config given by name or "
                                   "path (each process loads its own copy)")
             run_id = spec.run_id or uuid.uuid4().hex[:12]
+            claim_out(out, spec.COMMAND)  # before the processes start, as in run_sharded
             torchrun(entry, dict(spec.to_kwargs(), model=model, run_id=run_id), n, out)
             return report()
         if world != n:
