@@ -641,8 +641,9 @@ def bench_generate(
 
 def _set_threads(threads: Optional[int]) -> None:
     if threads is not None:
-        if not 1 <= threads <= 1024:  # torch overflows, or starves the machine, far below 10**20
-            raise ConfigError(f"--threads: got {threads}; allowed: an int in [1, 1024]")
+        from .errors import check_int
+
+        check_int("--threads", threads, 1, 1024)  # torch overflows, or starves the machine, far below 10**20
         import torch
         torch.set_num_threads(threads)
 
