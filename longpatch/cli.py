@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -322,6 +323,53 @@ def demo(
         console.print(f"retrieval: accuracy over {len(nd['depths'])} depths x {nd['trials']} trials "
                       f"(longpatch eval needle for the full grid)")
     console.print(f"written to {out}: demo.json, figure3.png, needle/, and one eval directory per config")
+
+
+@command(app)
+def calibrate(
+    model: str = model_option(),
+    config: Optional[str] = config_option(sweep=False),
+    method: Optional[str] = method_option(),
+    set_: list[str] = set_option(),
+    layers: Optional[str] = layers_option(),
+    grid: list[str] = typer.Option([], "--grid", metavar="KEY=V1,V2",
+                                   help="candidate values of a method param, repeatable (every combination is "
+                                        "tried in every layer), e.g. --grid topk=8,12,16; none: the config's own"),
+    max_error: float = typer.Option(0.1, "--max-error", metavar="E",
+                                    help="per layer: the cheapest candidate whose relative output error "
+                                         "||o - o_exact|| / ||o_exact|| is at most E (none: the most accurate)"),
+    data: Optional[str] = typer.Option(None, "--data", metavar="DATA",
+                                       help="the calibration text: data.zip, dir of <subset>.jsonl, parquet, demo; "
+                                            "default: hub THUDM/LongBench"),
+    subsets: str = typer.Option("all", "--subsets", metavar="SUBSETS",
+                                help="all, or comma-separated subsets/categories"),
+    seq_len: int = typer.Option(32768, "--seq-len", metavar="N",
+                                help="tokens per calibration document (shorter ones are skipped)"),
+    max_docs: int = typer.Option(2, "--max-docs", metavar="N", help="calibration documents (the first N long enough)"),
+    out: str = out_option("runs/calibrate", "calibrated.yaml, calibration.json, records; rerun to resume"),
+    tokenizer: Optional[str] = tokenizer_option(),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code"),
+    progress: bool = typer.Option(True, "--progress/--no-progress"),
+):
+    """Choose each patched layer's params on a calibration text; writes a config (calibrated.yaml)."""
+    from .calibrate import CONFIG_OUT, run_calibrate
+
+    res = run_calibrate(model, config=config, method=method, layers=layers, sets=set_, grid=grid,
+                        max_error=max_error, data=data, subsets=subsets, seq_len=seq_len, max_docs=max_docs,
+                        out=out, tokenizer=tokenizer, trust_remote_code=trust_remote_code, progress=progress)
+    t = Table(title=escape(f"{res['model']}: {len(res['docs'])} document(s) of {res['seq_len']} tokens, "
+                           f"max error {res['max_error']}"), title_justify="left")
+    for col in ("layer", "chosen", "error", "query-key products", "meets max error"):
+        t.add_column(col, justify="left" if col == "chosen" else "right")
+    for row in res["layers"]:
+        chosen = ", ".join(f"{k}={v}" for k, v in row["chosen"].items()) or "the config's params"
+        t.add_row(str(row["layer"]), escape(chosen), f"{row['error']:.4f}", f"{row['pairs']:.3g}",
+                  "yes" if row["meets_max_error"] else "no")
+    console.print(t)
+    base = res["base_pairs"]
+    vs = f" ({res['chosen_pairs'] / base:.2f}x the config's own {base:.3g})" if base else ""
+    console.print(f"query-key products, all layers: {res['chosen_pairs']:.3g}{vs}; written to "
+                  f"{Path(out) / CONFIG_OUT}", markup=False)
 
 
 @command(bench_app, "attention")

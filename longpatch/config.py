@@ -19,7 +19,7 @@ BACKENDS = ("auto", "torch", "triton", "flex")
 CONFIG_FILE = "longpatch.yaml"  # written beside a saved model by `longpatch apply --save`
 
 
-PATCH_DOC = "method, params, layers, min_seq_len, backend, family"
+PATCH_DOC = "method, params, layers, min_seq_len, backend, family, layer_params"
 
 
 @dataclass
@@ -28,6 +28,8 @@ class PatchConfig:
 
     layers: an int N (the last N layers; 0 = none), a list of 0-based layer indices, or "all".
     min_seq_len: prefill calls shorter than this use exact attention in patched layers.
+    layer_params: per-layer changes to params, {0-based layer index: {param: value}} (what
+    ``longpatch calibrate`` writes); each layer named must be one the patch replaces.
     backend: auto, torch, triton or flex (FlexAttention: the block-sparse methods). family: force a model
     family (default: detected from the model).
     How the model is loaded (model, dtype, ...) is a LoadSpec; a YAML config file may hold both halves
@@ -40,10 +42,12 @@ class PatchConfig:
     min_seq_len: int = 0
     backend: str = "auto"
     family: str | None = None
+    layer_params: dict[int, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self):
         _check_type("method", self.method, str, "a method name")
         self.params = dict(get_method(self.method).resolve_params(_mapping("params", self.params)))
+        self.layer_params = _check_layer_params(self.method, self.params, self.layer_params)
         self.layers = _check_layers(self.layers)
         _check_type("min_seq_len", self.min_seq_len, int, "an int >= 0")
         if self.min_seq_len < 0:
@@ -51,13 +55,19 @@ class PatchConfig:
         _check_choice("backend", self.backend, BACKENDS)
         if self.backend == "flex":
             from .methods.flex import flex_refusal
-            why = flex_refusal(self.method, self.params)
-            if why:
-                raise ConfigError(f"backend: got 'flex', but {why}; allowed: auto, torch, triton")
+            for layer in (None, *self.layer_params):
+                why = flex_refusal(self.method, self.params_of(layer))
+                if why:
+                    where = "" if layer is None else f" in layer {layer} (layer_params)"
+                    raise ConfigError(f"backend: got 'flex', but {why}{where}; allowed: auto, torch, triton")
         if self.family is not None:
             from .families import available_families  # lazy: the families import transformers
             _check_type("family", self.family, str, "a family name (see `longpatch list`)")
             _check_choice("family", self.family, tuple(available_families()))
+
+    def params_of(self, layer: int | None) -> dict[str, Any]:
+        """The params layer ``layer`` runs with: params, changed by its layer_params entry (None: params)."""
+        return {**self.params, **self.layer_params.get(layer, {})}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "PatchConfig":
@@ -276,6 +286,24 @@ def _check_choice(key, value, choices):
 
 
 _LAYERS_ALLOWED = "an int N >= 0 (the last N layers), a list of 0-based layer indices, or 'all'"
+
+
+def _check_layer_params(method: str, params: dict, layer_params) -> dict[int, dict[str, Any]]:
+    """{layer: {param: value}} with each layer's whole set of params valid for ``method`` (only the
+    changes are kept, so a config written back stays as short as it was)."""
+    out = {}
+    for layer, changes in _mapping("layer_params", layer_params).items():
+        if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+            raise ConfigError(f"layer_params: got the key {layer!r}; allowed: 0-based layer indices (ints >= 0)")
+        changes = _mapping(f"layer_params.{layer}", changes)
+        try:
+            get_method(method).resolve_params({**params, **changes})
+        except ConfigError as e:  # "params.topk: ..." -> "layer_params.3.topk: ..."
+            msg = str(e)
+            msg = msg[len("params."):] if msg.startswith("params.") else msg
+            raise ConfigError(f"layer_params.{layer}.{msg}") from None
+        out[layer] = dict(changes)
+    return dict(sorted(out.items()))
 
 
 def _check_layers(layers):

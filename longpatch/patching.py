@@ -96,9 +96,13 @@ def patch_model(model, cfg: "PatchConfig | dict | str | Path", *, timed: bool = 
     family = detect_family(model, cfg.family)
     n = family.num_layers(model)
     chosen = set(select_layers(cfg.layers, n))
+    stray = sorted(set(cfg.layer_params) - chosen)
+    if stray:
+        raise ConfigError(f"layer_params: layer {stray[0]} is not one this patch replaces; allowed: "
+                          f"{', '.join(map(str, sorted(chosen))) or 'none (layers replaces none)'}")
     method = get_method(cfg.method)
     routes = [LayerRoute(layer_idx=i, method=method if i in chosen else None,
-                         params=dict(cfg.params) if i in chosen else {},
+                         params=cfg.params_of(i) if i in chosen else {},
                          min_seq_len=cfg.min_seq_len, backend=cfg.backend, timed=timed) for i in range(n)]
     family.install(model, routes)
     setattr(model, REPORT_ATTR, PatchReport(cfg, family, n, sorted(chosen), routes))

@@ -118,6 +118,7 @@ class Point:
                 "indices": self.indices,
                 "method": self.cfg.method if self.indices else None,
                 "params": self.cfg.params if self.indices else {},
+                **({"layer_params": self.cfg.layer_params} if self.indices and self.cfg.layer_params else {}),
                 "min_seq_len": self.cfg.min_seq_len, "backend": self.cfg.backend}
 
 
@@ -126,6 +127,8 @@ def config_id(identity: dict, indices: list[int], cfg: PatchConfig) -> str:
     if indices:  # with no patched layer, method and params change nothing: one baseline for all methods
         key.update(method=cfg.method, params=cfg.params, min_seq_len=cfg.min_seq_len, backend=cfg.backend,
                    family=cfg.family)
+        if cfg.layer_params:  # only when set: the ids of configs without them stay what they were
+            key["layer_params"] = {str(i): v for i, v in cfg.layer_params.items()}
     text = json.dumps(key, sort_keys=True, default=str)
     return hashlib.sha1(text.encode()).hexdigest()[:12]
 
@@ -137,13 +140,14 @@ def make_points(cfg: PatchConfig, sweep: list, num_layers: int, identity: dict) 
         indices = select_layers(spec, num_layers)
         if any(p.indices == indices for p in points):
             continue
-        point_cfg = cfg.replace(layers=spec)
+        # a point replacing fewer layers keeps the per-layer changes of the layers it replaces
+        point_cfg = cfg.replace(layers=spec, layer_params={i: v for i, v in cfg.layer_params.items() if i in indices})
         n = len(indices)
         if isinstance(spec, list):
             label = f"{cfg.method}:[{','.join(map(str, indices))}]"
         else:
             label = "exact" if n == 0 else f"{cfg.method}:{n}"  # the baseline's one name in every output
-        points.append(Point(point_cfg, n, indices, config_id(identity, indices, cfg), label))
+        points.append(Point(point_cfg, n, indices, config_id(identity, indices, point_cfg), label))
     return points
 
 

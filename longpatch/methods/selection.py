@@ -110,17 +110,25 @@ def check_estimate_args(op: str, mass, scoring: tuple, block: int) -> None:
             raise ValueError(f"{op}: score_stride must divide the block size {block}; got {stride}")
 
 
-def _mass(q, k, qpos: torch.Tensor, scale: float) -> torch.Tensor:
-    """[b, hk, g * m, n]: exact causal attention probabilities of the query rows at positions qpos
-    (each query head's rows of a KV group stacked)."""
+def _block_mass(q, k, qpos: torch.Tensor, first: int, scale: float, nb: int, block: int) -> torch.Tensor:
+    """[b, hk, g * len(qpos), nb]: the exact causal attention probabilities of the query rows at positions
+    qpos (each query head's rows of a KV group stacked), summed per key block; ``first`` is min(qpos)
+    (the caller knows it: no device sync here).
+
+    The score rows are the largest temporaries of a selection (rows x every key), so they are worked
+    in place: the future mask touches only keys after ``first``, and the softmax's exponentials are
+    pooled before they are normalised (one division per block, not per key)."""
     b, hq, n, d = q.shape
     hk = k.shape[1]
     g = hq // hk
     acc = acc_dtype(q.dtype)
-    rows = q.index_select(2, qpos).reshape(b, hk, g * len(qpos), d)
-    s = torch.matmul(rows.to(acc), k.to(acc).transpose(-1, -2)) * scale
-    future = torch.arange(n, device=q.device).view(1, -1) > qpos.repeat(g).view(-1, 1)
-    return torch.softmax(s.masked_fill(future, float("-inf")), -1)
+    rows = q.index_select(2, qpos).reshape(b, hk, g * len(qpos), d).to(acc) * scale
+    s = torch.matmul(rows, k.to(acc).transpose(-1, -2))
+    if first + 1 < n:
+        future = torch.arange(first + 1, n, device=q.device).view(1, -1) > qpos.repeat(g).view(-1, 1)
+        s[..., first + 1:].masked_fill_(future, float("-inf"))
+    s.sub_(s.amax(-1, keepdim=True)).exp_()  # each row's own key (unmasked) keeps the max finite
+    return _pooled(s, nb, block) / s.sum(-1, keepdim=True)
 
 
 def _pooled(p: torch.Tensor, nb: int, block: int) -> torch.Tensor:
@@ -134,7 +142,7 @@ def last_queries_vertical(q, k, block: int, m: int, scale: float) -> tuple[torch
     n = q.shape[2]
     nb = math.ceil(n / block)
     last = torch.arange(n - min(m, n), n, device=q.device)
-    per_row = _pooled(_mass(q, k, last, scale), nb, block)  # [b, hk, g * m, nb], each row sums to 1
+    per_row = _block_mass(q, k, last, n - min(m, n), scale, nb, block)  # [b, hk, g * m, nb], rows sum to 1
     return per_row.mean(2).float(), per_row.amax(2).float()
 
 
@@ -157,7 +165,7 @@ def last_queries_estimate(q, k, block: int, m: int, scale: float):
     dev = q.device
     vertical, peak = last_queries_vertical(q, k, block, m, scale)
     spread = torch.unique(torch.linspace(0, n - 1, m, device=dev).round().long())
-    pb = _pooled(_mass(q, k, spread, scale), nb, block)  # [b, hk, rows, nb]
+    pb = _block_mass(q, k, spread, 0, scale, nb, block)  # [b, hk, rows, nb]; spread starts at position 0
     off = (spread // block).repeat(g).view(-1, 1) - torch.arange(nb, device=dev).view(1, -1)
     off = off.clamp(min=0).expand(b, hk, -1, -1)  # a future block (offset < 0) has mass 0
     slash = torch.zeros(b, hk, nb, dtype=pb.dtype, device=dev)
@@ -226,7 +234,7 @@ def antidiagonal_scores(q, k, block: int, stride: int, scale: float) -> torch.Te
     acc = acc_dtype(q.dtype)
     pad = nt * stride - n
     # reshape, not view: a model's q/k are strided views of its projections
-    qt = torch.nn.functional.pad(q.to(acc), (0, 0, 0, pad)).reshape(b, hq, nt, stride * d)
+    qt = torch.nn.functional.pad(q.to(acc) * (scale / stride), (0, 0, 0, pad)).reshape(b, hq, nt, stride * d)
     # each key tile's rows reversed, so a row of q tiles times a row of k tiles sums an antidiagonal
     kt = torch.nn.functional.pad(k.to(acc), (0, 0, 0, pad)).reshape(b, hk, nt, stride, d).flip(3)
     kt = kt.reshape(b, hk, nt, stride * d)
@@ -237,9 +245,12 @@ def antidiagonal_scores(q, k, block: int, stride: int, scale: float) -> torch.Te
         a = torch.arange(a0, min(nt, a0 + rows), device=q.device)
         seen = a0 + len(a)  # key tiles these query tiles can see: whole blocks up to their last block
         sc = torch.matmul(qt[:, :, a0:seen].reshape(b, hk, g * len(a), -1), kt[:, :, :seen].transpose(-1, -2))
-        sc = sc.view(b, hk, g, len(a), seen) * (scale / stride)
-        p = torch.softmax(sc.masked_fill(c[:seen].view(1, -1) >= a.view(-1, 1), float("-inf")), -1)
-        p = p.nan_to_num(0.0).sum(2)  # tile 0 sees no past tile: no mass
+        sc = sc.view(b, hk, g, len(a), seen)
+        # the softmax in place (these scores are the estimate's largest temporaries); only tiles from a0
+        # on can be the row's own or later ones
+        sc[..., a0:].masked_fill_(c[a0:seen].view(1, -1) >= a.view(-1, 1), float("-inf"))
+        sc.sub_(sc.amax(-1, keepdim=True).clamp(min=-1e30)).exp_()  # tile 0 sees no past tile: all zeros
+        p = sc.div_(sc.sum(-1, keepdim=True).clamp(min=1e-30)).sum(2)
         pb = p.view(b, hk, len(a) // per, per, seen // per, per).sum((3, 5))  # [b, hk, query blocks, key blocks]
         out[:, :, a0 // per: a0 // per + pb.shape[2], :seen // per] = pb.float()
     out = out / out.sum(-1, keepdim=True).clamp(min=1e-30)

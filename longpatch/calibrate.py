@@ -1,0 +1,311 @@
+"""``longpatch calibrate``: each patched layer's params chosen on a calibration text.
+
+The model runs exact attention over each calibration document. At every patched layer, that layer's
+own queries, keys and values (exact attention upstream, so one layer's choice does not move the
+next one's inputs) go to every candidate (the config's params changed by one combination of the
+grid), and the candidate's output is compared with exact attention's. Per layer the chosen candidate
+is the cheapest (query-key products, as the method counts its own work: its estimate's and the
+attended ones) whose relative output error over all calibration tokens, ||o - o_exact|| / ||o_exact||,
+is at most ``max_error``; when none is, the most accurate one, said in the log. The result is the
+config with ``layer_params``, which apply / eval / patch_model take as any config.
+
+Only methods that count their work can be calibrated: MoBA and NSA under a query-aware selection
+(estimate, antidiagonal, hybrid). Errors are accumulated per document in records.jsonl, so a rerun
+with the same settings resumes where the last one stopped.
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import yaml
+
+from .config import PatchConfig
+from .errors import ConfigError, LongpatchError
+from .methods import get_method
+from .methods.exact import exact_attention
+from .methods.selection import SCORINGS
+
+log = logging.getLogger("longpatch")
+
+MAX_CANDIDATES = 64  # each is one more attention call per layer and document
+RECORDS = "records.jsonl"
+CONFIG_OUT = "calibrated.yaml"
+RESULT = "calibration.json"
+
+
+def parse_grid(items: list[str], method: str) -> dict[str, list]:
+    """--grid KEY=V1,V2 ... (or KEY=[V1, V2] in YAML) -> {param: [values]}, keys checked against the
+    method's params. An empty list: no grid (the config's params only)."""
+    known = get_method(method).params
+    grid: dict[str, list] = {}
+    for item in items:
+        key, sep, raw = str(item).partition("=")
+        key = key.strip()
+        if not sep or not key or not raw.strip():
+            raise ConfigError(f"--grid {item!r}: expected key=v1,v2,..., e.g. --grid topk=8,12,16")
+        if key not in known:
+            raise ConfigError(f"--grid {key}: not a param of method '{method}'; allowed: {', '.join(sorted(known))}")
+        if key in grid:
+            raise ConfigError(f"--grid {key}: given twice; allowed: each param once")
+        try:
+            listed = raw.lstrip().startswith("[")
+            values = yaml.safe_load(raw) if listed else [yaml.safe_load(v) for v in raw.split(",")]
+        except yaml.YAMLError:
+            raise ConfigError(f"--grid {item!r}: malformed value {raw!r}; allowed: v1,v2,... or a YAML list") from None
+        if not isinstance(values, list) or not values:
+            raise ConfigError(f"--grid {item!r}: expected a non-empty list of values")
+        grid[key] = values
+    return grid
+
+
+def candidates(cfg: PatchConfig, grid: dict[str, list]) -> list[dict]:
+    """Every combination of the grid, as changes to cfg's params (the first: the config itself when
+    the grid holds its values); each checked as a config of its own."""
+    combos = [dict(zip(grid, values)) for values in itertools.product(*grid.values())] or [{}]
+    if len(combos) > MAX_CANDIDATES:
+        raise ConfigError(f"--grid: {len(combos)} combinations; allowed: at most {MAX_CANDIDATES}")
+    out = []
+    for c in combos:
+        try:
+            params = PatchConfig(method=cfg.method, params={**cfg.params, **c}).params
+        except ConfigError as e:
+            shown = ", ".join(f"{k}={v}" for k, v in c.items())
+            raise ConfigError(f"--grid ({shown}): {e}") from None
+        if params.get("selection") not in SCORINGS:
+            raise ConfigError(f"calibrate: method '{cfg.method}' with selection={params.get('selection')!r} does not "
+                              f"count its work; allowed: moba or nsa with selection {', '.join(SCORINGS)}")
+        if c not in out:
+            out.append(c)
+    return out
+
+
+@dataclass
+class Tally:
+    """Sums over the calibration tokens of one (layer, candidate)."""
+
+    err2: float = 0.0  # sum of squared output errors
+    ref2: float = 0.0  # sum of squared exact outputs
+    pairs: int = 0  # query-key products (estimate + attended)
+
+    def add(self, other: "Tally") -> None:
+        self.err2 += other.err2
+        self.ref2 += other.ref2
+        self.pairs += other.pairs
+
+    @property
+    def error(self) -> float:
+        return (self.err2 / self.ref2) ** 0.5 if self.ref2 > 0 else 0.0
+
+
+@dataclass
+class _Probe:
+    """Stands in for a patched layer's bound method during a calibration pass: runs every candidate on
+    the layer's inputs, tallies its error against exact attention, and returns exact attention's output."""
+
+    cfg: PatchConfig
+    layer: int
+    cands: list[dict]
+    tallies: list[Tally] = field(default_factory=list)
+    on_layer: object = None  # called after each prefill (the progress bar)
+
+    def exact_at(self, q_len: int, kv_len: int) -> bool:
+        return False
+
+    def __call__(self, q, k, v, *, causal=True, scale=None, backend="auto", state=None, buffers=None):
+        exact = exact_attention(q, k, v, causal=causal, scale=scale, backend=backend)
+        if q.shape[2] != k.shape[2]:
+            return exact
+        ref = exact.float()
+        self.tallies = []
+        method = get_method(self.cfg.method)
+        for c in self.cands:
+            bound = method.bind({**self.cfg.params, **c}, q.shape[-1], self.layer)
+            st: dict = {}
+            out = bound(q, k, v, causal=causal, scale=scale, backend=backend, state=st)
+            work = st.get("work")
+            if not work:
+                raise LongpatchError(f"calibrate: layer {self.layer}: method '{self.cfg.method}' reported no work "
+                                     f"for {c or 'the config'} at {q.shape[2]} tokens (a call it runs exactly?); "
+                                     "use a longer --seq-len")
+            self.tallies.append(Tally(float(((out.float() - ref) ** 2).sum()), float((ref ** 2).sum()),
+                                      int(sum(work.values()))))
+        if self.on_layer is not None:
+            self.on_layer()
+        return exact
+
+
+def run_key(model_name: str, cfg: PatchConfig, cands: list[dict], seq_len: int) -> str:
+    """What a record must match to be resumed: the same model, base config, candidates and length."""
+    text = json.dumps([model_name, cfg.method, cfg.params, cfg.layers, cfg.backend, cands, seq_len],
+                      sort_keys=True, default=str)
+    return hashlib.sha1(text.encode()).hexdigest()[:12]
+
+
+def calibrate_documents(model, cfg: PatchConfig, docs: list, cands: list[dict], records: Path | None = None,
+                        key: str = "", progress: bool = False) -> dict[int, list[Tally]]:
+    """{layer: [Tally per candidate]} summed over docs (objects with .ids [n] and .digest); records:
+    a JSONL file of per-document tallies, read to resume and appended to after each document."""
+    from tqdm.auto import tqdm
+
+    from .eval.ppl.scoring import final_hidden_states
+    from .patching import patch_model, unpatch_model
+
+    done: dict[str, dict] = {}
+    if records is not None and records.exists():
+        for line in records.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut by an interrupted write
+            if rec.get("key") == key:
+                done[rec["digest"]] = rec["layers"]
+    base = cfg.replace(layer_params={})
+    patch_model(model, base)
+    try:
+        routes = [r for r in model.longpatch.routes if r.method is not None]
+        todo = [d for d in docs if d.digest not in done]
+        bar = tqdm(total=len(todo) * len(routes), desc="calibrating", unit="layer", disable=not progress)
+        probes = {r.layer_idx: _Probe(base, r.layer_idx, cands, on_layer=lambda: bar.update(1)) for r in routes}
+        for r in routes:
+            r.bound = probes[r.layer_idx]
+        device = next(model.parameters()).device
+        for d in todo:
+            with torch.no_grad():
+                final_hidden_states(model, d.ids.view(1, -1).to(device))
+            layers = {}
+            for i, p in probes.items():
+                if len(p.tallies) != len(cands):
+                    raise LongpatchError(f"calibrate: layer {i} was not reached by a {len(d.ids)}-token prefill; "
+                                         f"is --seq-len below the config's min_seq_len ({cfg.min_seq_len})?")
+                layers[str(i)] = [[t.err2, t.ref2, t.pairs] for t in p.tallies]
+                p.tallies = []
+            done[d.digest] = layers
+            if records is not None:
+                with records.open("a") as f:
+                    f.write(json.dumps({"key": key, "digest": d.digest, "layers": layers}) + "\n")
+        bar.close()
+    finally:
+        unpatch_model(model)
+    totals: dict[int, list[Tally]] = {}
+    for d in docs:
+        for layer, rows in done[d.digest].items():
+            acc = totals.setdefault(int(layer), [Tally() for _ in cands])
+            for t, row in zip(acc, rows):
+                t.add(Tally(*row))
+    return dict(sorted(totals.items()))
+
+
+def choose(tallies: list[Tally], max_error: float) -> tuple[int, bool]:
+    """(index of the chosen candidate, whether it meets max_error): the fewest pairs among those within
+    max_error (ties: the smaller error), else the smallest error."""
+    within = [i for i, t in enumerate(tallies) if t.error <= max_error]
+    if within:
+        return min(within, key=lambda i: (tallies[i].pairs, tallies[i].error)), True
+    return min(range(len(tallies)), key=lambda i: tallies[i].error), False
+
+
+def calibrated_config(cfg: PatchConfig, cands: list[dict], totals: dict[int, list[Tally]],
+                      max_error: float) -> tuple[PatchConfig, list[dict]]:
+    """The config with each layer's chosen changes as layer_params (only those that differ from params),
+    and one row per layer for the report."""
+    layer_params, rows = {}, []
+    for layer, tallies in totals.items():
+        i, ok = choose(tallies, max_error)
+        changes = {k: v for k, v in cands[i].items() if cfg.params.get(k) != v}
+        if changes:
+            layer_params[layer] = changes
+        if not ok:
+            log.warning("longpatch: calibrate: layer %d: no candidate reaches --max-error %g; the most accurate "
+                        "(error %.4f) is chosen", layer, max_error, tallies[i].error)
+        rows.append({"layer": layer, "chosen": cands[i], "meets_max_error": ok, "error": tallies[i].error,
+                     "pairs": tallies[i].pairs,
+                     "candidates": [{"params": c, "error": t.error, "pairs": t.pairs} for c, t in zip(cands, tallies)]})
+    return cfg.replace(layer_params=layer_params), rows
+
+
+def run_calibrate(model: str, *, config=None, method=None, layers=None, sets=(), grid=(), max_error: float = 0.1,
+                  data=None, subsets: str = "all", seq_len: int = 32768, max_docs: int = 2,
+                  out: str = "runs/calibrate", tokenizer=None, trust_remote_code: bool = False,
+                  progress: bool = True) -> dict:
+    """`longpatch calibrate`: choose the patched layers' params on a calibration text (the module doc) and
+    write ``calibrated.yaml`` (a config) and ``calibration.json`` (every candidate's error and cost per
+    layer) to ``out``; returns the calibration.json content."""
+    import math
+
+    from .errors import check_int
+    from .eval.longbench.data import load_longbench
+    from .eval.ppl.plan import nothing_to_evaluate, plan_documents
+    from .eval.ppl.scoring import make_encoder, vocab_size
+    from .eval.sweep import eval_tokenizer
+    from .loading import load_model
+    from .options import MAX_TOKENS, MAX_VALUES
+    from .outdir import check_out, claim_out, write_json
+    from .specs import resolve
+
+    if isinstance(max_error, bool) or not isinstance(max_error, (int, float)) or not 0 < max_error < math.inf:
+        raise ConfigError(f"--max-error: got {max_error!r}; allowed: a number > 0 (the relative output error, "
+                          "||o - o_exact|| / ||o_exact||, each layer may have)")
+    check_int("--seq-len", seq_len, 2, MAX_TOKENS)
+    check_int("--max-docs", max_docs, 1, MAX_VALUES)
+    out_dir = check_out(out, "calibrate")
+    spec = resolve(model, config, method, layers, sets, trust_remote_code=trust_remote_code, tokenizer=tokenizer)
+    cfg = spec.patch
+    cands = candidates(cfg, parse_grid(list(grid), cfg.method))
+    if seq_len < cfg.min_seq_len:
+        raise ConfigError(f"--seq-len: got {seq_len}, below the config's min_seq_len {cfg.min_seq_len} (the patched "
+                          "layers would run exact attention); allowed: at least min_seq_len")
+    lb = load_longbench(data, subsets)
+    loaded, loaded_tok = load_model(spec.load)
+    name = spec.load.model
+    vocab = vocab_size(loaded)
+    tok = eval_tokenizer(tokenizer or spec.load.tokenizer, loaded_tok, loaded, name, trust_remote_code)
+    encode, tok_id = make_encoder(tok, None, vocab, name)
+    docs, counts, skipped = plan_documents(lb, encode, seq_len, vocab, None, progress)
+    if not docs:
+        raise LongpatchError("calibrate: the calibration text is too short: " +
+                             nothing_to_evaluate(lb, counts, skipped, seq_len))
+    docs = docs[:max_docs]
+    claim_out(out_dir, "calibrate")
+    key = run_key(f"{name}|{tok_id}", cfg, cands, seq_len)
+    totals = calibrate_documents(loaded, cfg, docs, cands, out_dir / RECORDS, key, progress)
+    chosen, rows = calibrated_config(cfg, cands, totals, max_error)
+    exact_pairs = len(docs) * _heads(loaded) * seq_len * (seq_len + 1) // 2
+    result = {"model": name, "tokenizer": tok_id, "seq_len": seq_len, "max_error": max_error,
+              "data": lb.source, "docs": [{"subset": d.subset, "doc_id": d.doc_id, "digest": d.digest} for d in docs],
+              "config": cfg.to_dict(), "candidates": cands, "exact_pairs_per_layer": exact_pairs,
+              "base_pairs": _own_pairs(cfg, cands, totals),
+              "chosen_pairs": sum(r["pairs"] for r in rows), "layers": rows, "calibrated": chosen.to_dict()}
+    write_json(out_dir / RESULT, result)
+    _write_config(out_dir / CONFIG_OUT, spec.load.to_dict(), chosen, result)
+    return result
+
+
+def _own_pairs(cfg: PatchConfig, cands: list[dict], totals: dict[int, list[Tally]]) -> int | None:
+    """Query-key products of the config's own params in every layer, when the grid holds them."""
+    own = [i for i, c in enumerate(cands) if all(cfg.params.get(k) == v for k, v in c.items())]
+    return sum(t[own[0]].pairs for t in totals.values()) if own else None
+
+
+def _heads(model) -> int:
+    c = getattr(model, "config", None)
+    return int(getattr(c, "num_attention_heads", 0) or 0)
+
+
+def _write_config(path: Path, load: dict, cfg: PatchConfig, result: dict) -> None:
+    """The calibrated config as YAML (atomic): the loading keys it was calibrated with and the patch."""
+    import os
+
+    keys = {k: v for k, v in load.items() if k not in ("device_map", "tokenizer") and v is not None}
+    patch = {k: v for k, v in cfg.to_dict().items() if v is not None}
+    head = (f"# written by `longpatch calibrate`: {result['model']}, {len(result['docs'])} document(s) of "
+            f"{result['seq_len']} tokens from {result['data']}, --max-error {result['max_error']}\n"
+            "# each layer's error and query-key products per candidate: calibration.json beside this file\n")
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(head + yaml.safe_dump({**keys, **patch}, sort_keys=False))
+    os.replace(tmp, path)

@@ -1,0 +1,288 @@
+"""Per-layer params (PatchConfig.layer_params) and `longpatch calibrate`, which chooses them.
+
+Tiny random-weight llama (4 layers, head_dim 16), the byte tokenizer and 256-token documents keep each
+calibration to about a second.
+"""
+import json
+import random
+
+import pytest
+import torch
+import yaml
+from test_eval_longbench import record
+from typer.testing import CliRunner
+
+from longpatch import patch_model, unpatch_model
+from longpatch.calibrate import (
+    Tally,
+    calibrate_documents,
+    calibrated_config,
+    candidates,
+    choose,
+    parse_grid,
+    run_calibrate,
+)
+from longpatch.cli import app
+from longpatch.config import PatchConfig, read_config
+from longpatch.errors import ConfigError, LongpatchError
+from longpatch.eval.ppl.plan import digest
+from longpatch.eval.sweep import config_id, make_points
+from longpatch.methods import get_method
+from longpatch.methods.exact import exact_attention
+from longpatch.testing.tiny import tiny_model
+
+SEQ = 256
+# chunks of 16 at 256 tokens: 16 chunks, so topk 2 and 4 are sparse; stride 4 divides the chunk
+BASE = dict(method="moba", params={"chunk_size": 16, "topk": 4, "selection": "hybrid", "mass": None,
+                                   "estimate_queries": 8, "score_stride": 4}, layers="all")
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """Two documents of 300 bytes (kept at SEQ) and one too short, as LongBench jsonl."""
+    d = tmp_path_factory.mktemp("calib")
+    rng = random.Random(0)
+    words = ["alpha", "beta", "gamma", "delta", "key", "value", "def", "return", "x", "y"]
+    docs = [" ".join(rng.choice(words) for _ in range(80))[:300] for _ in range(2)] + ["short"]
+    lines = [json.dumps(record("narrativeqa", f"d{i}", t)) for i, t in enumerate(docs)]
+    (d / "narrativeqa.jsonl").write_text("\n".join(lines) + "\n")
+    return str(d)
+
+
+class Doc:
+    def __init__(self, ids):
+        self.ids, self.digest = ids, digest(ids)
+
+
+def docs(n=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [Doc(torch.randint(0, 256, (SEQ,), generator=g)) for _ in range(n)]
+
+
+# --------------------------------------------------------------------------- layer_params
+
+
+def test_layer_params_reach_their_layers():
+    cfg = PatchConfig(**BASE, layer_params={1: {"topk": 2}, 3: {"topk": 8, "mass": 0.9}})
+    model = tiny_model("llama")
+    patch_model(model, cfg)
+    params = {r["layer"]: r["params"] for r in model.longpatch.rows()}
+    unpatch_model(model)
+    assert params[0]["topk"] == 4 and params[2]["topk"] == 4
+    assert params[1]["topk"] == 2 and params[3]["topk"] == 8 and params[3]["mass"] == 0.9
+    assert cfg.params_of(1)["topk"] == 2 and cfg.params_of(None) == cfg.params
+
+
+def test_layer_params_same_as_the_whole_config():
+    """Every layer changed to topk 2 by layer_params gives the logits of the config with topk 2."""
+    ids = docs(1)[0].ids.view(1, -1)
+    model = tiny_model("llama")
+    with torch.no_grad():
+        patch_model(model, PatchConfig(**BASE, layer_params={i: {"topk": 2} for i in range(4)}))
+        a = model(ids).logits
+        unpatch_model(model)
+        patch_model(model, PatchConfig(**{**BASE, "params": {**BASE["params"], "topk": 2}}))
+        b = model(ids).logits
+        unpatch_model(model)
+        patch_model(model, PatchConfig(**BASE))
+        c = model(ids).logits
+        unpatch_model(model)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)  # the change matters at this length
+
+
+@pytest.mark.parametrize("layer_params, message", [
+    ({-1: {"topk": 2}}, "layer_params: got the key -1"),
+    ({"1": {"topk": 2}}, "layer_params: got the key '1'"),
+    ({True: {"topk": 2}}, "layer_params: got the key True"),
+    ({1: 3}, "layer_params.1: got 3; allowed: a mapping"),
+    ({1: {"topk": 0}}, "layer_params.1.topk"),
+    ({1: {"nonsense": 1}}, "layer_params.1.nonsense"),
+    ([1, 2], "layer_params: got [1, 2]; allowed: a mapping"),
+])
+def test_bad_layer_params_are_one_line(layer_params, message):
+    with pytest.raises(ConfigError) as e:
+        PatchConfig(**BASE, layer_params=layer_params)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_layer_params_of_an_unpatched_layer_is_refused():
+    model = tiny_model("llama")
+    with pytest.raises(ConfigError, match="layer_params: layer 0 is not one this patch replaces; allowed: 2, 3"):
+        patch_model(model, PatchConfig(**{**BASE, "layers": 2}, layer_params={0: {"topk": 2}}))
+    assert getattr(model, "longpatch", None) is None
+
+
+def test_layer_params_in_yaml_and_sweeps(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({**BASE, "layer_params": {3: {"topk": 2}}}))
+    cfg = read_config(str(path)).patch
+    assert cfg.layer_params == {3: {"topk": 2}}
+    # a sweep point replacing layers 2..3 keeps layer 3's change; one replacing layer 3 only too; none: none
+    points = make_points(cfg, [2, 1, 0], 4, {"model": "m"})
+    assert [p.cfg.layer_params for p in points] == [{3: {"topk": 2}}, {3: {"topk": 2}}, {}]
+    # the ids of configs without layer_params are what they were; with them they differ
+    plain = PatchConfig(**BASE)
+    assert config_id({"model": "m"}, [3], plain) == config_id({"model": "m"}, [3], plain.replace(layer_params={}))
+    assert config_id({"model": "m"}, [3], cfg) != config_id({"model": "m"}, [3], plain)
+
+
+# --------------------------------------------------------------------------- the calibration
+
+
+def test_grid_and_candidates():
+    cfg = PatchConfig(**BASE)
+    grid = parse_grid(["topk=2,4", "mass=[0.9, null]"], "moba")
+    assert grid == {"topk": [2, 4], "mass": [0.9, None]}
+    assert candidates(cfg, grid) == [{"topk": 2, "mass": 0.9}, {"topk": 2, "mass": None},
+                                     {"topk": 4, "mass": 0.9}, {"topk": 4, "mass": None}]
+    assert candidates(cfg, {}) == [{}]
+
+
+@pytest.mark.parametrize("items, message", [
+    (["topk"], "--grid 'topk': expected key=v1,v2"),
+    (["topk="], "--grid 'topk=': expected key=v1,v2"),
+    (["nope=1"], "--grid nope: not a param of method 'moba'"),
+    (["topk=2", "topk=4"], "--grid topk: given twice"),
+    (["topk=[2"], "--grid 'topk=[2': malformed value"),
+    (["topk=[]"], "expected a non-empty list"),
+])
+def test_bad_grid_is_one_line(items, message):
+    with pytest.raises(ConfigError) as e:
+        parse_grid(items, "moba")
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_candidates_are_checked():
+    cfg = PatchConfig(**BASE)
+    with pytest.raises(ConfigError, match=r"--grid \(topk=0\): params.topk"):
+        candidates(cfg, {"topk": [0]})
+    with pytest.raises(ConfigError, match="at most 64"):
+        candidates(cfg, {"topk": list(range(1, 10)), "estimate_queries": list(range(1, 10))})
+    gate = PatchConfig(method="moba", params={"chunk_size": 16, "topk": 4})
+    with pytest.raises(ConfigError, match="does not count its work; allowed: moba or nsa with selection"):
+        candidates(gate, {"topk": [2]})
+
+
+def test_choose():
+    t = [Tally(4, 100, 50), Tally(1, 100, 80), Tally(0.25, 100, 120)]  # errors 0.2, 0.1, 0.05
+    assert choose(t, 0.15) == (1, True)  # the cheapest within 0.15
+    assert choose(t, 1.0) == (0, True)
+    assert choose(t, 0.01) == (2, False)  # none within: the most accurate
+
+
+def _captured_inputs(model, ids, layer):
+    """The (q, k, v) the exact model gives layer `layer`'s attention."""
+    box = {}
+    patch_model(model, PatchConfig(method="exact", layers=[layer]))
+    route = model.longpatch.routes[layer]
+    inner = route.bound
+
+    def grab(q, k, v, **kw):
+        box["qkv"] = (q.clone(), k.clone(), v.clone())
+        return inner(q, k, v, **kw)
+    route.bound = grab
+    route.bound.exact_at = inner.exact_at
+    with torch.no_grad():
+        model(ids.view(1, -1), use_cache=False)
+    unpatch_model(model)
+    return box["qkv"]
+
+
+def test_tallies_match_a_direct_computation():
+    """Each (layer, candidate) error is ||o - o_exact|| / ||o_exact|| of the method on that layer's exact
+    inputs, and its pairs are the method's own count."""
+    model = tiny_model("llama")
+    cfg = PatchConfig(**BASE)
+    cands = [{"topk": 2}, {"topk": 4}]
+    d = docs(1)
+    totals = calibrate_documents(model, cfg, d, cands)
+    assert sorted(totals) == [0, 1, 2, 3]
+    q, k, v = _captured_inputs(model, d[0].ids, 2)
+    ref = exact_attention(q, k, v, causal=True)
+    for c, t in zip(cands, totals[2]):
+        st = {}
+        out = get_method("moba").bind({**cfg.params, **c}, q.shape[-1], 2)(q, k, v, causal=True, state=st)
+        want = float(((out - ref) ** 2).sum() / (ref ** 2).sum()) ** 0.5
+        assert t.error == pytest.approx(want, rel=1e-4)
+        assert t.pairs == sum(st["work"].values()) > 0
+    assert totals[2][0].pairs < totals[2][1].pairs
+    assert totals[2][0].error > totals[2][1].error  # fewer chunks, more error on this input
+
+
+def test_calibrated_config_keeps_only_changes():
+    cfg = PatchConfig(**BASE)
+    totals = {0: [Tally(1, 100, 10), Tally(0, 100, 20)], 1: [Tally(100, 100, 10), Tally(0.01, 100, 20)]}
+    out, rows = calibrated_config(cfg, [{"topk": 2}, {"topk": 4}], totals, 0.15)
+    assert out.layer_params == {0: {"topk": 2}}  # layer 1 keeps the config's topk 4: no entry
+    assert [r["meets_max_error"] for r in rows] == [True, True]
+
+
+def test_a_candidate_run_exactly_is_refused():
+    model = tiny_model("llama")
+    with pytest.raises(LongpatchError, match="reported no work"):
+        calibrate_documents(model, PatchConfig(**BASE), docs(1), [{"topk": 16}])  # 16 chunks: exact
+
+
+def test_cli_end_to_end_and_resume(data, tmp_path):
+    out = tmp_path / "cal"
+    args = ["calibrate", "--model", "tiny:llama", "--tokenizer", "bytes", "--data", data, "--seq-len", str(SEQ),
+            "--set", "chunk_size=16", "--set", "selection=hybrid", "--set", "estimate_queries=8",
+            "--set", "score_stride=4", "--set", "mass=null", "--method", "moba", "--grid", "topk=2,4,8",
+            "--out", str(out), "--no-progress"]
+    r = runner.invoke(app, [*args, "--max-error", "0.3"])
+    assert r.exit_code == 0, r.output
+    res = json.loads((out / "calibration.json").read_text())
+    assert len(res["docs"]) == 2 and len(res["layers"]) == 4
+    for row in res["layers"]:
+        errs = [c["error"] for c in row["candidates"]]
+        pairs = [c["pairs"] for c in row["candidates"]]
+        assert pairs == sorted(pairs) and pairs[0] > 0
+        i, ok = choose([Tally(e * e, 1.0, p) for e, p in zip(errs, pairs)], 0.3)
+        assert row["chosen"] == res["candidates"][i] and row["meets_max_error"] == ok
+    cfg = read_config(str(out / "calibrated.yaml"))
+    assert cfg.patch.method == "moba" and cfg.load["model"] == "tiny:llama"
+    assert all(set(v) == {"topk"} for v in cfg.patch.layer_params.values())
+    lines = (out / "records.jsonl").read_text().splitlines()
+    assert len(lines) == 2
+    # a rerun with another --max-error resumes: no new records, a config from the same tallies
+    r = runner.invoke(app, [*args, "--max-error", "1e9"])
+    assert r.exit_code == 0, r.output
+    assert (out / "records.jsonl").read_text().splitlines() == lines
+    cheapest = read_config(str(out / "calibrated.yaml")).patch
+    assert cheapest.layer_params == {i: {"topk": 2} for i in range(4)}
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--seq-len", "4096"], "the calibration text is too short"),
+    (["--max-error", "0"], "--max-error: got 0.0"),
+    (["--grid", "topk"], "--grid 'topk': expected key=v1,v2"),
+    (["--max-docs", "0"], "--max-docs: got 0"),
+])
+def test_cli_bad_input_is_one_line(data, tmp_path, extra, message):
+    out = tmp_path / "cal"
+    args = ["calibrate", "--model", "tiny:llama", "--tokenizer", "bytes", "--data", data, "--seq-len", str(SEQ),
+            "--method", "moba", "--set", "chunk_size=16", "--set", "selection=hybrid", "--set", "score_stride=4",
+            "--out", str(out), "--no-progress", *extra]
+    r = runner.invoke(app, args)
+    assert r.exit_code == 2, r.output
+    assert message in r.output and "Traceback" not in r.output
+    assert not out.exists()
+
+
+def test_cli_refuses_a_users_directory(data, tmp_path):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep")
+    with pytest.raises(ConfigError, match="non-empty directory that longpatch did not write"):
+        run_calibrate("tiny:llama", method="moba", data=data, out=str(out), seq_len=SEQ, tokenizer="bytes")
+    assert (out / "notes.txt").read_text() == "keep" and len(list(out.iterdir())) == 1
