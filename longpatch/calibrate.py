@@ -6,7 +6,8 @@ next one's inputs) go to every candidate (the config's params changed by one com
 grid), and the candidate's output is compared with exact attention's. Per layer the chosen candidate
 is the cheapest (query-key products, as the method counts its own work: its estimate's and the
 attended ones) whose relative output error over all calibration tokens, ||o - o_exact|| / ||o_exact||,
-is at most ``max_error``; when none is, the most accurate one, said in the log. The result is the
+is at most ``max_error`` (or, given as "1.2x", at most 1.2 times the error of the config's own params
+in that layer); when none is, the most accurate one, said in the log. The result is the
 config with ``layer_params``, which apply / eval / patch_model take as any config.
 
 Only methods that count their work can be calibrated: MoBA and NSA under a query-aware selection
@@ -19,6 +20,7 @@ import hashlib
 import itertools
 import json
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -210,34 +212,60 @@ def choose(tallies: list[Tally], max_error: float) -> tuple[int, bool]:
     return min(range(len(tallies)), key=lambda i: tallies[i].error), False
 
 
+def parse_max_error(value) -> tuple[float, bool]:
+    """--max-error: a number E > 0 (each layer's relative output error at most E) or 'Rx' (at most R
+    times the error of the config's own params in that layer) -> (E or R, relative)."""
+    text = str(value).strip()
+    relative = text.lower().endswith("x")
+    try:
+        number = float(text[:-1] if relative else text)
+    except ValueError:
+        number = math.nan
+    if isinstance(value, bool) or not 0 < number < math.inf:
+        raise ConfigError(f"--max-error: got {value!r}; allowed: a number > 0 (each layer's relative output error "
+                          "||o - o_exact|| / ||o_exact||), or R x (e.g. 1.2x: R times the config's own error)")
+    return number, relative
+
+
+def own_index(cfg: PatchConfig, cands: list[dict]) -> int | None:
+    """The candidate that is the config's own params, if the grid holds it."""
+    own = [i for i, c in enumerate(cands) if all(cfg.params.get(k) == v for k, v in c.items())]
+    return own[0] if own else None
+
+
 def calibrated_config(cfg: PatchConfig, cands: list[dict], totals: dict[int, list[Tally]],
-                      max_error: float) -> tuple[PatchConfig, list[dict]]:
+                      max_error: float, relative: bool = False) -> tuple[PatchConfig, list[dict]]:
     """The config with each layer's chosen changes as layer_params (only those that differ from params),
-    and one row per layer for the report."""
+    and one row per layer for the report. relative: each layer's limit is max_error times the error of
+    the config's own params there (they must be a candidate)."""
+    own = own_index(cfg, cands)
+    if relative and own is None:
+        raise ConfigError(f"--max-error {max_error:g}x: relative to the config's own error, but --grid does not "
+                          "hold the config's own values; allowed: a grid that includes them, or an absolute number")
     layer_params, rows = {}, []
     for layer, tallies in totals.items():
-        i, ok = choose(tallies, max_error)
+        limit = max_error * tallies[own].error if relative else max_error
+        i, ok = choose(tallies, limit)
         changes = {k: v for k, v in cands[i].items() if cfg.params.get(k) != v}
         if changes:
             layer_params[layer] = changes
         if not ok:
-            log.warning("longpatch: calibrate: layer %d: no candidate reaches --max-error %g; the most accurate "
-                        "(error %.4f) is chosen", layer, max_error, tallies[i].error)
-        rows.append({"layer": layer, "chosen": cands[i], "meets_max_error": ok, "error": tallies[i].error,
-                     "pairs": tallies[i].pairs,
+            log.warning("longpatch: calibrate: layer %d: no candidate reaches an error of %.4g; the most accurate "
+                        "(error %.4f) is chosen", layer, limit, tallies[i].error)
+        rows.append({"layer": layer, "chosen": cands[i], "limit": limit, "meets_max_error": ok,
+                     "error": tallies[i].error, "pairs": tallies[i].pairs,
+                     "own": None if own is None else {"error": tallies[own].error, "pairs": tallies[own].pairs},
                      "candidates": [{"params": c, "error": t.error, "pairs": t.pairs} for c, t in zip(cands, tallies)]})
     return cfg.replace(layer_params=layer_params), rows
 
 
-def run_calibrate(model: str, *, config=None, method=None, layers=None, sets=(), grid=(), max_error: float = 0.1,
+def run_calibrate(model: str, *, config=None, method=None, layers=None, sets=(), grid=(), max_error="0.1",
                   data=None, subsets: str = "all", seq_len: int = 32768, max_docs: int = 2,
                   out: str = "runs/calibrate", tokenizer=None, trust_remote_code: bool = False,
                   progress: bool = True) -> dict:
     """`longpatch calibrate`: choose the patched layers' params on a calibration text (the module doc) and
     write ``calibrated.yaml`` (a config) and ``calibration.json`` (every candidate's error and cost per
     layer) to ``out``; returns the calibration.json content."""
-    import math
-
     from .errors import check_int
     from .eval.longbench.data import load_longbench
     from .eval.ppl.plan import nothing_to_evaluate, plan_documents
@@ -248,15 +276,15 @@ def run_calibrate(model: str, *, config=None, method=None, layers=None, sets=(),
     from .outdir import check_out, claim_out, write_json
     from .specs import resolve
 
-    if isinstance(max_error, bool) or not isinstance(max_error, (int, float)) or not 0 < max_error < math.inf:
-        raise ConfigError(f"--max-error: got {max_error!r}; allowed: a number > 0 (the relative output error, "
-                          "||o - o_exact|| / ||o_exact||, each layer may have)")
+    limit, relative = parse_max_error(max_error)
     check_int("--seq-len", seq_len, 2, MAX_TOKENS)
     check_int("--max-docs", max_docs, 1, MAX_VALUES)
     out_dir = check_out(out, "calibrate")
     spec = resolve(model, config, method, layers, sets, trust_remote_code=trust_remote_code, tokenizer=tokenizer)
     cfg = spec.patch
     cands = candidates(cfg, parse_grid(list(grid), cfg.method))
+    if relative and own_index(cfg, cands) is None:
+        calibrated_config(cfg, cands, {}, limit, relative)  # the one-line error, before any loading
     if seq_len < cfg.min_seq_len:
         raise ConfigError(f"--seq-len: got {seq_len}, below the config's min_seq_len {cfg.min_seq_len} (the patched "
                           "layers would run exact attention); allowed: at least min_seq_len")
@@ -274,22 +302,17 @@ def run_calibrate(model: str, *, config=None, method=None, layers=None, sets=(),
     claim_out(out_dir, "calibrate")
     key = run_key(f"{name}|{tok_id}", cfg, cands, seq_len)
     totals = calibrate_documents(loaded, cfg, docs, cands, out_dir / RECORDS, key, progress)
-    chosen, rows = calibrated_config(cfg, cands, totals, max_error)
+    chosen, rows = calibrated_config(cfg, cands, totals, limit, relative)
     exact_pairs = len(docs) * _heads(loaded) * seq_len * (seq_len + 1) // 2
-    result = {"model": name, "tokenizer": tok_id, "seq_len": seq_len, "max_error": max_error,
+    result = {"model": name, "tokenizer": tok_id, "seq_len": seq_len,
+              "max_error": f"{limit:g}x" if relative else limit,
               "data": lb.source, "docs": [{"subset": d.subset, "doc_id": d.doc_id, "digest": d.digest} for d in docs],
               "config": cfg.to_dict(), "candidates": cands, "exact_pairs_per_layer": exact_pairs,
-              "base_pairs": _own_pairs(cfg, cands, totals),
+              "base_pairs": None if own_index(cfg, cands) is None else sum(r["own"]["pairs"] for r in rows),
               "chosen_pairs": sum(r["pairs"] for r in rows), "layers": rows, "calibrated": chosen.to_dict()}
     write_json(out_dir / RESULT, result)
     _write_config(out_dir / CONFIG_OUT, spec.load.to_dict(), chosen, result)
     return result
-
-
-def _own_pairs(cfg: PatchConfig, cands: list[dict], totals: dict[int, list[Tally]]) -> int | None:
-    """Query-key products of the config's own params in every layer, when the grid holds them."""
-    own = [i for i, c in enumerate(cands) if all(cfg.params.get(k) == v for k, v in c.items())]
-    return sum(t[own[0]].pairs for t in totals.values()) if own else None
 
 
 def _heads(model) -> int:

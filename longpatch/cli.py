@@ -335,9 +335,10 @@ def calibrate(
     grid: list[str] = typer.Option([], "--grid", metavar="KEY=V1,V2",
                                    help="candidate values of a method param, repeatable (every combination is "
                                         "tried in every layer), e.g. --grid topk=8,12,16; none: the config's own"),
-    max_error: float = typer.Option(0.1, "--max-error", metavar="E",
-                                    help="per layer: the cheapest candidate whose relative output error "
-                                         "||o - o_exact|| / ||o_exact|| is at most E (none: the most accurate)"),
+    max_error: str = typer.Option("0.1", "--max-error", metavar="E|Rx",
+                                  help="per layer: the cheapest candidate whose relative output error "
+                                       "||o - o_exact|| / ||o_exact|| is at most E, or at most R times the "
+                                       "config's own error there (e.g. 1.0x; none: the most accurate)"),
     data: Optional[str] = typer.Option(None, "--data", metavar="DATA",
                                        help="the calibration text: data.zip, dir of <subset>.jsonl, parquet, demo; "
                                             "default: hub THUDM/LongBench"),

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -12,6 +13,8 @@ from .errors import ConfigError
 from .families import Family, detect_family
 from .methods import get_method
 from .routing import LayerRoute, redraw_route, reset_stats
+
+log = logging.getLogger("longpatch")
 
 REPORT_ATTR = "longpatch"
 
@@ -96,10 +99,14 @@ def patch_model(model, cfg: "PatchConfig | dict | str | Path", *, timed: bool = 
     family = detect_family(model, cfg.family)
     n = family.num_layers(model)
     chosen = set(select_layers(cfg.layers, n))
-    stray = sorted(set(cfg.layer_params) - chosen)
-    if stray:
-        raise ConfigError(f"layer_params: layer {stray[0]} is not one this patch replaces; allowed: "
-                          f"{', '.join(map(str, sorted(chosen))) or 'none (layers replaces none)'}")
+    beyond = sorted(i for i in cfg.layer_params if i >= n)
+    if beyond:
+        raise ConfigError(f"layer_params: layer {beyond[0]} does not exist; allowed: 0-based indices below the "
+                          f"model's {n} layers")
+    unused = sorted(set(cfg.layer_params) - chosen)
+    if unused:  # a config calibrated for all layers, run with fewer (--layers): said, not silently dropped
+        log.warning("longpatch: layer_params of layers %s are not used: this patch does not replace them "
+                    "(layers: %s)", ", ".join(map(str, unused)), cfg.layers)
     method = get_method(cfg.method)
     routes = [LayerRoute(layer_idx=i, method=method if i in chosen else None,
                          params=cfg.params_of(i) if i in chosen else {},

@@ -115,10 +115,19 @@ def test_bad_layer_params_are_one_line(layer_params, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
-def test_layer_params_of_an_unpatched_layer_is_refused():
+def test_layer_params_of_layers_not_replaced(caplog):
+    """Entries for layers the patch does not replace (a calibrated config run with fewer --layers) are
+    said and unused; an index past the model's layers is an error."""
     model = tiny_model("llama")
-    with pytest.raises(ConfigError, match="layer_params: layer 0 is not one this patch replaces; allowed: 2, 3"):
-        patch_model(model, PatchConfig(**{**BASE, "layers": 2}, layer_params={0: {"topk": 2}}))
+    with caplog.at_level("WARNING", logger="longpatch"):
+        patch_model(model, PatchConfig(**{**BASE, "layers": 2}, layer_params={0: {"topk": 2}, 3: {"topk": 8}}))
+    params = {r["layer"]: r["params"]["topk"] for r in model.longpatch.rows()}
+    unpatch_model(model)
+    assert params == {2: 4, 3: 8}
+    assert "layer_params of layers 0 are not used" in caplog.text
+    with pytest.raises(ConfigError, match="layer_params: layer 4 does not exist; allowed: 0-based indices below "
+                                          "the model's 4 layers"):
+        patch_model(model, PatchConfig(**BASE, layer_params={4: {"topk": 2}}))
     assert getattr(model, "longpatch", None) is None
 
 
@@ -227,6 +236,19 @@ def test_calibrated_config_keeps_only_changes():
     assert [r["meets_max_error"] for r in rows] == [True, True]
 
 
+def test_relative_max_error():
+    """'Rx': each layer's limit is R times the error of the config's own params there."""
+    cfg = PatchConfig(**BASE)  # topk 4
+    cands = [{"topk": 2}, {"topk": 4}, {"topk": 8}]
+    totals = {0: [Tally(1.2, 100, 10), Tally(1, 100, 20), Tally(0.5, 100, 40)],  # errors ~0.11, 0.1, ~0.07
+              1: [Tally(4, 100, 10), Tally(1, 100, 20), Tally(0.5, 100, 40)]}  # 0.2, 0.1, ~0.07
+    out, rows = calibrated_config(cfg, cands, totals, 1.2, relative=True)
+    assert out.layer_params == {0: {"topk": 2}}  # layer 1's topk 2 is 2x worse than its own: kept at 4
+    assert rows[0]["limit"] == pytest.approx(0.12) and rows[1]["own"] == {"error": 0.1, "pairs": 20}
+    out, _ = calibrated_config(cfg, cands, totals, 1.0, relative=True)
+    assert out.layer_params == {}  # nothing cheaper is as accurate as the config itself
+
+
 def test_a_candidate_run_exactly_is_refused():
     model = tiny_model("llama")
     with pytest.raises(LongpatchError, match="reported no work"):
@@ -264,7 +286,11 @@ def test_cli_end_to_end_and_resume(data, tmp_path):
 
 @pytest.mark.parametrize("extra, message", [
     (["--seq-len", "4096"], "the calibration text is too short"),
-    (["--max-error", "0"], "--max-error: got 0.0"),
+    (["--max-error", "0"], "--max-error: got '0'"),
+    (["--max-error", "1.2y"], "--max-error: got '1.2y'"),
+    (["--max-error", "-1x"], "--max-error: got '-1x'"),
+    (["--max-error", "1.2x", "--grid", "topk=2,3"], "--max-error 1.2x: relative to the config's own error, but "
+                                                    "--grid does not hold the config's own values"),
     (["--grid", "topk"], "--grid 'topk': expected key=v1,v2"),
     (["--max-docs", "0"], "--max-docs: got 0"),
 ])
