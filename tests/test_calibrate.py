@@ -38,12 +38,7 @@ BASE = dict(method="moba", params={"chunk_size": 16, "topk": 4, "selection": "hy
 runner = CliRunner()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny shapes: conftest's one-thread fixture
 
 
 @pytest.fixture(scope="module")
@@ -312,3 +307,29 @@ def test_cli_refuses_a_users_directory(data, tmp_path):
     with pytest.raises(ConfigError, match="non-empty directory that longpatch did not write"):
         run_calibrate("tiny:llama", method="moba", data=data, out=str(out), seq_len=SEQ, tokenizer="bytes")
     assert (out / "notes.txt").read_text() == "keep" and len(list(out.iterdir())) == 1
+
+
+def test_calibration_text_script(tmp_path):
+    """scripts/calibration_text.py joins the demo's documents into ones of at least --min-tokens tokens,
+    in a directory `--data` reads; it refuses a non-empty --out and a count below 1."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from longpatch.eval.longbench.data import load_longbench
+    from longpatch.loading import load_model
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "calibration_text.py"
+    out = tmp_path / "cal"
+    r = subprocess.run([sys.executable, str(script), "--out", str(out), "--min-tokens", "40000"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    _, tok = load_model("demo")
+    lb = load_longbench(str(out), "all")
+    texts = [rec.context for recs in lb.records.values() for rec in recs]
+    assert len(texts) >= 4 and all(len(tok(t)["input_ids"]) >= 40000 for t in texts)
+    again = subprocess.run([sys.executable, str(script), "--out", str(out)], capture_output=True, text=True)
+    assert again.returncode != 0 and "is not empty" in again.stderr
+    bad = subprocess.run([sys.executable, str(script), "--out", str(tmp_path / "x"), "--min-tokens", "0"],
+                         capture_output=True, text=True)
+    assert bad.returncode != 0 and "--min-tokens: got 0" in bad.stderr and not (tmp_path / "x").exists()
