@@ -294,11 +294,11 @@ def run_calibrate(model: str, *, config=None, method=None, layers=None, sets=(),
     vocab = vocab_size(loaded)
     tok = eval_tokenizer(tokenizer or spec.load.tokenizer, loaded_tok, loaded, name, trust_remote_code)
     encode, tok_id = make_encoder(tok, None, vocab, name)
-    docs, counts, skipped = plan_documents(lb, encode, seq_len, vocab, None, progress)
+    # per subset, as eval ppl's --max-docs: a directory of several subsets mixes kinds of text
+    docs, counts, skipped = plan_documents(lb, encode, seq_len, vocab, max_docs, progress)
     if not docs:
         raise LongpatchError("calibrate: the calibration text is too short: " +
                              nothing_to_evaluate(lb, counts, skipped, seq_len))
-    docs = docs[:max_docs]
     claim_out(out_dir, "calibrate")
     key = run_key(f"{name}|{tok_id}", cfg, cands, seq_len)
     totals = calibrate_documents(loaded, cfg, docs, cands, out_dir / RECORDS, key, progress)

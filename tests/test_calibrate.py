@@ -333,3 +333,19 @@ def test_calibration_text_script(tmp_path):
     bad = subprocess.run([sys.executable, str(script), "--out", str(tmp_path / "x"), "--min-tokens", "0"],
                          capture_output=True, text=True)
     assert bad.returncode != 0 and "--min-tokens: got 0" in bad.stderr and not (tmp_path / "x").exists()
+
+
+def test_max_docs_is_per_subset(tmp_path):
+    """--max-docs counts per subset, as in eval ppl: two subsets of two long documents each, max 1 -> 2."""
+    d = tmp_path / "mixed"
+    d.mkdir()
+    rng = random.Random(1)
+    for subset in ("narrativeqa", "lcc"):
+        texts = ["".join(rng.choice("abcdef gh\n") for _ in range(300)) for _ in range(2)]
+        (d / f"{subset}.jsonl").write_text("".join(json.dumps(record(subset, f"{subset}{i}", t)) + "\n"
+                                                   for i, t in enumerate(texts)))
+    res = run_calibrate("tiny:llama", method="moba", sets=["chunk_size=16", "selection=hybrid", "score_stride=4",
+                                                           "estimate_queries=8"],
+                        grid=["topk=2,4"], data=str(d), out=str(tmp_path / "out"), seq_len=SEQ, max_docs=1,
+                        tokenizer="bytes", progress=False)
+    assert sorted(x["subset"] for x in res["docs"]) == ["lcc", "narrativeqa"]
