@@ -12,6 +12,10 @@
 # on MoBA's query-aware selection (e2e_llama8b.json). `bash scripts/gpu_check.sh all`: the earlier set
 # below as well (about 12 more minutes). DRY_RUN=1 runs the issue-40 steps tiny on the CPU (no GPU, no
 # install): flex on the compiled CPU path, a 2-layer llama, no kernels.
+# Issue 41 (`bash scripts/gpu_check.sh issue41`, about 4 minutes on an H100): the 32k passkey and code needle
+# grids (40 prompts each) of demo-moba-32k and demo-nsa-32k on the GPU path (backend auto: flex), every
+# layer, exact beside them, compared prompt by prompt with the CPU's records in docs/img/heldout
+# (scripts/needle_agreement.py -> needle_agreement_{passkey,code}.json). DRY_RUN=1: one 1024-token prompt.
 set -u
 OUT=${OUT:-runs/gpu}
 SUITE=${1:-issue40}
@@ -48,7 +52,20 @@ issue40() {
     --no-progress --out "$TMP/e2e"
   cp "$TMP/e2e/results.json" "$OUT/e2e_llama8b.json"
 }
+issue41() {
+  local G="--model demo --config demo-moba-32k,demo-nsa-32k --layer-counts 0,all --no-progress"
+  if [ "${DRY_RUN:-0}" = 1 ]; then G="$G --lengths 1024 --depths 0.5 --trials 1"
+  else G="$G --lengths 32768 --depths 0.05:0.95:0.1 --trials 4"; fi
+  for t in passkey code; do
+    step 240 $LP eval needle $G --template $t --out "$TMP/needle_$t"
+    $PY scripts/needle_agreement.py --reference docs/img/heldout/grid_$t/records.jsonl \
+      --other "$TMP/needle_$t/records.jsonl" --out "$OUT/needle_agreement_$t.json"
+    echo "=== agreement rc=$?"
+    cp "$TMP/needle_$t/records.jsonl" "$OUT/needle_$t.records.jsonl"
+  done
+}
 if [ "$SUITE" = issue40 ]; then issue40 2>&1 | tee "$OUT/log.txt"; exit; fi
+if [ "$SUITE" = issue41 ]; then issue41 2>&1 | tee "$OUT/log.txt"; exit; fi
 {
   issue40  # the bf16 kernel check included
   nvidia-smi -L

@@ -53,3 +53,30 @@ def test_bench_device_names_the_device_in_the_results(tmp_path):
     assert meta["device"] == "cpu"
     r = CliRunner().invoke(cli.app, ["bench", "attention", "--device", "tpu", "--out", str(tmp_path / "a")])
     assert r.exit_code == 2 and "--device: got 'tpu'; allowed: cpu, cuda, cuda:N" in r.stderr
+
+
+def _needle_records(path, rows):
+    path.write_text("".join(json.dumps({"config": c, "layers": 0 if c == "exact" else 4, "digest": d,
+                                        "correct": ok, "predicted": text}) + "\n" for c, d, ok, text in rows))
+
+
+def test_needle_agreement_matches_prompts_and_flags_a_lost_needle(tmp_path, capsys):
+    """scripts/needle_agreement.py (issue 41's GPU check): per config, prompts in both runs, same answers,
+    and needles kept of exact's in each; exit 1 when the other run keeps fewer."""
+    mod = load_script("needle_agreement")
+    ref, gpu = tmp_path / "cpu.jsonl", tmp_path / "gpu.jsonl"
+    _needle_records(ref, [("exact", "a", True, "1"), ("exact", "b", True, "2"), ("exact", "c", False, "x"),
+                          ("moba", "a", True, "1"), ("moba", "b", True, "2"), ("moba", "c", False, "y")])
+    _needle_records(gpu, [("exact", "a", True, "1"), ("exact", "b", True, "2"), ("exact", "c", False, "x"),
+                          ("moba", "a", True, "1"), ("moba", "b", True, "2 "), ("moba", "d", True, "3")])
+    out = tmp_path / "agree.json"
+    assert mod.main(["--reference", str(ref), "--other", str(gpu), "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["configs"]
+    assert rows["moba"] == {"prompts": 2, "same_answer": 2, "same_text": 1, "reference_kept": 2,
+                            "reference_exact": 2, "other_kept": 2, "other_exact": 2}
+    assert rows["exact"]["prompts"] == 3 and rows["exact"]["same_text"] == 3
+    _needle_records(gpu, [("exact", "a", True, "1"), ("exact", "b", True, "2"), ("moba", "a", True, "1"),
+                          ("moba", "b", False, "9")])
+    assert mod.main(["--reference", str(ref), "--other", str(gpu), "--out", str(out)]) == 1
+    assert "| moba | 2 | 1 | 1 | 2 of 2 | 1 of 2 |" in capsys.readouterr().out
+    assert mod.main(["--reference", str(tmp_path / "none"), "--other", str(gpu), "--out", str(out)]) == 2
