@@ -233,15 +233,21 @@ def own_index(cfg: PatchConfig, cands: list[dict]) -> int | None:
     return own[0] if own else None
 
 
+def check_relative(cfg: PatchConfig, cands: list[dict], max_error: float, relative: bool) -> int | None:
+    """own_index, refusing a relative --max-error when the grid lacks the config's own values."""
+    own = own_index(cfg, cands)
+    if relative and own is None:
+        raise ConfigError(f"--max-error {max_error:g}x: relative to the config's own error, but --grid does not "
+                          "hold the config's own values; allowed: a grid that includes them, or an absolute number")
+    return own
+
+
 def calibrated_config(cfg: PatchConfig, cands: list[dict], totals: dict[int, list[Tally]],
                       max_error: float, relative: bool = False) -> tuple[PatchConfig, list[dict]]:
     """The config with each layer's chosen changes as layer_params (only those that differ from params),
     and one row per layer for the report. relative: each layer's limit is max_error times the error of
     the config's own params there (they must be a candidate)."""
-    own = own_index(cfg, cands)
-    if relative and own is None:
-        raise ConfigError(f"--max-error {max_error:g}x: relative to the config's own error, but --grid does not "
-                          "hold the config's own values; allowed: a grid that includes them, or an absolute number")
+    own = check_relative(cfg, cands, max_error, relative)
     layer_params, rows = {}, []
     for layer, tallies in totals.items():
         limit = max_error * tallies[own].error if relative else max_error
@@ -283,8 +289,7 @@ def run_calibrate(model: str, *, config=None, method=None, layers=None, sets=(),
     spec = resolve(model, config, method, layers, sets, trust_remote_code=trust_remote_code, tokenizer=tokenizer)
     cfg = spec.patch
     cands = candidates(cfg, parse_grid(list(grid), cfg.method))
-    if relative and own_index(cfg, cands) is None:
-        calibrated_config(cfg, cands, {}, limit, relative)  # the one-line error, before any loading
+    check_relative(cfg, cands, limit, relative)  # before any loading
     if seq_len < cfg.min_seq_len:
         raise ConfigError(f"--seq-len: got {seq_len}, below the config's min_seq_len {cfg.min_seq_len} (the patched "
                           "layers would run exact attention); allowed: at least min_seq_len")
@@ -308,10 +313,10 @@ def run_calibrate(model: str, *, config=None, method=None, layers=None, sets=(),
               "max_error": f"{limit:g}x" if relative else limit,
               "data": lb.source, "docs": [{"subset": d.subset, "doc_id": d.doc_id, "digest": d.digest} for d in docs],
               "config": cfg.to_dict(), "candidates": cands, "exact_pairs_per_layer": exact_pairs,
-              "base_pairs": None if own_index(cfg, cands) is None else sum(r["own"]["pairs"] for r in rows),
+              "base_pairs": None if rows[0]["own"] is None else sum(r["own"]["pairs"] for r in rows),
               "chosen_pairs": sum(r["pairs"] for r in rows), "layers": rows, "calibrated": chosen.to_dict()}
     write_json(out_dir / RESULT, result)
-    _write_config(out_dir / CONFIG_OUT, spec.load.to_dict(), chosen, result)
+    _write_config(out_dir / CONFIG_OUT, spec.load, chosen, result)
     return result
 
 
@@ -320,15 +325,16 @@ def _heads(model) -> int:
     return int(getattr(c, "num_attention_heads", 0) or 0)
 
 
-def _write_config(path: Path, load: dict, cfg: PatchConfig, result: dict) -> None:
-    """The calibrated config as YAML (atomic): the loading keys it was calibrated with and the patch."""
+def _write_config(path: Path, load, cfg: PatchConfig, result: dict) -> None:
+    """The calibrated config as YAML (atomic): the loading keys it was calibrated with and the patch, as
+    `apply --save` writes them."""
     import os
 
-    keys = {k: v for k, v in load.items() if k not in ("device_map", "tokenizer") and v is not None}
-    patch = {k: v for k, v in cfg.to_dict().items() if v is not None}
+    from .loading import saved_keys
+
     head = (f"# written by `longpatch calibrate`: {result['model']}, {len(result['docs'])} document(s) of "
             f"{result['seq_len']} tokens from {result['data']}, --max-error {result['max_error']}\n"
             "# each layer's error and query-key products per candidate: calibration.json beside this file\n")
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(head + yaml.safe_dump({**keys, **patch}, sort_keys=False))
+    tmp.write_text(head + yaml.safe_dump(saved_keys(load, cfg), sort_keys=False))
     os.replace(tmp, path)

@@ -133,6 +133,15 @@ def layer_counts_option(default: Optional[str] = None):
                         ("" if default else "; default: the config's layers, one run"))
 
 
+def longbench_data_option(what: str = ""):
+    return typer.Option(None, "--data", metavar="DATA",
+                        help=f"{what}data.zip, dir of <subset>.jsonl, parquet, demo; default: hub THUDM/LongBench")
+
+
+def subsets_option():
+    return typer.Option("all", "--subsets", metavar="SUBSETS", help="all, or comma-separated subsets/categories")
+
+
 def tokenizer_option():
     return typer.Option(None, "--tokenizer", metavar="TOKENIZER",
                         help="name or path, or 'bytes' for tiny:* models (default: the model's)")
@@ -339,11 +348,8 @@ def calibrate(
                                   help="per layer: the cheapest candidate whose relative output error "
                                        "||o - o_exact|| / ||o_exact|| is at most E, or at most R times the "
                                        "config's own error there (e.g. 1.0x; none: the most accurate)"),
-    data: Optional[str] = typer.Option(None, "--data", metavar="DATA",
-                                       help="the calibration text: data.zip, dir of <subset>.jsonl, parquet, demo; "
-                                            "default: hub THUDM/LongBench"),
-    subsets: str = typer.Option("all", "--subsets", metavar="SUBSETS",
-                                help="all, or comma-separated subsets/categories"),
+    data: Optional[str] = longbench_data_option("the calibration text: "),
+    subsets: str = subsets_option(),
     seq_len: int = typer.Option(32768, "--seq-len", metavar="N",
                                 help="tokens per calibration document (shorter ones are skipped)"),
     max_docs: int = typer.Option(2, "--max-docs", metavar="N",
@@ -429,14 +435,11 @@ def eval_ppl(
     set_: list[str] = set_option(),
     layers: Optional[str] = layers_option(),
     layer_counts: Optional[str] = layer_counts_option(),
-    subsets: str = typer.Option("all", "--subsets", metavar="SUBSETS",
-                                help="all, or comma-separated subsets/categories"),
+    subsets: str = subsets_option(),
     seq_len: int = typer.Option(32768, "--seq-len", metavar="N",
                                 help="tokens per document (shorter documents are skipped)"),
     max_docs: Optional[int] = typer.Option(None, "--max-docs", metavar="N", help="at most N documents per subset"),
-    data: Optional[str] = typer.Option(None, "--data", metavar="DATA",
-                                       help="data.zip, dir of <subset>.jsonl, parquet, demo; "
-                                            "default: hub THUDM/LongBench"),
+    data: Optional[str] = longbench_data_option(),
     out: str = out_option("runs/eval", "records, results.json/.csv, plots; rerun to resume"),
     tokenizer: Optional[str] = tokenizer_option(),
     device_map: Optional[str] = typer.Option(None, "--device-map", metavar="auto",

@@ -29,7 +29,8 @@ class PatchConfig:
     layers: an int N (the last N layers; 0 = none), a list of 0-based layer indices, or "all".
     min_seq_len: prefill calls shorter than this use exact attention in patched layers.
     layer_params: per-layer changes to params, {0-based layer index: {param: value}} (what
-    ``longpatch calibrate`` writes); each layer named must be one the patch replaces.
+    ``longpatch calibrate`` writes); patch_model refuses an index past the model's layers and warns of
+    entries for layers the patch does not replace.
     backend: auto, torch, triton or flex (FlexAttention: the block-sparse methods). family: force a model
     family (default: detected from the model).
     How the model is loaded (model, dtype, ...) is a LoadSpec; a YAML config file may hold both halves

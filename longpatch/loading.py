@@ -282,7 +282,7 @@ def save_patch(model, cfg: PatchConfig, out_dir: str | Path, tokenizer=None, loa
         (tmp / CONFIG_FILE).write_text("# written by `longpatch apply --save`; re-apply with "
                                        "longpatch.from_pretrained(DIR)\n"
                                        "# model: where the weights beside this file came from\n"
-                                       + yaml.safe_dump(_saved_keys(load, cfg), sort_keys=False))
+                                       + yaml.safe_dump(saved_keys(load, cfg), sort_keys=False))
         umask = os.umask(0)
         os.umask(umask)
         tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private (0700); a saved model is an ordinary directory
@@ -311,7 +311,7 @@ def _save_unpatched(model, path: Path) -> None:
             patch_model(model, report.config)
 
 
-def _saved_keys(load: LoadSpec | None, cfg: PatchConfig) -> dict:
+def saved_keys(load: LoadSpec | None, cfg: PatchConfig) -> dict:
     # the loading keys a later load needs (device placement and the tokenizer are the loader's choice then)
     keys = {k: v for k, v in (load or LoadSpec()).to_dict().items() if k not in ("device_map", "tokenizer")}
     return {**keys, **cfg.to_dict()}
