@@ -15,7 +15,8 @@
 # Issue 41 (`bash scripts/gpu_check.sh issue41`, about 4 minutes on an H100): the 32k passkey and code needle
 # grids (40 prompts each) of demo-moba-32k and demo-nsa-32k on the GPU path (backend auto: flex), every
 # layer, exact beside them, compared prompt by prompt with the CPU's records in docs/img/heldout
-# (scripts/needle_agreement.py -> needle_agreement_{passkey,code}.json). DRY_RUN=1: one 1024-token prompt.
+# (scripts/needle_agreement.py -> needle_agreement_{passkey,code}.json); TRIALS=2 halves it (20 prompts each).
+# DRY_RUN=1: one 1024-token prompt.
 set -u
 OUT=${OUT:-runs/gpu}
 SUITE=${1:-issue40}
@@ -40,7 +41,7 @@ issue40() {
   else
     $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
 'transformers', transformers.__version__, torch.cuda.get_device_name())"
-    step 180 $PY scripts/gpu_flex.py --out "$OUT/flex.json"
+    step 200 $PY scripts/gpu_flex.py --out "$OUT/flex.json"
     step 120 $PY scripts/gpu_kernels.py --device cuda --n 4100 --head-dims 128 --dtypes bfloat16 --grad-n 0 \
       --out "$TMP/kb"
     cp "$TMP/kb/results.json" "$OUT/kernels_bf16.json"
@@ -55,7 +56,7 @@ issue40() {
 issue41() {
   local G="--model demo --config demo-moba-32k,demo-nsa-32k --layer-counts 0,all --no-progress"
   if [ "${DRY_RUN:-0}" = 1 ]; then G="$G --lengths 1024 --depths 0.5 --trials 1"
-  else G="$G --lengths 32768 --depths 0.05:0.95:0.1 --trials 4"; fi
+  else G="$G --lengths 32768 --depths 0.05:0.95:0.1 --trials ${TRIALS:-4}"; fi
   for t in passkey code; do
     step 240 $LP eval needle $G --template $t --out "$TMP/needle_$t"
     $PY scripts/needle_agreement.py --reference docs/img/heldout/grid_$t/records.jsonl \

@@ -11,7 +11,8 @@ the paper's defaults (its gate), NSA at the paper's defaults (memory), at 32k an
 131k cache (moba/nsa query-aware with decode_topk 8, sparse). Per case: median ms of the timed calls
 after an untimed first call (compiles), speedup over SDPA, the ideal speedup (exact's attended pairs
 / the method's, selection included) and achieved / ideal, the selection's own time (query-aware
-cases), the CUDA allocator's peak during one call beyond what was allocated before it. The JSON is
+cases), the CUDA allocator's peak during one call beyond what was allocated before it. Also the hybrid
+selection of demo-moba-32k / demo-nsa-32k (issue 41), on flex only. The JSON is
 rewritten after every case, so a run cut short
 keeps what it measured; a case that fails records its error and the run goes on.
 """
@@ -38,6 +39,9 @@ from longpatch.ops import moba_attention, nsa_attention, sparse_attention  # noq
 MOBA_QA = dict(selection="estimate", chunk_size=256, topk=16, mass=0.9, estimate_queries=64, local_blocks=1)
 NSA_QA = dict(selection="estimate", compress_block=32, compress_stride=16, select_block=256, num_selected=16,
               window=256, init_blocks=1, local_blocks=2, gates=(0.0, 0.9, 0.1), mass=0.9, estimate_queries=64)
+# the hybrid selection of the bundled demo-moba-32k / demo-nsa-32k (issue 41): flex only, to keep the run short
+MOBA_HYB = {**MOBA_QA, "selection": "hybrid", "score_stride": 16}
+NSA_HYB = {**NSA_QA, "selection": "hybrid", "score_stride": 16}
 SPARSE = dict(window=1024, global_tokens=64)
 OPS = {"moba": moba_attention, "nsa": nsa_attention, "sparse": sparse_attention}
 
@@ -136,8 +140,10 @@ def main(argv=None):
         case("prefill", {"method": "sdpa", "n": n},
              lambda: {"ms": base_ms, "peak_mb": peak_mb(lambda: sdpa(q, k, v), dev)})
         # moba with {}: the paper's defaults (the gate: chunks of 2048, top-4), on flex since the gate runs there
-        for name, params in (("moba", MOBA_QA), ("nsa", NSA_QA), ("sparse", SPARSE), ("moba", {})):
-            for backend in ("flex", other):
+        for name, params, backends in (("moba", MOBA_QA, ("flex", other)), ("nsa", NSA_QA, ("flex", other)),
+                                       ("moba", MOBA_HYB, ("flex",)), ("nsa", NSA_HYB, ("flex",)),
+                                       ("sparse", SPARSE, ("flex", other)), ("moba", {}, ("flex", other))):
+            for backend in backends:
                 def run(name=name, params=params, backend=backend):
                     op = OPS[name]
                     first, ms, _ = timed(lambda: op(q, k, v, backend=backend, **params), args.repeats, sync)
@@ -150,12 +156,15 @@ def main(argv=None):
                         blk = params.get("chunk_size", params.get("select_block"))
                         most = params.get("topk", params.get("num_selected")) - 1
                         local = params["local_blocks"] - (name == "nsa")
-                        _, sel_ms, _ = timed(lambda: estimated_blocks(q, k, blk, most, params["mass"],
-                                                                      ("estimate", params["estimate_queries"]),
+                        scoring = ("estimate", params["estimate_queries"])
+                        if params["selection"] == "hybrid":
+                            scoring = ("hybrid", params["estimate_queries"], params["score_stride"])
+                        _, sel_ms, _ = timed(lambda: estimated_blocks(q, k, blk, most, params["mass"], scoring,
                                                                       local, scale), args.repeats, sync)
                         row.update(selection_ms=sel_ms, selection_share=sel_ms / ms)
                     return row
-                case("prefill", {"method": name, "params": "query-aware" if "selection" in params else "defaults",
+                kind = {"estimate": "query-aware", "hybrid": "hybrid"}.get(params.get("selection"), "defaults")
+                case("prefill", {"method": name, "params": kind,
                                  "backend": backend, "n": n}, run)
         if n == lengths[-1]:  # NSA at the paper's defaults: the memory figure (42 GB at 131k before)
             case("prefill", {"method": "nsa", "params": "paper defaults", "backend": other, "n": n},
