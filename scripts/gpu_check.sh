@@ -16,7 +16,9 @@
 # grids (40 prompts each) of demo-moba-32k and demo-nsa-32k on the GPU path (backend auto: flex), every
 # layer, exact beside them, compared prompt by prompt with the CPU's records in docs/img/heldout
 # (scripts/needle_agreement.py -> needle_agreement_{passkey,code}.json); TRIALS=2 halves it (20 prompts each).
-# DRY_RUN=1: one 1024-token prompt.
+# DRY_RUN=1: one 1024-token prompt. `bash scripts/gpu_check.sh issue40+41`: both in one lease (SKIP_KERNELS=1
+# leaves out the kernels' bf16 check, e.g. when an earlier call of the lease measured it).
+# FLEX_LIMIT, E2E_LIMIT, NEEDLE_LIMIT: the steps' time limits in seconds (200, 170, 240 per template).
 set -u
 OUT=${OUT:-runs/gpu}
 SUITE=${1:-issue40}
@@ -41,14 +43,14 @@ issue40() {
   else
     $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
 'transformers', transformers.__version__, torch.cuda.get_device_name())"
-    step 200 $PY scripts/gpu_flex.py --out "$OUT/flex.json"
-    step 120 $PY scripts/gpu_kernels.py --device cuda --n 4100 --head-dims 128 --dtypes bfloat16 --grad-n 0 \
+    step ${FLEX_LIMIT:-200} $PY scripts/gpu_flex.py --out "$OUT/flex.json"
+    [ "${SKIP_KERNELS:-0}" = 1 ] || step 120 $PY scripts/gpu_kernels.py --device cuda --n 4100 --head-dims 128 --dtypes bfloat16 --grad-n 0 \
       --out "$TMP/kb"
-    cp "$TMP/kb/results.json" "$OUT/kernels_bf16.json"
+    [ "${SKIP_KERNELS:-0}" = 1 ] || cp "$TMP/kb/results.json" "$OUT/kernels_bf16.json"
     CTX=32768,65536,131072; SEL="--set chunk_size=256 --set topk=16"
   fi
   # every layer on MoBA's query-aware selection (backend auto: flex on CUDA), beside the unpatched model
-  step 170 $LP bench generate --model llama-3.1-8b --random-weights --method moba --set selection=estimate \
+  step ${E2E_LIMIT:-170} $LP bench generate --model llama-3.1-8b --random-weights --method moba --set selection=estimate \
     $SEL --set mass=0.9 --set local_blocks=1 --layers all --contexts $CTX --new-tokens 8 --no-plots \
     --no-progress --out "$TMP/e2e"
   cp "$TMP/e2e/results.json" "$OUT/e2e_llama8b.json"
@@ -58,7 +60,7 @@ issue41() {
   if [ "${DRY_RUN:-0}" = 1 ]; then G="$G --lengths 1024 --depths 0.5 --trials 1"
   else G="$G --lengths 32768 --depths 0.05:0.95:0.1 --trials ${TRIALS:-4}"; fi
   for t in passkey code; do
-    step 240 $LP eval needle $G --template $t --out "$TMP/needle_$t"
+    step ${NEEDLE_LIMIT:-240} $LP eval needle $G --template $t --out "$TMP/needle_$t"
     $PY scripts/needle_agreement.py --reference docs/img/heldout/grid_$t/records.jsonl \
       --other "$TMP/needle_$t/records.jsonl" --out "$OUT/needle_agreement_$t.json"
     echo "=== agreement rc=$?"
@@ -67,6 +69,7 @@ issue41() {
 }
 if [ "$SUITE" = issue40 ]; then issue40 2>&1 | tee "$OUT/log.txt"; exit; fi
 if [ "$SUITE" = issue41 ]; then issue41 2>&1 | tee "$OUT/log.txt"; exit; fi
+if [ "$SUITE" = issue40+41 ]; then { issue40; issue41; } 2>&1 | tee "$OUT/log.txt"; exit; fi
 {
   issue40  # the bf16 kernel check included
   nvidia-smi -L

@@ -346,6 +346,13 @@ class _Compiled:
     def __call__(self, *args):
         from torch.fx.experimental import _config as fx_config
 
+        for t in args:
+            # torch 2.11's CUDA lowering of flex_attention tests the GQA ratio hq // hk with a Python `&`
+            # (is it a power of two?), which fails on a symbolic ratio ("unsupported operand type(s) for
+            # &: 'FloorDiv' and 'Add'", seen on an H100): the head counts are compiled as constants there
+            # (a model has one head count; a new one compiles once more). The CPU lowering has no such test.
+            if t.is_cuda and t.is_floating_point() and t.dim() == 4:
+                torch._dynamo.mark_static(t, 1)
         with fx_config.patch(use_duck_shape=False):
             return self.fn(*args, **self.consts)
 
