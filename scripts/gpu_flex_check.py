@@ -1,0 +1,117 @@
+"""Does the FlexAttention path (backend flex) give the torch path's outputs on this device? Correctness
+before speed: each block-sparse case of scripts/gpu_flex.py at small shapes, fp32 and bf16, ragged
+lengths, and the demo model's logits with every layer patched (flex against torch on the same device).
+
+    python scripts/gpu_flex_check.py --out runs/gpu/flex_check.json              # on a CUDA machine
+    python scripts/gpu_flex_check.py --out /tmp/flex_check.json --device cpu      # the same, on the CPU
+
+Per case: the largest |flex - torch| over the largest |torch| (relative), and whether it is within the
+dtype's tolerance (fp32 1e-3, bf16 3e-2). Per demo config: the logits' relative difference and the
+share of positions whose top token agrees. Exits 1 when a case is off, 0 when all agree.
+--wide-tables (a diagnostic) builds the mask tables as wide as the number of key blocks, as the CPU
+needs, also on CUDA.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from longpatch.methods import flex  # noqa: E402
+from longpatch.ops import moba_attention, nsa_attention, sparse_attention  # noqa: E402
+
+BLOCK = 128  # small enough that a few thousand tokens hold many blocks
+CASES = {
+    "moba estimate": (moba_attention, dict(selection="estimate", chunk_size=BLOCK, topk=6, mass=0.9,
+                                           estimate_queries=64, local_blocks=1)),
+    "moba hybrid": (moba_attention, dict(selection="hybrid", chunk_size=BLOCK, topk=6, mass=0.9, estimate_queries=64,
+                                         score_stride=16, local_blocks=1)),
+    "nsa estimate": (nsa_attention, dict(selection="estimate", compress_block=32, compress_stride=16,
+                                         select_block=BLOCK, num_selected=6, window=256, local_blocks=2,
+                                         gates=(0.0, 0.9, 0.1), mass=0.9, estimate_queries=64)),
+    "nsa hybrid": (nsa_attention, dict(selection="hybrid", compress_block=32, compress_stride=16, select_block=BLOCK,
+                                       num_selected=6, window=256, local_blocks=2, gates=(0.0, 0.9, 0.1), mass=0.9,
+                                       estimate_queries=64, score_stride=16)),
+    "sparse": (sparse_attention, dict(window=512, global_tokens=64)),
+    "moba gate": (moba_attention, dict(chunk_size=BLOCK, topk=3)),
+}
+TOL = {torch.float32: 1e-3, torch.bfloat16: 3e-2}
+
+
+def rel(a, b) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12)).item()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--lengths", default="2000,4100")
+    ap.add_argument("--demo-len", type=int, default=4096, help="0: no demo-model check")
+    ap.add_argument("--wide-tables", action="store_true")
+    args = ap.parse_args(argv)
+    dev = torch.device(args.device)
+    if args.wide_tables:
+        own, band = flex._own_and_listed, flex._band_tables
+        flex._own_and_listed = lambda blocks, nb, wide: own(blocks, nb, True)
+        flex._band_tables = lambda *a, wide, **kw: band(*a, wide=True, **kw)
+    res = {"device": str(dev), "torch": torch.__version__, "wide_tables": args.wide_tables, "cases": [], "demo": []}
+    bad = False
+
+    def record(section, row):
+        nonlocal bad
+        bad |= not row.get("ok", False)
+        res[section].append(row)
+        print(json.dumps(row), flush=True)
+        Path(args.out).write_text(json.dumps(res, indent=1))
+
+    dtypes = (torch.float32, torch.bfloat16) if dev.type == "cuda" else (torch.float32,)
+    with torch.no_grad():
+        for dtype in dtypes:
+            for n in (int(x) for x in args.lengths.split(",")):
+                g = torch.Generator(device=dev).manual_seed(n)
+                q = torch.randn(1, 4, n, 64, device=dev, dtype=dtype, generator=g)
+                k, v = (torch.randn(1, 2, n, 64, device=dev, dtype=dtype, generator=g) for _ in range(2))
+                for name, (op, params) in CASES.items():
+                    row = {"case": name, "dtype": str(dtype), "n": n}
+                    try:
+                        err = rel(op(q, k, v, backend="flex", **params), op(q, k, v, backend="torch", **params))
+                        row.update(rel_err=err, ok=err <= TOL[dtype])
+                    except Exception as e:  # one failing case must not hide the others
+                        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+                        traceback.print_exc()
+                    record("cases", row)
+        if args.demo_len:
+            from longpatch.config import load_config
+            from longpatch.loading import load_model
+            from longpatch.patching import patch_model
+
+            ids = torch.randint(3, 1000, (1, args.demo_len), generator=torch.Generator().manual_seed(0)).to(dev)
+            for config in ("demo-moba-32k", "demo-nsa-32k"):
+                row = {"config": config, "n": args.demo_len}
+                try:
+                    logits = {}
+                    for backend in ("torch", "flex"):
+                        model, _ = load_model("demo")
+                        model.to(dev)
+                        patch_model(model, load_config(config).with_overrides([("backend", backend)]))
+                        logits[backend] = model(ids).logits.float()
+                    agree = logits["flex"].argmax(-1) == logits["torch"].argmax(-1)
+                    row.update(rel_err=rel(logits["flex"], logits["torch"]), top1_agree=agree.float().mean().item())
+                    row["ok"] = row["top1_agree"] >= 0.99
+                except Exception as e:
+                    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+                    traceback.print_exc()
+                record("demo", row)
+    print("all agree" if not bad else "SOME CASES DISAGREE OR FAILED")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
