@@ -5,7 +5,8 @@
 # throughput.json (eval needle at batch 1/4/8), attention.json/.png, decode.json/.png, generate.json.
 # Each step has its own time limit, so that one failing step leaves the others' results.
 #
-# Issue 40 (the default: `bash scripts/gpu_check.sh`, about 8 minutes): FlexAttention vs SDPA vs the
+# Issue 40 (the default: `bash scripts/gpu_check.sh`, about 6 minutes): backend flex against the torch path on
+# the GPU (scripts/gpu_flex_check.py -> flex_check.json), FlexAttention vs SDPA vs the
 # Triton kernels (prefill at 32k/131k, decode at 131k, NSA's peak memory, compile times:
 # scripts/gpu_flex.py -> flex.json), the kernels vs their twins in bf16 (kernels_bf16.json) and
 # Llama-3.1-8B's architecture with random weights end to end at 32k/64k/128k, unpatched and every layer
@@ -36,6 +37,7 @@ step() { local limit=$1; shift; echo "=== $* (limit ${limit}s)"; local t0=$SECON
   timeout "$limit" "$@"; echo "=== rc=$? in $((SECONDS - t0))s"; }
 issue40() {
   if [ "${DRY_RUN:-0}" = 1 ]; then
+    step 300 $PY scripts/gpu_flex_check.py --device cpu --lengths 1100 --demo-len 600 --out "$OUT/flex_check.json"
     step 600 $PY scripts/gpu_flex.py --dry-run --repeats 2 --out "$OUT/flex.json"
     export LONGPATCH_ARCH_OVERRIDES='{"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512,
       "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}'
@@ -43,6 +45,8 @@ issue40() {
   else
     $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
 'transformers', transformers.__version__, torch.cuda.get_device_name())"
+    # correctness before speed: flex against the torch path on the GPU (cases, the demo model's logits)
+    step 90 $PY scripts/gpu_flex_check.py --lengths 4100 --demo-len 8192 --out "$OUT/flex_check.json"
     step ${FLEX_LIMIT:-200} $PY scripts/gpu_flex.py --out "$OUT/flex.json"
     [ "${SKIP_KERNELS:-0}" = 1 ] || step 120 $PY scripts/gpu_kernels.py --device cuda --n 4100 --head-dims 128 --dtypes bfloat16 --grad-n 0 \
       --out "$TMP/kb"

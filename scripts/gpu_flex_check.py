@@ -8,8 +8,6 @@ lengths, and the demo model's logits with every layer patched (flex against torc
 Per case: the largest |flex - torch| over the largest |torch| (relative), and whether it is within the
 dtype's tolerance (fp32 1e-3, bf16 3e-2). Per demo config: the logits' relative difference and the
 share of positions whose top token agrees. Exits 1 when a case is off, 0 when all agree.
---wide-tables (a diagnostic) builds the mask tables as wide as the number of key blocks, as the CPU
-needs, also on CUDA.
 """
 from __future__ import annotations
 
@@ -23,7 +21,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from longpatch.methods import flex  # noqa: E402
 from longpatch.ops import moba_attention, nsa_attention, sparse_attention  # noqa: E402
 
 BLOCK = 128  # small enough that a few thousand tokens hold many blocks
@@ -54,14 +51,9 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--lengths", default="2000,4100")
     ap.add_argument("--demo-len", type=int, default=4096, help="0: no demo-model check")
-    ap.add_argument("--wide-tables", action="store_true")
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
-    if args.wide_tables:
-        own, band = flex._own_and_listed, flex._band_tables
-        flex._own_and_listed = lambda blocks, nb, wide: own(blocks, nb, True)
-        flex._band_tables = lambda *a, wide, **kw: band(*a, wide=True, **kw)
-    res = {"device": str(dev), "torch": torch.__version__, "wide_tables": args.wide_tables, "cases": [], "demo": []}
+    res = {"device": str(dev), "torch": torch.__version__, "cases": [], "demo": []}
     bad = False
 
     def record(section, row):

@@ -8,6 +8,7 @@ from helpers import load_script
 from typer.testing import CliRunner
 
 from longpatch import cli
+from longpatch.methods.common import flex_available
 
 SMALL = ["--device", "cpu", "--n", "80", "--heads", "2", "--kv-heads", "1", "--head-dims", "16", "--dtypes",
          "float32", "--grad-n", "48"]
@@ -30,6 +31,20 @@ def test_gpu_kernels_fails_when_a_path_disagrees(tmp_path, monkeypatch):
     monkeypatch.setattr(mod, "TOL", {"float32": 0.0, "bfloat16": 0.0, "float16": 0.0})
     assert mod.main([*SMALL, "--methods", "moba", "--grad-n", "0", "--out", str(tmp_path)]) == 1
     assert not all(r["ok"] for r in json.loads((tmp_path / "results.json").read_text())["rows"])
+
+
+@pytest.mark.skipif(not flex_available(), reason="torch without FlexAttention (needs >= 2.11)")
+def test_gpu_flex_check_compares_flex_with_torch_and_can_fail(tmp_path, monkeypatch):
+    """scripts/gpu_flex_check.py on the CPU: every case at a length where the selections are sparse (9
+    blocks of 128, at most 6), flex against torch; with no tolerance left, the same run exits 1."""
+    mod = load_script("gpu_flex_check")
+    out = tmp_path / "check.json"
+    assert mod.main(["--device", "cpu", "--lengths", "1100", "--demo-len", "0", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["cases"]
+    assert {r["case"] for r in rows} == set(mod.CASES) and all(r["ok"] for r in rows)
+    assert max(r["rel_err"] for r in rows) > 0  # the flex path ran (not the torch path twice)
+    monkeypatch.setattr(mod, "TOL", {torch.float32: -1.0})
+    assert mod.main(["--device", "cpu", "--lengths", "1100", "--demo-len", "0", "--out", str(out)]) == 1
 
 
 def test_gpu_kernels_rejects_unknown_methods(tmp_path, capsys):

@@ -101,10 +101,13 @@ def _any_key(b, h, q_idx, kv_idx):
     return kv_idx >= 0
 
 
-def _own_and_listed(blocks: torch.Tensor, nb: int, wide: bool):
+def _own_and_listed(blocks: torch.Tensor, nb: int):
     """(partial counts, partial indices, full counts, full indices), int32, of a selection
     [B, 1, nb, S]: the own block as the one partial block, the listed ones as full blocks (listed
-    first: sorted descending, the -1 pads last and read as block 0, past the count)."""
+    first: sorted descending, the -1 pads last and read as block 0, past the count). Both index
+    tables are nb wide, on every device: the CPU template reads them so, and on CUDA (torch 2.11, an
+    H100) a partial table 1 wide beside a full table S wide gave outputs off by 0.22 (relative) while
+    nb-wide ones matched the torch path (scripts/gpu_flex_check.py)."""
     B = blocks.shape[0]
     lst = blocks.sort(-1, descending=True).values
     full_num = (lst >= 0).sum(-1).to(torch.int32)
@@ -113,9 +116,8 @@ def _own_and_listed(blocks: torch.Tensor, nb: int, wide: bool):
         full_idx = full_idx.new_zeros(B, 1, nb, 1)
     own = torch.arange(nb, device=blocks.device, dtype=torch.int32).view(1, 1, nb, 1).expand(B, 1, nb, 1)
     part_num = torch.ones(B, 1, nb, dtype=torch.int32, device=blocks.device)
-    if wide:  # the CPU template reads the tables as nb wide (the entries past a count are ignored)
-        own = torch.nn.functional.pad(own, (0, nb - 1))
-        full_idx = torch.nn.functional.pad(full_idx, (0, max(0, nb - full_idx.shape[-1])))[..., :nb]
+    own = torch.nn.functional.pad(own, (0, nb - 1))  # the entries past a count are never read
+    full_idx = torch.nn.functional.pad(full_idx, (0, max(0, nb - full_idx.shape[-1])))[..., :nb]
     return part_num, own.contiguous(), full_num, full_idx.contiguous()
 
 
@@ -176,8 +178,8 @@ def _block_sparse_call(q, k, v, blocks, *, block: int, scale: float, need_lse: b
     hk = k.shape[1]
     g = hq // hk
     nb = blocks.shape[2]
-    grad = _grad(q, k, v)  # the backward reads the transposed tables, built from full-width ones
-    tables = _own_and_listed(blocks.reshape(b * hk, 1, nb, -1), nb, wide=not q.is_cuda or grad)
+    grad = _grad(q, k, v)  # the backward reads the transposed tables
+    tables = _own_and_listed(blocks.reshape(b * hk, 1, nb, -1), nb)
     mask = BlockMask.from_kv_blocks(*tables, BLOCK_SIZE=block, mask_mod=_causal, seq_lengths=(n, n),
                                     compute_q_blocks=grad)
     # a KV group's g query heads as the heads of one batch row: the mask's rows are per KV head
@@ -223,10 +225,10 @@ def _decode_call(q, k, v, kept, *, block: int, local_blocks: int, scale: float, 
     full_idx = lst.clamp(min=0).to(torch.int32)
     own_idx = torch.full((b * hk, 1, 1, 1), own, dtype=torch.int32, device=q.device)
     part_num = torch.ones(b * hk, 1, 1, dtype=torch.int32, device=q.device)
-    grad = _grad(q, k, v)  # the backward reads the transposed tables, built from full-width ones
-    if not q.is_cuda or grad:  # the CPU template reads the tables as wide as the key blocks
-        own_idx = torch.nn.functional.pad(own_idx, (0, nbk - 1))
-        full_idx = torch.nn.functional.pad(full_idx, (0, max(0, nbk - full_idx.shape[-1])))[..., :nbk]
+    grad = _grad(q, k, v)  # the backward reads the transposed tables
+    # both tables as wide as the key blocks, on every device (``_own_and_listed`` says why)
+    own_idx = torch.nn.functional.pad(own_idx, (0, nbk - 1))
+    full_idx = torch.nn.functional.pad(full_idx, (0, max(0, nbk - full_idx.shape[-1])))[..., :nbk]
     # the own block needs no causal mask: the cache ends at t, and the kernel reads no key past the
     # sequence length (a partial block only because the block may be cut short by it)
     mask = BlockMask.from_kv_blocks(part_num, own_idx.contiguous(), full_num, full_idx.contiguous(),
@@ -413,9 +415,18 @@ _GATE_ELEMS = 1 << 28
 
 
 def gate_runs(q, k, v, chunk: int, need_lse: bool) -> bool:
-    """Whether ``flex_gate`` runs this call: ``supports`` it (chunks of a multiple of 16 keys) and
-    the gate's scores fit (``_GATE_ELEMS``)."""
+    """Whether ``flex_gate`` runs this call: ``supports`` it (chunks of a multiple of 16 keys), the
+    gate's scores fit (``_GATE_ELEMS``), and torch compiles its mask here. It does not on CUDA
+    (torch 2.11 on an H100: "NameError('XBLOCK is not defined')" compiling the kernel, batch 1) nor
+    for a batch of one on the CPU (torch 2.13: a C++ compile error in the CPU template), so those
+    calls take ``fallback_backend`` (the Triton gate on CUDA), said once in the log."""
     b, hq, n, _ = q.shape
+    if q.is_cuda or b == 1:
+        from ..routing import warn_once
+
+        warn_once("flex-gate", "longpatch: MoBA's gate does not compile on FlexAttention here (CUDA, or a batch of "
+                               "one on the CPU); it runs on its " + fallback_backend(q) + " path")
+        return False
     return b * hq * n * max(1, (n - 1) // chunk) <= _GATE_ELEMS and supports(q, k, v, gate_qblock(chunk), need_lse)
 
 
