@@ -352,6 +352,17 @@ def test_antidiagonal_scores_equal_their_definition(n, strided):
                                                                                dtype=torch.float64))
 
 
+def test_antidiagonal_scores_in_steps_equal_one_step(monkeypatch):
+    """The scores worked a few query tiles at a time (the CPU's and the GPU's step sizes differ) equal
+    the definition: here one block of tiles per step, ragged."""
+    from longpatch.methods import selection
+
+    q, k, _ = qkv(77)
+    monkeypatch.setitem(selection._ANTI_ELEMS, "cpu", 1)  # the smallest step: one block's tiles
+    got = selection.antidiagonal_scores(q, k, 16, 4, 0.25)
+    torch.testing.assert_close(got.double(), _antidiagonal_reference(q, k, 16, 4, 0.25), atol=1e-6, rtol=1e-5)
+
+
 def test_antidiagonal_finds_what_a_middle_block_reads():
     """Each query block gets its own scores: block 5's queries read block 2, block 7's read block 4;
     each is selected for its own query block only."""

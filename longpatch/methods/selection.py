@@ -214,6 +214,13 @@ def select_blocks(scores: torch.Tensor, max_blocks: int, mass: float | None, loc
     return torch.where(valid, idx, torch.full_like(idx, -1))
 
 
+# Score elements per step of ``antidiagonal_scores`` (query tiles x key tiles x query heads). The CPU
+# works best on temporaries that stay near its caches (8 MB); a GPU on few large steps: at 131k its steps
+# were 16 query tiles each, 512 steps of ~10 small kernels, and the hybrid selection took 224 ms of a
+# 247 ms call on an H100 (docs/gpu.md). 1 << 26 float32 scores is 256 MB per step there.
+_ANTI_ELEMS = {"cpu": 1 << 21, "gpu": 1 << 26}
+
+
 def antidiagonal_scores(q, k, block: int, stride: int, scale: float) -> torch.Tensor:
     """[b, hk, nb (query block), nb (key block)] float32: the estimated attention mass of each query
     block on each key block from antidiagonals of the score matrix (as XAttention scores blocks).
@@ -240,7 +247,8 @@ def antidiagonal_scores(q, k, block: int, stride: int, scale: float) -> torch.Te
     kt = kt.reshape(b, hk, nt, stride * d)
     out = torch.zeros(b, hk, nb, nb, dtype=torch.float32, device=q.device)
     c = torch.arange(nt, device=q.device)
-    rows = max(per, (1 << 21) // (b * hq * nt) // per * per)  # query tiles per step: bounded temporaries
+    budget = _ANTI_ELEMS["cpu" if q.device.type == "cpu" else "gpu"]
+    rows = max(per, budget // (b * hq * nt) // per * per)  # query tiles per step: bounded temporaries
     for a0 in range(0, nt, rows):
         a = torch.arange(a0, min(nt, a0 + rows), device=q.device)
         seen = a0 + len(a)  # key tiles these query tiles can see: whole blocks up to their last block
