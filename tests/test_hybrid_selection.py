@@ -148,3 +148,27 @@ def test_bundled_hybrid_configs_resolve(alias):
     cfg = read_config(alias).patch
     params = get_method(cfg.method).resolve_params(dict(cfg.params))
     assert params["selection"] == "hybrid" and params["mass"] == 0.9 and cfg.layers == "all"
+
+
+def test_nsa_window_gated_off_is_not_computed(monkeypatch):
+    """gates (0, 1, 0): the selected branch alone, equal to the gated sum with the window computed
+    (out(0, 1, w) - w * out(0, 0, 1)), without running the window (prefill and a one-token step)."""
+    from longpatch.methods import sparse
+    from longpatch.methods.nsa import op as nsa_op
+    from longpatch.ops import nsa_attention
+
+    q, k, v = qkv(200)
+    kw = dict(selection="hybrid", select_block=16, num_selected=4, window=24, local_blocks=2, score_stride=4)
+    both = nsa_attention(q, k, v, gates=(0.0, 1.0, 0.5), **kw)
+    window = nsa_attention(q, k, v, gates=(0.0, 0.0, 1.0), **kw)
+    step_both = nsa_attention(q[:, :, -1:], k, v, gates=(0.0, 1.0, 0.5), **kw)
+    step_window = nsa_attention(q[:, :, -1:], k, v, gates=(0.0, 0.0, 1.0), **kw)
+
+    def refuse(*a, **k_):
+        raise AssertionError("the window branch ran")
+
+    monkeypatch.setattr(sparse, "band_attention", refuse)
+    monkeypatch.setattr(nsa_op, "attend", refuse)
+    torch.testing.assert_close(nsa_attention(q, k, v, gates=(0.0, 1.0, 0.0), **kw), both - 0.5 * window)
+    torch.testing.assert_close(nsa_attention(q[:, :, -1:], k, v, gates=(0.0, 1.0, 0.0), **kw),
+                               step_both - 0.5 * step_window)

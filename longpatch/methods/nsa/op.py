@@ -48,15 +48,21 @@ def _estimated(q, k, v, scale, sb, num_selected, window, init_blocks, local_bloc
                          f"got q_len {nq} < kv_len {nk}")
     past = max(0, local_blocks - 1)  # NSA's local blocks count the own block
     acc = acc_dtype(q.dtype)
+    window_off = gates[2] == 0  # a window gated off is not computed (its keys are the local blocks' anyway)
     if nq == 1 and nk > 1:
         kept = decode_kept(state, q, k, sb, num_selected - 1, past, scale, init_blocks, decode_topk=decode_topk)
         o_s, l_s = block_sparse_decode(q, k, v, kept, sb, past, scale, backend, need_lse=return_lse)
+    else:
+        blocks = prefill_blocks(state, q, k, sb, num_selected - 1, mass, scoring, past, scale, init_blocks)
+        o_s, l_s = block_sparse_prefill(q, k, v, blocks, sb, scale, backend, need_lse=return_lse)
+    if window_off:
+        o_w = torch.zeros_like(o_s)
+        l_w = None if l_s is None else torch.full_like(l_s, float("-inf"))
+    elif nq == 1 and nk > 1:
         w0 = max(0, nk - window)
         o_w, l_w = attend(q.reshape(b, hk, hq // hk, d), k[:, :, w0:], v[:, :, w0:], scale)
         o_w, l_w = o_w.reshape(b, hq, 1, d), l_w.reshape(b, hq, 1)
     else:
-        blocks = prefill_blocks(state, q, k, sb, num_selected - 1, mass, scoring, past, scale, init_blocks)
-        o_s, l_s = block_sparse_prefill(q, k, v, blocks, sb, scale, backend, need_lse=return_lse)
         from ..flex import flex_band, supports
         if backend == "flex" and supports(q, k, v, 128, return_lse):  # the window as a band, on flex too
             o_w, l_w = flex_band(q, k, v, window, 0, scale, return_lse)
