@@ -23,19 +23,13 @@ from typing import Any
 import torch
 
 from .methods import BoundMethod, Method
+from .methods.common import warn_once
 from .methods.exact import exact_attention
 
 log = logging.getLogger("longpatch")
-_warned: set[str] = set()
 BUFFER_PREFIX = "longpatch_"  # method buffers live on the patched module under this prefix
 PHASES = ("prefill", "decode")
 PATHS = ("method", "method_exact", "exact", "original")
-
-
-def warn_once(key: str, message: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        log.warning(message)
 
 
 @dataclass

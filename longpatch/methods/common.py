@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -12,6 +13,16 @@ import torch
 from ..errors import ConfigError, check_int
 
 BACKENDS = ("auto", "torch", "triton", "flex")
+
+
+_warned: set[str] = set()
+
+
+def warn_once(key: str, message: str) -> None:
+    """``message`` on the "longpatch" logger, the first time ``key`` is seen in this process."""
+    if key not in _warned:
+        _warned.add(key)
+        logging.getLogger("longpatch").warning(message)
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,

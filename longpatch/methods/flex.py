@@ -44,7 +44,7 @@ import types
 
 import torch
 
-from .common import flex_available, ordered_int, triton_available
+from .common import flex_available, ordered_int, triton_available, warn_once
 
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int, need_lse: bool = False) -> bool:
@@ -422,8 +422,6 @@ def gate_runs(q, k, v, chunk: int, need_lse: bool) -> bool:
     calls take ``fallback_backend`` (the Triton gate on CUDA), said once in the log."""
     b, hq, n, _ = q.shape
     if q.is_cuda or b == 1:
-        from ..routing import warn_once
-
         warn_once("flex-gate", "longpatch: MoBA's gate does not compile on FlexAttention here (CUDA, or a batch of "
                                "one on the CPU); it runs on its " + fallback_backend(q) + " path")
         return False
