@@ -112,13 +112,15 @@ def _own_and_listed(blocks: torch.Tensor, nb: int):
     lst = blocks.sort(-1, descending=True).values
     full_num = (lst >= 0).sum(-1).to(torch.int32)
     full_idx = lst.clamp(min=0).to(torch.int32)
-    if full_idx.shape[-1] == 0:  # no past block listed anywhere: one empty slot (count 0)
-        full_idx = full_idx.new_zeros(B, 1, nb, 1)
     own = torch.arange(nb, device=blocks.device, dtype=torch.int32).view(1, 1, nb, 1).expand(B, 1, nb, 1)
     part_num = torch.ones(B, 1, nb, dtype=torch.int32, device=blocks.device)
-    own = torch.nn.functional.pad(own, (0, nb - 1))  # the entries past a count are never read
-    full_idx = torch.nn.functional.pad(full_idx, (0, max(0, nb - full_idx.shape[-1])))[..., :nb]
-    return part_num, own.contiguous(), full_num, full_idx.contiguous()
+    return part_num, _wide(own, nb), full_num, _wide(full_idx, nb)
+
+
+def _wide(idx: torch.Tensor, width: int) -> torch.Tensor:
+    """An index table padded (with block 0) or cut to ``width`` entries per row, contiguous: the entries
+    past a row's count are never read (``_own_and_listed`` says why every table is this wide)."""
+    return torch.nn.functional.pad(idx, (0, max(0, width - idx.shape[-1])))[..., :width].contiguous()
 
 
 def _band_tables(nq: int, nk: int, block: int, window: int, glob: int, device, wide: bool, dilation: int = 1):
@@ -226,12 +228,9 @@ def _decode_call(q, k, v, kept, *, block: int, local_blocks: int, scale: float, 
     own_idx = torch.full((b * hk, 1, 1, 1), own, dtype=torch.int32, device=q.device)
     part_num = torch.ones(b * hk, 1, 1, dtype=torch.int32, device=q.device)
     grad = _grad(q, k, v)  # the backward reads the transposed tables
-    # both tables as wide as the key blocks, on every device (``_own_and_listed`` says why)
-    own_idx = torch.nn.functional.pad(own_idx, (0, nbk - 1))
-    full_idx = torch.nn.functional.pad(full_idx, (0, max(0, nbk - full_idx.shape[-1])))[..., :nbk]
     # the own block needs no causal mask: the cache ends at t, and the kernel reads no key past the
     # sequence length (a partial block only because the block may be cut short by it)
-    mask = BlockMask.from_kv_blocks(part_num, own_idx.contiguous(), full_num, full_idx.contiguous(),
+    mask = BlockMask.from_kv_blocks(part_num, _wide(own_idx, nbk), full_num, _wide(full_idx, nbk),
                                     BLOCK_SIZE=block, mask_mod=_any_key, seq_lengths=(1, n), compute_q_blocks=grad)
     res = flex_attention(q.reshape(b * hk, g, 1, d), k.reshape(b * hk, 1, n, d), v.reshape(b * hk, 1, n, d),
                          block_mask=mask, scale=scale, enable_gqa=True, return_lse=need_lse,
