@@ -57,6 +57,9 @@ def estimate_params(unit: str, budget: str) -> dict[str, Param]:
         "decode_topk": nonneg_int(f"estimate/antidiagonal/hybrid only: per one-token step, this many more {unit}s "
                                   f"beside the prefill's, ranked by the step's own query (Quest's bound from each "
                                   f"{unit}'s key min/max); 0: the prefill's only", 8),
+        "decode_page": positive_int(f"estimate/antidiagonal/hybrid only: keys per page of the one-token step's "
+                                    f"ranking (Quest's pages; a {unit} ranks by its best page's bound; divides the "
+                                    f"{unit} size)", 16),
         "score_stride": positive_int(f"antidiagonal/hybrid only: the side of the score tiles whose antidiagonals score "
                                      f"the {unit}s (divides the {unit} size)", 16),
     }
@@ -64,7 +67,7 @@ def estimate_params(unit: str, budget: str) -> dict[str, Param]:
 
 # The selections each query-aware param takes effect under (estimate_params' "... only")
 APPLIES = {"mass": SCORINGS, "estimate_queries": ("estimate", "hybrid"), "decode_topk": SCORINGS,
-           "score_stride": STRIDED}
+           "decode_page": SCORINGS, "score_stride": STRIDED}
 
 
 def check_applicable(method, params: dict, applies: dict | None = None) -> None:
@@ -80,10 +83,12 @@ def check_applicable(method, params: dict, applies: dict | None = None) -> None:
 
 
 def check_stride_config(method: str, params: dict, block_param: str) -> None:
-    """The config-time check that the antidiagonal scoring's tiles fit the method's blocks."""
-    if params["selection"] in STRIDED and params[block_param] % params["score_stride"]:
-        raise ConfigError(f"params.score_stride of method '{method}': got {params['score_stride']}; allowed: a "
-                          f"divisor of {block_param} ({params[block_param]})")
+    """The config-time checks that the antidiagonal scoring's tiles and the decode step's pages fit the
+    method's blocks."""
+    for name, selections in (("score_stride", STRIDED), ("decode_page", SCORINGS)):
+        if params["selection"] in selections and params[block_param] % params[name]:
+            raise ConfigError(f"params.{name} of method '{method}': got {params[name]}; allowed: a "
+                              f"divisor of {block_param} ({params[block_param]})")
 
 
 def scoring_of(selection: str, estimate_queries: int, stride: int) -> tuple:
@@ -92,6 +97,14 @@ def scoring_of(selection: str, estimate_queries: int, stride: int) -> tuple:
     if selection == "hybrid":
         return (selection, estimate_queries, stride)
     return (selection, estimate_queries if selection == "estimate" else stride)
+
+
+def check_decode_args(op: str, decode_topk, decode_page, block: int) -> None:
+    """The ops' checks of the one-token step's ranking arguments."""
+    check_int(f"{op}: decode_topk", decode_topk, 0)
+    check_int(f"{op}: decode_page", decode_page, 1)
+    if block % decode_page:
+        raise ValueError(f"{op}: decode_page must divide the block size {block}; got {decode_page}")
 
 
 def check_estimate_args(op: str, mass, scoring: tuple, block: int) -> None:
@@ -355,11 +368,13 @@ def prefill_blocks(state: dict | None, q, k, block: int, max_blocks: int, mass: 
 
 
 def decode_kept(state: dict | None, q, k, block: int, max_blocks: int, local_blocks: int, scale: float,
-                sink_blocks: int = 1, kept: torch.Tensor | None = None, decode_topk: int = 0) -> torch.Tensor:
+                sink_blocks: int = 1, kept: torch.Tensor | None = None, decode_topk: int = 0,
+                decode_page: int | None = None) -> torch.Tensor:
     """The past blocks [b, hk, S'] a one-token step attends to besides its own and local ones: ``kept``
     when given, else the prefill's list in ``state``, else (no prefill, e.g. a cache built elsewhere)
     ``decode_blocks`` once, stored for the next steps; with ``decode_topk`` > 0, joined by the step's
-    own ``bound_blocks`` (-1 pads, no duplicates)."""
+    own ``bound_blocks`` over pages of ``decode_page`` keys (default: whole blocks; -1 pads, no
+    duplicates)."""
     if kept is None and state is not None:
         kept = state.get("kept")
     if kept is None or kept.shape[:2] != k.shape[:2]:
@@ -368,36 +383,45 @@ def decode_kept(state: dict | None, q, k, block: int, max_blocks: int, local_blo
         if state is not None:
             state["kept"] = kept
     if decode_topk > 0:
+        page = decode_page or block
         with torch.no_grad():
-            mins, maxs = block_bounds(state if state is not None else {}, k.detach(), block)
-            joined = torch.cat([kept, bound_blocks(q.detach(), mins, maxs, decode_topk)], -1).sort(-1).values
+            mins, maxs = block_bounds(state if state is not None else {}, k.detach(), page)
+            full = k.shape[2] // block * (block // page)  # the pages of full blocks
+            ranked = bound_blocks(q.detach(), mins[:, :, :full], maxs[:, :, :full], decode_topk, block // page)
+            joined = torch.cat([kept, ranked], -1).sort(-1).values
             dup = torch.zeros_like(joined, dtype=torch.bool)
             dup[..., 1:] = joined[..., 1:] == joined[..., :-1]
             kept = joined.masked_fill(dup, -1)
     return kept
 
 
-def block_bounds(state: dict, k: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mins, maxs) [b, hk, nf, d]: per full block of the cache ``k``, its keys' elementwise minimum
-    and maximum, kept in ``state`` and extended when a block fills (``common.window_summaries``:
-    each block is read once, rebuilt for another cache)."""
+def block_bounds(state: dict, k: torch.Tensor, page: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mins, maxs) [b, hk, np, d]: per full page of ``page`` keys of the cache ``k``, its keys'
+    elementwise minimum and maximum, kept in ``state`` and extended when a page fills
+    (``common.window_summaries``: each page is read once, rebuilt for another cache)."""
     def bounds(kk, _):
-        parts = kk.reshape(kk.shape[0], kk.shape[1], -1, block, kk.shape[-1])
+        parts = kk.reshape(kk.shape[0], kk.shape[1], -1, page, kk.shape[-1])
         return parts.amin(3), parts.amax(3)
-    return window_summaries(state, ("mins", "maxs"), k, None, block, block, bounds)
+    return window_summaries(state, ("mins", "maxs"), k, None, page, page, bounds)
 
 
-def bound_blocks(q, mins: torch.Tensor, maxs: torch.Tensor, count: int) -> torch.Tensor:
-    """[b, hk, count'] the full blocks with the largest upper bound of a one-token query's q·k, as
-    Quest ranks KV pages: sum over features of max(q_f min_f, q_f max_f) bounds q·k for every key of
-    the block, so one key that matches the query (a needle) lifts its block's bound as much as it
-    lifts its own score, where a block mean would dilute it. The query heads of a KV group share
-    the list (the maximum of their bounds)."""
+def bound_blocks(q, mins: torch.Tensor, maxs: torch.Tensor, count: int, pages: int = 1) -> torch.Tensor:
+    """[b, hk, count'] the full blocks (of ``pages`` consecutive pages of ``mins``/``maxs``) with the
+    largest upper bound of a one-token query's q·k, as Quest ranks KV pages: sum over features of
+    max(q_f min_f, q_f max_f) bounds q·k for every key of the page, and a block ranks by its best page.
+    Small pages keep the bound tight: one key that matches the query (a needle) lifts its page's
+    bound about as much as its own score, where the bound of a whole 256-key block is lifted by every
+    key's extreme features and ranks the needle's block among many (on the demo model, blocks of 256
+    lost digits of copied needles that pages of 4 keep; docs/moba.md). The query heads of a KV group
+    share the list (the maximum of their bounds)."""
     b, hq, _, d = q.shape
-    hk, nf = mins.shape[1], mins.shape[2]
-    qg = q.reshape(b, hk, hq // hk, 1, d).to(acc_dtype(q.dtype))
-    bound = torch.maximum(qg * mins.unsqueeze(2).to(qg.dtype), qg * maxs.unsqueeze(2).to(qg.dtype)).sum(-1)
-    return torch.topk(bound.amax(2), min(count, nf), -1).indices
+    hk, npg = mins.shape[1], mins.shape[2]
+    qg = q.reshape(b, hk, hq // hk, d).to(acc_dtype(q.dtype))
+    # max(q_f min_f, q_f max_f) is q_f max_f where q_f >= 0, else q_f min_f: two products, no [.., np, d] temporary
+    bound = qg.clamp(min=0) @ maxs.to(qg.dtype).transpose(-1, -2) \
+        + qg.clamp(max=0) @ mins.to(qg.dtype).transpose(-1, -2)
+    best = bound.amax(2).view(b, hk, npg // pages, pages).amax(-1)
+    return torch.topk(best, min(count, best.shape[-1]), -1).indices
 
 
 def decode_blocks(q, k, block: int, max_blocks: int, local_blocks: int, scale: float,

@@ -28,11 +28,12 @@ def init_state(k, v, *, chunk_size: int = DEFAULT_CHUNK_SIZE, **_) -> dict:
 
 def _run(q, k, v, *, causal=True, scale=None, backend="auto", buffers=None, state=None,
          chunk_size=DEFAULT_CHUNK_SIZE, topk=DEFAULT_TOPK, shared_selection=False, selection="gate", mass=None,
-         estimate_queries=64, score_stride=16, local_blocks=1, decode_topk=8, **_):
+         estimate_queries=64, score_stride=16, local_blocks=1, decode_topk=8, decode_page=16, **_):
     if selection != "gate":  # its decode state is the prefill's chunk list, not chunk means
         return moba_attention(q, k, v, causal=causal, scale=scale, chunk_size=chunk_size, topk=topk,
                               selection=selection, mass=mass, estimate_queries=estimate_queries,
                               score_stride=score_stride, local_blocks=local_blocks, decode_topk=decode_topk,
+                              decode_page=decode_page,
                               state=state, backend=backend)
     means = None
     if state is not None and causal:

@@ -11,7 +11,7 @@ from ...errors import check_int
 from ..blocksparse import block_sparse_decode, block_sparse_prefill
 from ..common import check_qkv, default_scale, guards_nonfinite, resolve_backend
 from ..exact import exact_attention
-from ..selection import SCORINGS, check_estimate_args, decode_kept, prefill_blocks, scoring_of
+from ..selection import SCORINGS, check_decode_args, check_estimate_args, decode_kept, prefill_blocks, scoring_of
 from .cpu import (
     DEFAULT_CHUNK_SIZE,
     DEFAULT_TOPK,
@@ -112,14 +112,14 @@ def _run_pairs(q, k, v, pairs: dict, scale: float, causal: bool, base: int, coun
 SELECTIONS = ("gate", *SCORINGS)
 
 
-def _estimated(q, k, v, causal, scale, C, topk, mass, scoring, local_blocks, kept, decode_topk, state, return_lse,
-               backend):
+def _estimated(q, k, v, causal, scale, C, topk, mass, scoring, local_blocks, kept, decode_topk, decode_page, state,
+               return_lse, backend):
     """moba_attention with a query-aware selection: the block-sparse executor on estimated chunks."""
     if not causal:
         raise ValueError(f"moba_attention: selection={scoring[0]!r} supports causal attention only")
     check_estimate_args("moba_attention", mass, scoring, C)
     check_int("moba_attention: local_blocks", local_blocks, 0)
-    check_int("moba_attention: decode_topk", decode_topk, 0)
+    check_decode_args("moba_attention", decode_topk, decode_page, C)
     b, hq, nq, d = q.shape
     nk = k.shape[2]
     if nq == 0:
@@ -129,7 +129,8 @@ def _estimated(q, k, v, causal, scale, C, topk, mass, scoring, local_blocks, kep
     if topk >= math.ceil(nk / C) or (1 < nq < nk):
         return exact_attention(q, k, v, causal=True, scale=scale, return_lse=return_lse, backend=backend)
     if nq == 1 and nk > 1:
-        kept = decode_kept(state, q, k, C, topk - 1, local_blocks, scale, kept=kept, decode_topk=decode_topk)
+        kept = decode_kept(state, q, k, C, topk - 1, local_blocks, scale, kept=kept, decode_topk=decode_topk,
+                           decode_page=decode_page)
         out, lse = block_sparse_decode(q, k, v, kept, C, local_blocks, scale, backend, need_lse=return_lse)
     else:
         blocks = prefill_blocks(state, q, k, C, topk - 1, mass, scoring, local_blocks, scale)
@@ -143,7 +144,7 @@ def moba_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
                    chunk_means: torch.Tensor | None = None, return_lse: bool = False, backend: str = "auto",
                    selection: str = "gate", mass: float | None = None, estimate_queries: int = 64,
                    score_stride: int = 16, local_blocks: int = 1, kept: torch.Tensor | None = None,
-                   decode_topk: int = 8, state: dict | None = None):
+                   decode_topk: int = 8, decode_page: int = 16, state: dict | None = None):
     """MoBA attention on the shared layout (q [b, hq, nq, d], k/v [b, hk, nk, d]).
 
     chunk_size: keys per chunk. topk: chunks per query, own chunk included (1 = own chunk only).
@@ -163,9 +164,10 @@ def moba_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
     block-sparse executor (``blocksparse.py``). With a query-aware selection, a one-token step
     attends to ``kept`` [b, kv_heads, S] (the prefill's list for its last chunk; ``state`` carries it
     between calls; without either it estimates from its own query once), the ``decode_topk`` full
-    chunks with the largest bound of its own q·k (Quest's, from the chunks' key min/max kept in
-    ``state``), its own chunk and the ``local_blocks`` before it, reading only those rows. Causal
-    only; chunked prefill (1 < q_len < kv_len) runs exact attention.
+    chunks with the largest bound of its own q·k (Quest's, from the key min/max of pages of
+    ``decode_page`` keys kept in ``state``; a chunk ranks by its best page), its own chunk and the
+    ``local_blocks`` before it, reading only those rows. Causal only; chunked
+    prefill (1 < q_len < kv_len) runs exact attention.
     """
     check_qkv(q, k, v, causal)
     check_int("moba_attention: chunk_size", chunk_size, 1)
@@ -177,7 +179,7 @@ def moba_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
     if selection != "gate":
         return _estimated(q, k, v, causal, scale, chunk_size, topk, mass,
                           scoring_of(selection, estimate_queries, score_stride), local_blocks, kept, decode_topk,
-                          state, return_lse, backend)
+                          decode_page, state, return_lse, backend)
     if chunk_means is not None:
         if chunk_means.dim() != 4 or chunk_means.shape[:2] != k.shape[:2] or chunk_means.shape[-1] != k.shape[-1]:
             raise ValueError(f"chunk_means must be [b, kv_heads, n_chunks, d] = [{k.shape[0]}, {k.shape[1]}, *, "

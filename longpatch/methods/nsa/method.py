@@ -30,11 +30,13 @@ def init_state(k, v, *, compress_block: int = 32, compress_stride: int = 16, **_
 
 
 def _run(q, k, v, *, causal=True, scale=None, backend="auto", buffers=None, state=None, gates=TRAINING_FREE_GATES,
-         selection="compressed", mass=None, estimate_queries=64, score_stride=16, decode_topk=8, **params):
+         selection="compressed", mass=None, estimate_queries=64, score_stride=16, decode_topk=8, decode_page=16,
+         **params):
     if selection != "compressed":  # its decode state is the prefill's block list, not compressed K/V
         return nsa_attention(q, k, v, causal=causal, scale=scale, gates=tuple(gates), backend=backend,
                              selection=selection, mass=mass, estimate_queries=estimate_queries,
-                             score_stride=score_stride, decode_topk=decode_topk, state=state, **params)
+                             score_stride=score_stride, decode_topk=decode_topk,
+                              decode_page=decode_page, state=state, **params)
     compressed = None
     if state is not None and causal:
         l, s = params["compress_block"], params["compress_stride"]

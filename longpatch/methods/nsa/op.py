@@ -6,7 +6,6 @@ from types import SimpleNamespace
 
 import torch
 
-from ...errors import check_int
 from ..blocksparse import block_sparse_decode, block_sparse_prefill
 from ..common import (
     acc_dtype,
@@ -18,7 +17,7 @@ from ..common import (
 )
 from ..cpu_flash import fused_ok
 from ..lse_attention import attend
-from ..selection import SCORINGS, check_estimate_args, decode_kept, prefill_blocks, scoring_of
+from ..selection import SCORINGS, check_decode_args, check_estimate_args, decode_kept, prefill_blocks, scoring_of
 from .blocks import TRAINING_FREE_GATES, check_params, fit_params, nsa_compress, num_compressed
 from .cpu import decode_one, fast_forward, gated_sum
 from .naive import REFERENCE, compose
@@ -29,7 +28,7 @@ SELECTIONS = ("compressed", *SCORINGS)
 
 
 def _estimated(q, k, v, scale, sb, num_selected, window, init_blocks, local_blocks, gates, mass, scoring,
-               decode_topk, state, return_lse, backend):
+               decode_topk, decode_page, state, return_lse, backend):
     """nsa_attention with a query-aware selection: g_slc * (own block + estimated blocks, on the
     block-sparse executor) + g_win * (sliding window)."""
     from ..sparse import band_attention
@@ -39,7 +38,7 @@ def _estimated(q, k, v, scale, sb, num_selected, window, init_blocks, local_bloc
         raise ValueError(f"nsa_attention: selection={scoring[0]!r} has no compressed branch; gates must be 3 fixed "
                          f"numbers with g_cmp = 0 (e.g. (0, 0.75, 0.25)); got {got}")
     check_estimate_args("nsa_attention", mass, scoring, sb)
-    check_int("nsa_attention: decode_topk", decode_topk, 0)
+    check_decode_args("nsa_attention", decode_topk, decode_page, sb)
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     if 1 < nq < nk:
@@ -50,7 +49,8 @@ def _estimated(q, k, v, scale, sb, num_selected, window, init_blocks, local_bloc
     acc = acc_dtype(q.dtype)
     window_off = gates[2] == 0  # a window gated off is not computed (its keys are the local blocks' anyway)
     if nq == 1 and nk > 1:
-        kept = decode_kept(state, q, k, sb, num_selected - 1, past, scale, init_blocks, decode_topk=decode_topk)
+        kept = decode_kept(state, q, k, sb, num_selected - 1, past, scale, init_blocks, decode_topk=decode_topk,
+                           decode_page=decode_page)
         o_s, l_s = block_sparse_decode(q, k, v, kept, sb, past, scale, backend, need_lse=return_lse)
     else:
         blocks = prefill_blocks(state, q, k, sb, num_selected - 1, mass, scoring, past, scale, init_blocks)
@@ -114,7 +114,7 @@ def nsa_attention(q, k, v, *, causal: bool = True, scale: float | None = None, c
                   init_blocks: int = 1, local_blocks: int = 2, gates=TRAINING_FREE_GATES, compress="mean",
                   compressed=None, return_lse: bool = False, backend: str = "auto", selection: str = "compressed",
                   mass: float | None = None, estimate_queries: int = 64, score_stride: int = 16,
-                  decode_topk: int = 8, state: dict | None = None):
+                  decode_topk: int = 8, decode_page: int = 16, state: dict | None = None):
     """NSA attention on the shared layout (q [b, hq, nq, d], k/v [b, hk, nk, d]); causal only.
 
     gates: (g_cmp, g_slc, g_win) floats, or a tensor [b, hq, nq, 3] (e.g. sigmoid of a projection
@@ -133,7 +133,8 @@ def nsa_attention(q, k, v, *, causal: bool = True, scale: float | None = None, c
     estimated total. A query-aware selection runs the selected branch on the block-sparse executor
     (``blocksparse.py``) and has no compressed branch: fixed gates with g_cmp = 0. A one-token step
     keeps the prefill's blocks (``state``) and adds the ``decode_topk`` full blocks with the largest
-    bound of its own q·k (Quest's, from the blocks' key min/max).
+    bound of its own q·k (Quest's, from the key min/max of pages of ``decode_page`` keys; a block ranks
+    by its best page).
     """
     if not causal:
         raise ValueError("nsa_attention supports causal attention only (compressed and selected blocks are chosen "
@@ -149,7 +150,7 @@ def nsa_attention(q, k, v, *, causal: bool = True, scale: float | None = None, c
         raise ValueError(f"nsa_attention: selection must be one of {', '.join(SELECTIONS)}; got {selection!r}")
     if selection != "compressed":
         return _estimated(q, k, v, scale, select_block, num_selected, window, init_blocks, local_blocks, gates,
-                          mass, scoring_of(selection, estimate_queries, score_stride), decode_topk, state,
+                          mass, scoring_of(selection, estimate_queries, score_stride), decode_topk, decode_page, state,
                           return_lse, backend)
     b, hq, nq, d = q.shape
     nk = k.shape[2]
