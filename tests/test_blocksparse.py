@@ -428,21 +428,24 @@ def test_antidiagonal_stride_must_divide_the_block():
                                           "gates": [0.0, 0.75, 0.25]})
 
 
-def _bound_reference(q, k, block, count):
+def _bound_reference(q, k, block, count, page=None):
     """bound_blocks from its definition: per KV head, the full blocks by the largest (over the
-    group's query heads) of sum_f max(q_f min_f, q_f max_f)."""
+    group's query heads and the block's pages of ``page`` keys, default the whole block) of
+    sum_f max(q_f min_f, q_f max_f) over a page's keys."""
     b, hq, _, d = q.shape
     hk, n = k.shape[1], k.shape[2]
-    g, nf = hq // hk, n // block
+    g, nf, page = hq // hk, n // block, page or block
     out = []
     for h in range(hk):
         bounds = []
         for j in range(nf):
-            keys = k[0, h, j * block:(j + 1) * block]
-            per_head = [sum(max(float(q[0, h * g + i, 0, f]) * float(keys[:, f].min()),
-                                float(q[0, h * g + i, 0, f]) * float(keys[:, f].max())) for f in range(d))
-                        for i in range(g)]
-            bounds.append(max(per_head))
+            best = []
+            for p0 in range(j * block, (j + 1) * block, page):
+                keys = k[0, h, p0:p0 + page]
+                best += [sum(max(float(q[0, h * g + i, 0, f]) * float(keys[:, f].min()),
+                                 float(q[0, h * g + i, 0, f]) * float(keys[:, f].max())) for f in range(d))
+                         for i in range(g)]
+            bounds.append(max(best))
         out.append(sorted(range(nf), key=lambda j: -bounds[j])[:count])
     return out
 
@@ -462,6 +465,41 @@ def test_bound_blocks_equal_their_definition_and_bound_every_score():
     assert bool((scores.view(1, 2, 2, 4, 16).amax(-1) <= bound + 1e-12).all())
 
 
+def test_bound_blocks_rank_a_block_by_its_best_page():
+    """With pages smaller than the block, a block's bound is its best page's (definition above), an
+    upper bound of every score in it, and never above the whole block's bound (a tighter ranking)."""
+    from longpatch.methods.selection import block_bounds, bound_blocks
+
+    q, k, _ = qkv(70)
+    mins, maxs = block_bounds({}, k, 4)  # 17 pages; the 16 of the 4 full blocks are ranked
+    got = bound_blocks(q[:, :, -1:], mins[:, :, :16], maxs[:, :, :16], 3, 4)
+    assert [sorted(r) for r in got[0].tolist()] == [sorted(r) for r in _bound_reference(q[:, :, -1:], k, 16, 3, 4)]
+    qg = q[:, :, -1].reshape(1, 2, 2, 1, 16)
+    page = torch.maximum(qg * mins[:, :, :16].unsqueeze(2), qg * maxs[:, :, :16].unsqueeze(2)).sum(-1)
+    best = page.view(1, 2, 2, 4, 4).amax(-1)  # [1, hk, g, nf]
+    scores = torch.einsum("bhgd,bhnd->bhgn", q[:, :, -1].reshape(1, 2, 2, 16), k[:, :, :64])
+    assert bool((scores.view(1, 2, 2, 4, 16).amax(-1) <= best + 1e-12).all())
+    bmins, bmaxs = block_bounds({}, k, 16)
+    whole = torch.maximum(qg * bmins.unsqueeze(2), qg * bmaxs.unsqueeze(2)).sum(-1)
+    assert bool((best <= whole + 1e-12).all()) and bool((best < whole - 1e-6).any())
+
+
+def test_decode_page_must_divide_the_block():
+    from longpatch.errors import ConfigError
+    from longpatch.methods import get_method
+
+    q, k, v = qkv(40)
+    with pytest.raises(ValueError, match="decode_page must divide the block size 16; got 5"):
+        moba_attention(q[:, :, -1:], k, v, chunk_size=16, topk=2, selection="estimate", decode_page=5)
+    with pytest.raises(ConfigError, match="decode_page of method 'moba': got 48; allowed: a divisor of chunk_size"):
+        get_method("moba").resolve_params({"selection": "hybrid", "chunk_size": 64, "decode_page": 48})
+    with pytest.raises(ConfigError, match="decode_page of method 'nsa': got 3"):
+        get_method("nsa").resolve_params({"selection": "estimate", "decode_page": 3, "gates": [0.0, 0.75, 0.25]})
+    with pytest.raises(ConfigError, match="decode_page of method 'moba': got 4, which has no effect with selection "
+                                          "'gate'"):
+        get_method("moba").resolve_params({"decode_page": 4})
+
+
 def test_block_bounds_extend_as_blocks_fill_and_rebuild_for_another_cache():
     from longpatch.methods.selection import block_bounds
 
@@ -479,8 +517,8 @@ def test_block_bounds_extend_as_blocks_fill_and_rebuild_for_another_cache():
 
 
 @pytest.mark.parametrize("method", ["moba", "nsa"])
-@pytest.mark.parametrize("views", [True, False])  # the step's two paths: fused calls on views / gather
-def test_decode_adds_the_steps_own_bound_blocks(method, views, monkeypatch):
+@pytest.mark.parametrize("views,page", [(True, 16), (False, 16), (True, 4)])  # fused calls on views / gather
+def test_decode_adds_the_steps_own_bound_blocks(method, views, page, monkeypatch):
     """A one-token step attends to the prefill's list joined with its own decode_topk bound blocks:
     equal to the dense reference of that union; a needle the prefill's last queries did not read is
     reached by a step whose query matches it."""
@@ -502,9 +540,11 @@ def test_decode_adds_the_steps_own_bound_blocks(method, views, monkeypatch):
     state = {}
     run(q, k, v, state=state, **kw)
     kept = state["kept"].clone()
-    k[0, :, 35] = 5.0 * q[0, 0, -1] / q[0, 0, -1].norm()  # a key the step's query matches, in block 2
-    step = run(q[:, :, -1:], k, v, state=state, **kw, decode_topk=2)
-    extra = bound_blocks(q[:, :, -1:], *block_bounds({}, k, block), 2)
+    k[0, :, 35] = 8.0 * q[0, 0, -1] / q[0, 0, -1].norm()  # a key the step's query matches, in block 2
+    step = run(q[:, :, -1:], k, v, state=state, **kw, decode_topk=2, decode_page=page)
+    mins, maxs = block_bounds({}, k, page)
+    full = n // block * (block // page)
+    extra = bound_blocks(q[:, :, -1:], mins[:, :, :full], maxs[:, :, :full], 2, block // page)
     assert 2 in extra[0, 0].tolist()
     mask = torch.zeros(1, 2, 1, n, dtype=torch.bool)
     own = (n - 1) // block
