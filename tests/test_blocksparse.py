@@ -170,7 +170,7 @@ def test_moba_estimate_op_prefill_decode_and_reference():
     q, k, v = qkv(n)
     state = {}
     out = moba_attention(q, k, v, chunk_size=block, topk=3, selection="estimate", estimate_queries=8, state=state)
-    blocks = estimated_blocks(q, k, block, 2, None, ("estimate", 8), 1, 0.25)
+    blocks = estimated_blocks(q, k, block, 2, None, ("estimate", 8), 1, 0.25, final_topk=8)
     torch.testing.assert_close(out, masked_reference(q, k, v, blocks, block)[0], atol=1e-12, rtol=1e-10)
     assert torch.equal(state["kept"], blocks[:, :, -1])
     # a one-token step keeps the prefill's list for the last block: equal to the prefill's last row
@@ -241,7 +241,7 @@ def test_nsa_estimate_is_its_two_branches_and_decode_keeps_the_prefill_blocks():
     q, k, v = qkv(n)
     state = {}
     out, lse = nsa_attention(q, k, v, state=state, return_lse=True, **NSA_EST)
-    blocks = estimated_blocks(q, k, 16, 3, None, ("estimate", 8), 1, 0.25, sink_blocks=1)
+    blocks = estimated_blocks(q, k, 16, 3, None, ("estimate", 8), 1, 0.25, sink_blocks=1, final_topk=8)
     sel = masked_reference(q, k, v, blocks, 16)[0]
     pos = torch.arange(n)
     window = (pos.view(1, -1) <= pos.view(-1, 1)) & (pos.view(1, -1) > pos.view(-1, 1) - 24)
@@ -305,6 +305,38 @@ def test_a_needle_only_the_final_query_reads_is_kept():
     blocks = select_blocks(scores, 3, None, 1, rank=rank)
     assert 2 in blocks[0, 0, -1].tolist()  # sink 0, local 6, then the needle's block
     assert 2 not in select_blocks(scores, 3, None, 1)[0, 0, -1].tolist()
+
+
+@pytest.mark.parametrize("scoring", [("estimate", 8), ("antidiagonal", 4), ("hybrid", 8, 4)])
+def test_the_final_query_adds_the_blocks_it_reads_to_the_last_list(scoring):
+    """With final_topk, the last query block's list also holds the past blocks on which the prompt's
+    last query puts the most exact mass (its own ranking, as a decode step's): a needle block that
+    this query alone reads, outranked in the block's lists by what the other rows read, is added to
+    the last list only; the other lists are the selection's own."""
+    from longpatch.methods.selection import final_row_blocks
+
+    n, block, d = 96, 8, 16
+    e = torch.eye(d, dtype=torch.float64)
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(1, 1, n, d, generator=g, dtype=torch.float64) * 0.05
+    k[0, 0, 20] = e[0]  # the needle, block 2
+    q = torch.randn(1, 1, n, d, generator=g, dtype=torch.float64) * 0.05
+    for i, j in enumerate((4, 6, 8)):  # blocks that two late queries each read as sharply
+        k[0, 0, j * block + 3] = e[1 + i]
+        q[0, 0, [n - 2 - 2 * i, n - 3 - 2 * i]] = 10.0 * e[1 + i]
+    q[0, 0, n - 1] = 10.0 * e[0]
+    plain = estimated_blocks(q, k, block, 3, None, scoring, 1, 1.0)
+    assert 2 not in plain[0, 0, -1].tolist()  # the case discriminates
+    got = estimated_blocks(q, k, block, 3, None, scoring, 1, 1.0, final_topk=2)
+    assert 2 in got[0, 0, -1].tolist()
+    assert torch.equal(got[:, :, :-1, :plain.shape[-1]], plain[:, :, :-1])
+    assert bool((got[:, :, :-1, plain.shape[-1]:] == -1).all())
+    # the definition: the last row's softmax summed per past block, its two largest
+    p = torch.softmax(q[0, 0, -1] @ k[0, 0].T, -1)
+    per_block = p[:(n // block - 1) * block].view(-1, block).sum(-1)
+    want = set(torch.topk(per_block, 2).indices.tolist())
+    assert set(final_row_blocks(q, k, block, 2, 1.0)[0, 0].tolist()) == want
+    assert set(got[0, 0, -1].tolist()) - {-1} == (set(plain[0, 0, -1].tolist()) - {-1}) | want
 
 
 def _antidiagonal_reference(q, k, block, stride, scale):
@@ -398,7 +430,7 @@ def test_strided_selections_run_the_executor_causally_and_decode(method, selecti
     scoring = ("hybrid", 8, 4) if selection == "hybrid" else ("antidiagonal", 4)
     state = {}
     out = run(q, k, v, state=state, **kw)
-    blocks = estimated_blocks(q, k, block, 2 if method == "moba" else 3, 0.8, scoring, 1, 0.25)
+    blocks = estimated_blocks(q, k, block, 2 if method == "moba" else 3, 0.8, scoring, 1, 0.25, final_topk=8)
     sel = masked_reference(q, k, v, blocks, block)[0]
     if method == "moba":
         torch.testing.assert_close(out, sel, atol=1e-12, rtol=1e-10)
@@ -487,10 +519,14 @@ def test_bound_blocks_rank_a_block_by_its_best_page():
 def test_decode_page_must_divide_the_block():
     from longpatch.errors import ConfigError
     from longpatch.methods import get_method
+    from longpatch.methods.selection import page_size
 
+    assert [page_size(p, b) for p, b in ((None, 256), (4, 256), (None, 8), (16, 31), (5, 16))] == [16, 4, 8, 1, 1]
     q, k, v = qkv(40)
-    with pytest.raises(ValueError, match="decode_page must divide the block size 16; got 5"):
-        moba_attention(q[:, :, -1:], k, v, chunk_size=16, topk=2, selection="estimate", decode_page=5)
+    with pytest.raises(ValueError, match="decode_page: got 0; allowed: an int >= 1"):
+        moba_attention(q[:, :, -1:], k, v, chunk_size=16, topk=2, selection="estimate", decode_page=0)
+    # the default fits any chunk size (an op's short NSA blocks too): no error for chunks of 8
+    get_method("moba").resolve_params({"selection": "estimate", "chunk_size": 8})
     with pytest.raises(ConfigError, match="decode_page of method 'moba': got 48; allowed: a divisor of chunk_size"):
         get_method("moba").resolve_params({"selection": "hybrid", "chunk_size": 64, "decode_page": 48})
     with pytest.raises(ConfigError, match="decode_page of method 'nsa': got 3"):

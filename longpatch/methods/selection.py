@@ -45,6 +45,9 @@ SCORINGS = ("estimate", "antidiagonal", "hybrid")  # the query-aware selections;
 STRIDED = ("antidiagonal", "hybrid")  # the selections that score antidiagonals of score_stride tiles
 
 
+QUEST_PAGE = 16  # keys per page of the one-token step's ranking by default (Quest's page size)
+
+
 def estimate_params(unit: str, budget: str) -> dict[str, Param]:
     """The config params of a method's query-aware selections (``unit``: what its blocks are called,
     ``budget``: the param that caps them)."""
@@ -57,9 +60,10 @@ def estimate_params(unit: str, budget: str) -> dict[str, Param]:
         "decode_topk": nonneg_int(f"estimate/antidiagonal/hybrid only: per one-token step, this many more {unit}s "
                                   f"beside the prefill's, ranked by the step's own query (Quest's bound from each "
                                   f"{unit}'s key min/max); 0: the prefill's only", 8),
-        "decode_page": positive_int(f"estimate/antidiagonal/hybrid only: keys per page of the one-token step's "
-                                    f"ranking (Quest's pages; a {unit} ranks by its best page's bound; divides the "
-                                    f"{unit} size)", 16),
+        "decode_page": Param(None, (int, type(None)), f"estimate/antidiagonal/hybrid only: keys per page of the "
+                             f"one-token step's ranking (a {unit} ranks by its best page's bound; divides the {unit} "
+                             f"size); null: Quest's {QUEST_PAGE}, or its largest common divisor with the {unit} size",
+                             Between(1, optional=True), "an int >= 1 or null"),
         "score_stride": positive_int(f"antidiagonal/hybrid only: the side of the score tiles whose antidiagonals score "
                                      f"the {unit}s (divides the {unit} size)", 16),
     }
@@ -86,7 +90,7 @@ def check_stride_config(method: str, params: dict, block_param: str) -> None:
     """The config-time checks that the antidiagonal scoring's tiles and the decode step's pages fit the
     method's blocks."""
     for name, selections in (("score_stride", STRIDED), ("decode_page", SCORINGS)):
-        if params["selection"] in selections and params[block_param] % params[name]:
+        if params["selection"] in selections and params[name] is not None and params[block_param] % params[name]:
             raise ConfigError(f"params.{name} of method '{method}': got {params[name]}; allowed: a "
                               f"divisor of {block_param} ({params[block_param]})")
 
@@ -99,12 +103,17 @@ def scoring_of(selection: str, estimate_queries: int, stride: int) -> tuple:
     return (selection, estimate_queries if selection == "estimate" else stride)
 
 
-def check_decode_args(op: str, decode_topk, decode_page, block: int) -> None:
+def check_decode_args(op: str, decode_topk, decode_page) -> None:
     """The ops' checks of the one-token step's ranking arguments."""
     check_int(f"{op}: decode_topk", decode_topk, 0)
-    check_int(f"{op}: decode_page", decode_page, 1)
-    if block % decode_page:
-        raise ValueError(f"{op}: decode_page must divide the block size {block}; got {decode_page}")
+    if decode_page is not None:
+        check_int(f"{op}: decode_page", decode_page, 1)
+
+
+def page_size(decode_page: int | None, block: int) -> int:
+    """The keys per page of the step's ranking: ``decode_page`` (Quest's 16 when None), or its largest
+    common divisor with ``block``, so that pages tile the blocks (NSA's blocks shrink on short inputs)."""
+    return math.gcd(decode_page or QUEST_PAGE, block)
 
 
 def check_estimate_args(op: str, mass, scoring: tuple, block: int) -> None:
@@ -343,26 +352,65 @@ def score_blocks(q, k, block: int, scoring: tuple[str, int], scale: float):
 
 
 def estimated_blocks(q, k, block: int, max_blocks: int, mass: float | None, scoring: tuple[str, int],
-                     local_blocks: int, scale: float, sink_blocks: int = 1) -> torch.Tensor:
-    """The block lists of a causal prefill (q_len == kv_len) by a query-aware ``scoring``."""
+                     local_blocks: int, scale: float, sink_blocks: int = 1, final_topk: int = 0) -> torch.Tensor:
+    """The block lists of a causal prefill (q_len == kv_len) by a query-aware ``scoring``; with
+    ``final_topk`` > 0, the last query block's list joined by ``final_row_blocks`` (the lists get
+    ``final_topk`` more columns, -1 but in that row)."""
     if scoring[0] == "hybrid":
-        return hybrid_blocks(q, k, block, max_blocks, mass, scoring[1], scoring[2], local_blocks, scale, sink_blocks)
-    scores, rank = score_blocks(q, k, block, scoring, scale)
-    return select_blocks(scores, max_blocks, mass, local_blocks, sink_blocks, rank)
+        blocks = hybrid_blocks(q, k, block, max_blocks, mass, scoring[1], scoring[2], local_blocks, scale,
+                               sink_blocks)
+    else:
+        scores, rank = score_blocks(q, k, block, scoring, scale)
+        blocks = select_blocks(scores, max_blocks, mass, local_blocks, sink_blocks, rank)
+    if final_topk <= 0 or blocks.shape[2] < 2:
+        return blocks
+    extra = final_row_blocks(q, k, block, final_topk, scale)
+    blocks = torch.nn.functional.pad(blocks, (0, extra.shape[-1]), value=-1)
+    blocks[:, :, -1] = _joined(blocks[:, :, -1, :-extra.shape[-1]], extra)
+    if blocks.shape[-1] > blocks.shape[2] - 1:  # no list holds more than the nb - 1 past blocks
+        blocks = blocks.sort(-1, descending=True).values[..., :blocks.shape[2] - 1]
+    return blocks
+
+
+def final_row_blocks(q, k, block: int, count: int, scale: float) -> torch.Tensor:
+    """[b, hk, count'] (-1 pads) the past blocks, before the last query block, on which the prompt's
+    last query puts the most exact attention mass (the most any query head of the KV group puts).
+
+    That query predicts the first generated token: it is the first decode step, and it ranks blocks
+    as the steps after it do (``decode_topk`` of them), with its exact scores (one row against n keys
+    per head, where the steps, reading a cache, use Quest's bound). The estimates rank for the whole
+    last query block, by mean and peak over its rows: on a code prompt of the demo model the block
+    holding the needle, 36% of the last query's mass in one head, ranked 16th there and fell outside
+    the block's list (docs/moba.md)."""
+    n = q.shape[2]
+    nb = math.ceil(n / block)
+    last = torch.full((1,), n - 1, dtype=torch.long, device=q.device)
+    mass = _block_mass(q, k, last, n - 1, scale, nb, block).amax(2)[..., :nb - 1]  # [b, hk, nb - 1]
+    top = torch.topk(mass, min(count, nb - 1), -1)
+    return torch.where(top.values > 0, top.indices, torch.full_like(top.indices, -1))
+
+
+def _joined(lists: torch.Tensor, more: torch.Tensor) -> torch.Tensor:
+    """Block lists [..., S] joined by [..., S'] (-1 pads): [..., S + S'], sorted, each block once."""
+    joined = torch.cat([lists, more], -1).sort(-1).values
+    dup = torch.zeros_like(joined, dtype=torch.bool)
+    dup[..., 1:] = joined[..., 1:] == joined[..., :-1]
+    return joined.masked_fill(dup, -1)
 
 
 def prefill_blocks(state: dict | None, q, k, block: int, max_blocks: int, mass: float | None,
-                   scoring: tuple[str, int], local_blocks: int, scale: float, sink_blocks: int = 1) -> torch.Tensor:
+                   scoring: tuple[str, int], local_blocks: int, scale: float, sink_blocks: int = 1,
+                   final_topk: int = 0) -> torch.Tensor:
     """``estimated_blocks`` of a prefill, recording in a layer's ``state`` the last query block's list
     (``state["kept"]``: what its decode steps keep) and the work (``state["work"]``, counted by the
     route)."""
     with torch.no_grad():
         blocks = estimated_blocks(q.detach(), k.detach(), block, max_blocks, mass, scoring, local_blocks, scale,
-                                  sink_blocks)
+                                  sink_blocks, final_topk)
     if state is not None:
         b, hq, n, _ = q.shape
         state["kept"] = blocks[:, :, -1]
-        state["work"] = {"estimate_pairs": estimate_cost(b, hq, n, scoring),
+        state["work"] = {"estimate_pairs": estimate_cost(b, hq, n, scoring, final_topk > 0),
                          "attended_pairs": attended_cost(blocks, hq, n, block)}
     return blocks
 
@@ -373,7 +421,7 @@ def decode_kept(state: dict | None, q, k, block: int, max_blocks: int, local_blo
     """The past blocks [b, hk, S'] a one-token step attends to besides its own and local ones: ``kept``
     when given, else the prefill's list in ``state``, else (no prefill, e.g. a cache built elsewhere)
     ``decode_blocks`` once, stored for the next steps; with ``decode_topk`` > 0, joined by the step's
-    own ``bound_blocks`` over pages of ``decode_page`` keys (default: whole blocks; -1 pads, no
+    own ``bound_blocks`` over pages of ``page_size(decode_page, block)`` keys (-1 pads, no
     duplicates)."""
     if kept is None and state is not None:
         kept = state.get("kept")
@@ -383,15 +431,12 @@ def decode_kept(state: dict | None, q, k, block: int, max_blocks: int, local_blo
         if state is not None:
             state["kept"] = kept
     if decode_topk > 0:
-        page = decode_page or block
+        page = page_size(decode_page, block)
         with torch.no_grad():
             mins, maxs = block_bounds(state if state is not None else {}, k.detach(), page)
             full = k.shape[2] // block * (block // page)  # the pages of full blocks
             ranked = bound_blocks(q.detach(), mins[:, :, :full], maxs[:, :, :full], decode_topk, block // page)
-            joined = torch.cat([kept, ranked], -1).sort(-1).values
-            dup = torch.zeros_like(joined, dtype=torch.bool)
-            dup[..., 1:] = joined[..., 1:] == joined[..., :-1]
-            kept = joined.masked_fill(dup, -1)
+            kept = _joined(kept, ranked)
     return kept
 
 
@@ -440,11 +485,14 @@ def decode_blocks(q, k, block: int, max_blocks: int, local_blocks: int, scale: f
     return select_blocks(scores, max_blocks, None, local_blocks, sink_blocks)[:, :, -1]
 
 
-def estimate_cost(b: int, hq: int, n: int, scoring: tuple[str, int]) -> int:
+def estimate_cost(b: int, hq: int, n: int, scoring: tuple[str, int], final_row: bool = False) -> int:
     """Query-key products of a selection's estimate on an n-token prefill, per query head summed:
     the last-queries estimate's last and spread rows, each against its visible keys; the
     antidiagonal scoring's stride products per (query tile, past key tile); the hybrid's
-    antidiagonal products and last rows."""
+    antidiagonal products and last rows; with ``final_row``, the last query's row of
+    ``final_row_blocks`` (n more)."""
+    if final_row:
+        return estimate_cost(b, hq, n, scoring) + b * hq * n
     kind, amount = scoring[0], scoring[-1]
     if kind in STRIDED:
         nt = math.ceil(n / amount)
@@ -469,8 +517,9 @@ def attended_cost(blocks: torch.Tensor, hq: int, n: int, block: int) -> int:
 
 
 def estimated_pairs(q, k, block: int, max_blocks: int, mass: float | None, scoring: tuple[str, int],
-                    local_blocks: int, scale: float, sink_blocks: int = 1) -> int:
+                    local_blocks: int, scale: float, sink_blocks: int = 1, final_topk: int = 0) -> int:
     """All query-key products of an estimated prefill (``estimate_cost`` + ``attended_cost``)."""
-    blocks = estimated_blocks(q, k, block, max_blocks, mass, scoring, local_blocks, scale, sink_blocks)
+    blocks = estimated_blocks(q, k, block, max_blocks, mass, scoring, local_blocks, scale, sink_blocks, final_topk)
     n = q.shape[2]
-    return estimate_cost(q.shape[0], q.shape[1], n, scoring) + attended_cost(blocks, q.shape[1], n, block)
+    return (estimate_cost(q.shape[0], q.shape[1], n, scoring, final_topk > 0)
+            + attended_cost(blocks, q.shape[1], n, block))

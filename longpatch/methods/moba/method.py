@@ -28,7 +28,7 @@ def init_state(k, v, *, chunk_size: int = DEFAULT_CHUNK_SIZE, **_) -> dict:
 
 def _run(q, k, v, *, causal=True, scale=None, backend="auto", buffers=None, state=None,
          chunk_size=DEFAULT_CHUNK_SIZE, topk=DEFAULT_TOPK, shared_selection=False, selection="gate", mass=None,
-         estimate_queries=64, score_stride=16, local_blocks=1, decode_topk=8, decode_page=16, **_):
+         estimate_queries=64, score_stride=16, local_blocks=1, decode_topk=8, decode_page=None, **_):
     if selection != "gate":  # its decode state is the prefill's chunk list, not chunk means
         return moba_attention(q, k, v, causal=causal, scale=scale, chunk_size=chunk_size, topk=topk,
                               selection=selection, mass=mass, estimate_queries=estimate_queries,
@@ -66,7 +66,7 @@ def _pairs(q, k, causal: bool, params: dict) -> int | None:
     if params["selection"] != "gate":
         scoring = scoring_of(params["selection"], params["estimate_queries"], params["score_stride"])
         return estimated_pairs(q, k, C, topk - 1, params["mass"], scoring, params["local_blocks"],
-                               default_scale(None, q.shape[-1]))
+                               default_scale(None, q.shape[-1]), final_topk=params["decode_topk"])
     t = torch.arange(n)
     past = t // C
     return heads * int((t % C + 1 + past + torch.clamp(past, max=topk - 1) * C).sum())

@@ -119,7 +119,7 @@ def _estimated(q, k, v, causal, scale, C, topk, mass, scoring, local_blocks, kep
         raise ValueError(f"moba_attention: selection={scoring[0]!r} supports causal attention only")
     check_estimate_args("moba_attention", mass, scoring, C)
     check_int("moba_attention: local_blocks", local_blocks, 0)
-    check_decode_args("moba_attention", decode_topk, decode_page, C)
+    check_decode_args("moba_attention", decode_topk, decode_page)
     b, hq, nq, d = q.shape
     nk = k.shape[2]
     if nq == 0:
@@ -133,7 +133,8 @@ def _estimated(q, k, v, causal, scale, C, topk, mass, scoring, local_blocks, kep
                            decode_page=decode_page)
         out, lse = block_sparse_decode(q, k, v, kept, C, local_blocks, scale, backend, need_lse=return_lse)
     else:
-        blocks = prefill_blocks(state, q, k, C, topk - 1, mass, scoring, local_blocks, scale)
+        blocks = prefill_blocks(state, q, k, C, topk - 1, mass, scoring, local_blocks, scale,
+                                final_topk=decode_topk)
         out, lse = block_sparse_prefill(q, k, v, blocks, C, scale, backend, need_lse=return_lse)
     return (out, lse.float()) if return_lse else out
 
@@ -144,7 +145,7 @@ def moba_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
                    chunk_means: torch.Tensor | None = None, return_lse: bool = False, backend: str = "auto",
                    selection: str = "gate", mass: float | None = None, estimate_queries: int = 64,
                    score_stride: int = 16, local_blocks: int = 1, kept: torch.Tensor | None = None,
-                   decode_topk: int = 8, decode_page: int = 16, state: dict | None = None):
+                   decode_topk: int = 8, decode_page: int | None = None, state: dict | None = None):
     """MoBA attention on the shared layout (q [b, hq, nq, d], k/v [b, hk, nk, d]).
 
     chunk_size: keys per chunk. topk: chunks per query, own chunk included (1 = own chunk only).
@@ -165,9 +166,11 @@ def moba_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
     attends to ``kept`` [b, kv_heads, S] (the prefill's list for its last chunk; ``state`` carries it
     between calls; without either it estimates from its own query once), the ``decode_topk`` full
     chunks with the largest bound of its own q·k (Quest's, from the key min/max of pages of
-    ``decode_page`` keys kept in ``state``; a chunk ranks by its best page), its own chunk and the
-    ``local_blocks`` before it, reading only those rows. Causal only; chunked
-    prefill (1 < q_len < kv_len) runs exact attention.
+    ``decode_page`` keys kept in ``state``, None: 16, always their largest common divisor with the
+    chunk size; a chunk ranks by its best page), its own chunk and the ``local_blocks`` before it,
+    reading only those rows. The prompt's last query is the first such step: its chunk's list gets
+    the ``decode_topk`` chunks it reads most (``selection.final_row_blocks``, exact). Causal only;
+    chunked prefill (1 < q_len < kv_len) runs exact attention.
     """
     check_qkv(q, k, v, causal)
     check_int("moba_attention: chunk_size", chunk_size, 1)

@@ -38,7 +38,7 @@ def _estimated(q, k, v, scale, sb, num_selected, window, init_blocks, local_bloc
         raise ValueError(f"nsa_attention: selection={scoring[0]!r} has no compressed branch; gates must be 3 fixed "
                          f"numbers with g_cmp = 0 (e.g. (0, 0.75, 0.25)); got {got}")
     check_estimate_args("nsa_attention", mass, scoring, sb)
-    check_decode_args("nsa_attention", decode_topk, decode_page, sb)
+    check_decode_args("nsa_attention", decode_topk, decode_page)
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     if 1 < nq < nk:
@@ -53,7 +53,8 @@ def _estimated(q, k, v, scale, sb, num_selected, window, init_blocks, local_bloc
                            decode_page=decode_page)
         o_s, l_s = block_sparse_decode(q, k, v, kept, sb, past, scale, backend, need_lse=return_lse)
     else:
-        blocks = prefill_blocks(state, q, k, sb, num_selected - 1, mass, scoring, past, scale, init_blocks)
+        blocks = prefill_blocks(state, q, k, sb, num_selected - 1, mass, scoring, past, scale, init_blocks,
+                                decode_topk)
         o_s, l_s = block_sparse_prefill(q, k, v, blocks, sb, scale, backend, need_lse=return_lse)
     if window_off:
         o_w = torch.zeros_like(o_s)
@@ -114,7 +115,7 @@ def nsa_attention(q, k, v, *, causal: bool = True, scale: float | None = None, c
                   init_blocks: int = 1, local_blocks: int = 2, gates=TRAINING_FREE_GATES, compress="mean",
                   compressed=None, return_lse: bool = False, backend: str = "auto", selection: str = "compressed",
                   mass: float | None = None, estimate_queries: int = 64, score_stride: int = 16,
-                  decode_topk: int = 8, decode_page: int = 16, state: dict | None = None):
+                  decode_topk: int = 8, decode_page: int | None = None, state: dict | None = None):
     """NSA attention on the shared layout (q [b, hq, nq, d], k/v [b, hk, nk, d]); causal only.
 
     gates: (g_cmp, g_slc, g_win) floats, or a tensor [b, hq, nq, 3] (e.g. sigmoid of a projection
@@ -133,8 +134,10 @@ def nsa_attention(q, k, v, *, causal: bool = True, scale: float | None = None, c
     estimated total. A query-aware selection runs the selected branch on the block-sparse executor
     (``blocksparse.py``) and has no compressed branch: fixed gates with g_cmp = 0. A one-token step
     keeps the prefill's blocks (``state``) and adds the ``decode_topk`` full blocks with the largest
-    bound of its own q·k (Quest's, from the key min/max of pages of ``decode_page`` keys; a block ranks
-    by its best page).
+    bound of its own q·k (Quest's, from the key min/max of pages of ``decode_page`` keys, None: 16,
+    always their largest common divisor with the block size; a block ranks by its best page). The
+    prompt's last query is the first such step: its block's list gets the ``decode_topk`` blocks it
+    reads most (``selection.final_row_blocks``, exact).
     """
     if not causal:
         raise ValueError("nsa_attention supports causal attention only (compressed and selected blocks are chosen "
