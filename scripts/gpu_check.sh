@@ -66,8 +66,9 @@ issue41() {
   else G="$G --lengths 32768 --depths 0.05:0.95:0.1 --trials ${TRIALS:-4}"; fi
   for t in passkey code; do
     step ${NEEDLE_LIMIT:-240} $LP eval needle $G --template $t --out "$TMP/needle_$t"
+    # exact's CPU records, then the configs' re-run after issue 41's decode change (it changed their answers)
     $PY scripts/needle_agreement.py --reference docs/img/heldout/grid_$t/records.jsonl \
-      --other "$TMP/needle_$t/records.jsonl" --out "$OUT/needle_agreement_$t.json"
+      docs/img/heldout/rerun/seed0_$t/records.jsonl --other "$TMP/needle_$t/records.jsonl" --out "$OUT/needle_agreement_$t.json"
     echo "=== agreement rc=$?"
     cp "$TMP/needle_$t/records.jsonl" "$OUT/needle_$t.records.jsonl"
   done

@@ -2,7 +2,8 @@
 the GPU path (flex, Triton) the needles they keep on the CPU (the torch path).
 
     python scripts/needle_agreement.py --reference docs/img/heldout/grid_passkey/records.jsonl \\
-        --other runs/gpu/needle_passkey/records.jsonl --out runs/gpu/needle_agreement_passkey.json
+        docs/img/heldout/rerun/seed0_passkey/records.jsonl --other runs/gpu/needle_passkey/records.jsonl \\
+        --out runs/gpu/needle_agreement_passkey.json
 
 Prompts are matched by (config, layers, digest): the same prompt under the same configuration. Per config
 it counts the prompts both runs have, those answered the same way (found / not found) and with the same
@@ -58,16 +59,21 @@ def compare(ref: dict, other: dict) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reference", required=True, help="records.jsonl of the reference run (e.g. the CPU's)")
+    ap.add_argument("--reference", required=True, nargs="+",
+                    help="records.jsonl of the reference run (e.g. the CPU's); several: read in turn, a later "
+                         "file's record of the same prompt and config wins (a config re-run beside exact's records)")
     ap.add_argument("--other", required=True, help="records.jsonl of the run to compare (e.g. the GPU's)")
     ap.add_argument("--out", required=True, help="JSON file to write")
     args = ap.parse_args(argv)
-    for flag, p in (("--reference", args.reference), ("--other", args.other)):
+    for flag, p in [("--reference", r) for r in args.reference] + [("--other", args.other)]:
         if not Path(p).is_file():
             print(f"needle_agreement: {flag}: {p!r} does not exist; allowed: a records.jsonl of eval needle",
                   file=sys.stderr)
             return 2
-    rows = compare(read(Path(args.reference)), read(Path(args.other)))
+    reference = {}
+    for path in args.reference:
+        reference.update(read(Path(path)))
+    rows = compare(reference, read(Path(args.other)))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"reference": args.reference, "other": args.other, "configs": rows},
                                          indent=1) + "\n")

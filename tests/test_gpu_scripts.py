@@ -95,3 +95,8 @@ def test_needle_agreement_matches_prompts_and_flags_a_lost_needle(tmp_path, caps
     assert mod.main(["--reference", str(ref), "--other", str(gpu), "--out", str(out)]) == 1
     assert "| moba | 2 | 1 | 1 | 2 of 2 | 1 of 2 |" in capsys.readouterr().out
     assert mod.main(["--reference", str(tmp_path / "none"), "--other", str(gpu), "--out", str(out)]) == 2
+    # several references: a later file's record of the same prompt and config wins (a config re-run)
+    rerun = tmp_path / "rerun.jsonl"
+    _needle_records(rerun, [("moba", "b", False, "9")])
+    assert mod.main(["--reference", str(ref), str(rerun), "--other", str(gpu), "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["configs"]["moba"]["reference_kept"] == 1
