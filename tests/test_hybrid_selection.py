@@ -172,3 +172,28 @@ def test_nsa_window_gated_off_is_not_computed(monkeypatch):
     torch.testing.assert_close(nsa_attention(q, k, v, gates=(0.0, 1.0, 0.0), **kw), both - 0.5 * window)
     torch.testing.assert_close(nsa_attention(q[:, :, -1:], k, v, gates=(0.0, 1.0, 0.0), **kw),
                                step_both - 0.5 * step_window)
+
+
+@pytest.mark.parametrize("selection", ["antidiagonal", "hybrid"])
+def test_nsa_strided_selection_on_an_input_shorter_than_one_block(selection):
+    """An input shorter than select_block is one block (NSA fits the block to it): the score tiles are
+    fitted too, where a fitted block of 31 keys failed the stride check (`demo-nsa-32k` on any prompt under
+    256 tokens). The selected branch is then causal attention over every key, beside the window; a
+    one-token step runs as well."""
+    from helpers import dense_attention
+
+    from longpatch.ops import nsa_attention
+
+    n = 30
+    q, k, v = qkv(n)
+    kw = dict(selection=selection, select_block=64, num_selected=4, window=8, score_stride=16,
+              gates=(0.0, 0.75, 0.25), **({"estimate_queries": 8} if selection == "hybrid" else {}))
+    state = {}
+    out = nsa_attention(q, k, v, state=state, **kw)
+    pos = torch.arange(n)
+    band = (pos.view(1, -1) <= pos.view(-1, 1)) & (pos.view(1, -1) > pos.view(-1, 1) - 8)
+    win = dense_attention(q, k, v, causal=False, mask=band.expand(1, 4, n, n))[0]
+    full = dense_attention(q, k, v, causal=True)[0]
+    torch.testing.assert_close(out, 0.75 * full + 0.25 * win, atol=1e-12, rtol=1e-10)
+    step = nsa_attention(q[:, :, -1:], k, v, state=state, **kw)
+    torch.testing.assert_close(step, out[:, :, -1:], atol=1e-12, rtol=1e-10)

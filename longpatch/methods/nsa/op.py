@@ -2,6 +2,7 @@
 between the fast CPU path, the differentiable composition of the references and the Triton kernels."""
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import torch
@@ -144,8 +145,11 @@ def nsa_attention(q, k, v, *, causal: bool = True, scale: float | None = None, c
                          "among past keys); use exact or moba for non-causal layers")
     check_qkv(q, k, v, causal)
     check_params(compress_block, compress_stride, select_block, num_selected, window, init_blocks, local_blocks)
+    asked_block = select_block
     compress_block, compress_stride, select_block, num_selected, window, init_blocks, local_blocks = fit_params(
         k.shape[2], compress_block, compress_stride, select_block, num_selected, window, init_blocks, local_blocks)
+    if select_block != asked_block:  # the input fits one block: the score tiles must still tile it
+        score_stride = math.gcd(score_stride, select_block)
     gates = _check_gates(gates, q)
     scale = default_scale(scale, q.shape[-1])
     backend = resolve_backend(backend, q, k, v, flex=selection in SCORINGS)  # flex runs block selections
