@@ -58,8 +58,8 @@ def estimate_params(unit: str, budget: str) -> dict[str, Param]:
                       Between(1e-9, 1.0, optional=True), "a number in (0, 1] or null"),
         "estimate_queries": positive_int(f"estimate/hybrid only: how many last queries score the {unit}s", 64),
         "decode_topk": nonneg_int(f"estimate/antidiagonal/hybrid only: per one-token step, this many more {unit}s "
-                                  f"beside the prefill's, ranked by the step's own query (Quest's bound from each "
-                                  f"{unit}'s key min/max); 0: the prefill's only", 8),
+                                  f"beside the prefill's, ranked by the step's own query (Quest's bound from the key "
+                                  f"min/max of each {unit}'s pages, decode_page); 0: the prefill's only", 8),
         "decode_page": Param(None, (int, type(None)), f"estimate/antidiagonal/hybrid only: keys per page of the "
                              f"one-token step's ranking (a {unit} ranks by its best page's bound; divides the {unit} "
                              f"size); null: Quest's {QUEST_PAGE}, or its largest common divisor with the {unit} size",

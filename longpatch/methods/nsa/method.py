@@ -35,8 +35,8 @@ def _run(q, k, v, *, causal=True, scale=None, backend="auto", buffers=None, stat
     if selection != "compressed":  # its decode state is the prefill's block list, not compressed K/V
         return nsa_attention(q, k, v, causal=causal, scale=scale, gates=tuple(gates), backend=backend,
                              selection=selection, mass=mass, estimate_queries=estimate_queries,
-                             score_stride=score_stride, decode_topk=decode_topk,
-                              decode_page=decode_page, state=state, **params)
+                             score_stride=score_stride, decode_topk=decode_topk, decode_page=decode_page,
+                             state=state, **params)
     compressed = None
     if state is not None and causal:
         l, s = params["compress_block"], params["compress_stride"]
