@@ -116,6 +116,28 @@ def test_last_queries_estimate_equals_its_definition():
     assert torch.allclose(vert.sum(-1), torch.ones(1, 2)) and torch.allclose(slash.sum(-1), torch.ones(1, 2))
 
 
+def test_estimates_of_scores_far_below_their_row_max_equal_their_definitions():
+    """Float32 scores 80 and more below their row's maximum (exp's slow path, clamped to its floor:
+    ``selection.EXP_FLOOR``) leave the estimates at their float64 definitions, masked keys at 0."""
+    from longpatch.methods import selection
+    from longpatch.methods.selection import EXP_FLOOR, antidiagonal_scores
+
+    q, k, _ = qkv(45, dtype=torch.float32)
+    scale = 40.0
+    s = (q[0, 0].double() @ k[0, 0].double().T) * scale
+    assert float((s - s.amax(-1, keepdim=True)).min()) < 2 * EXP_FLOOR  # the floor is reached
+    vert, slash, peak = last_queries_estimate(q, k, 8, 6, scale)
+    rv, rs, rp = _estimate_reference(q.double(), k.double(), 8, 6, scale)
+    for got, want in ((vert, rv), (slash, rs), (peak, rp)):
+        torch.testing.assert_close(got.double(), want.double(), atol=1e-6, rtol=1e-5)
+    got = antidiagonal_scores(q, k, 16, 4, scale)
+    torch.testing.assert_close(got.double(), _antidiagonal_reference(q.double(), k.double(), 16, 4, scale),
+                               atol=1e-6, rtol=1e-5)
+    # a row's future keys weigh exactly 0 (not the floor's exp): position 0 reads block 0 only
+    first_row = selection._block_mass(q, k, torch.tensor([0]), 0, scale, 6, 8)
+    assert bool((first_row[..., 1:] == 0).all()) and torch.allclose(first_row[..., 0], torch.ones(1, 2, 2))
+
+
 def _select_reference(scores, max_blocks, mass, local, sink=1, rank=None):
     b, hk, nb, _ = scores.shape
     rank = scores if rank is None else rank
