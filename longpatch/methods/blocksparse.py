@@ -102,7 +102,13 @@ def block_sparse_prefill(q, k, v, blocks: torch.Tensor, block: int, scale: float
                     idx = blocks[bi, hi].index_select(0, r)[:, :c].reshape(-1)
                     kg, vg = _gather(kh, idx, kbuf), _gather(vh, idx, vbuf)  # whole blocks: one copy each
                     kg, vg = kg.view(len(r), 1, c * block, d), vg.view(len(r), 1, c * block, d)
-                    o_s, l_s = attend(qh.index_select(0, r), kg, vg, scale)
+                    # the group's g query heads read the same keys, maskless: one head of g * block
+                    # rows to the fused kernel, which works longer queries in larger row tiles (2 x 256
+                    # rows as one head: 16% less time per row, measured; the diagonal's causal mask
+                    # needs its heads apart)
+                    qs = qh.index_select(0, r).reshape(len(r), 1, g * block, d)
+                    o_s, l_s = attend(qs, kg, vg, scale)
+                    o_s, l_s = o_s.view(len(r), g, block, d), l_s.view(len(r), g, block)
                     o, l_ = merge_lse(out[bi, hi].index_select(0, r), lse[bi, hi].index_select(0, r),
                                       o_s.to(acc), l_s.to(acc))
                     out[bi, hi].index_copy_(0, r, o)
