@@ -118,9 +118,10 @@ def test_last_queries_estimate_equals_its_definition():
 
 def test_estimates_of_scores_far_below_their_row_max_equal_their_definitions():
     """Float32 scores 80 and more below their row's maximum (exp's slow path, clamped to its floor:
-    ``selection.EXP_FLOOR``) leave the estimates at their float64 definitions, masked keys at 0."""
+    ``common.EXP_FLOOR``) leave the estimates at their float64 definitions, masked keys at 0."""
     from longpatch.methods import selection
-    from longpatch.methods.selection import EXP_FLOOR, antidiagonal_scores
+    from longpatch.methods.common import EXP_FLOOR
+    from longpatch.methods.selection import antidiagonal_scores
 
     q, k, _ = qkv(45, dtype=torch.float32)
     scale = 40.0
@@ -616,6 +617,53 @@ def test_decode_adds_the_steps_own_bound_blocks(method, views, page, monkeypatch
     else:
         win = dense_attention(q[:, :, -1:], k[:, :, -8:], v[:, :, -8:], causal=False)[0]
         torch.testing.assert_close(step, 0.75 * sel + 0.25 * win, atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.parametrize("path", ["rows", "spans", "gather"])
+@pytest.mark.parametrize("n,local", [(90, 1), (96, 2), (13, 2), (65, 0)])  # partial own block; own block 0
+def test_block_sparse_decode_paths_equal_the_masked_reference(path, n, local, monkeypatch):
+    """A one-token step on each CPU path (the float32 rows, fused calls on views, the masked gather)
+    equals the dense softmax over the own block up to t, the local blocks and the kept ones: kept
+    lists with -1 pads, blocks also local (listed once), heads of one batch row keeping different
+    counts; batch 2, GQA, the cache a strided view, scores 80 and more below their max."""
+    from longpatch.methods.blocksparse import block_sparse_decode
+
+    if path == "rows":  # whatever the number of runs
+        rows = blocksparse._decode_rows
+        monkeypatch.setattr(blocksparse, "_decode_rows", lambda *a: rows(*a) or pytest.fail("no rows path"))
+        monkeypatch.setattr(blocksparse, "attend_spans", lambda *a: pytest.fail("spans path taken"))
+        monkeypatch.setattr(blocksparse, "_ROWS_AFTER", 0)
+    else:
+        monkeypatch.setattr(blocksparse, "_decode_rows", lambda *a: None)
+    if path == "gather":
+        monkeypatch.setattr(blocksparse, "spans_ok", lambda *a: False)
+    block, b, hq, hk, d = 16, 2, 4, 2, 8
+    g = torch.Generator().manual_seed(n)
+    q = torch.randn(b, hq, 1, d, generator=g)
+    kv = torch.randn(b, n + 5, 2 * hk, d, generator=g)  # a cache with spare rows, heads interleaved
+    k, v = kv[:, :n, :hk].transpose(1, 2), kv[:, :n, hk:].transpose(1, 2)
+    own = (n - 1) // block
+    kept = torch.full((b, hk, 3), -1, dtype=torch.long)
+    for bi in range(b):
+        for hi in range(hk):
+            pick = torch.randperm(own + 1, generator=g)[:1 + (bi + hi) % 3] if own else torch.zeros(0)
+            kept[bi, hi, :len(pick)] = pick
+    scale = 12.0
+    out, lse = block_sparse_decode(q, k, v, kept, block, local, scale)
+    mask = torch.zeros(b, hk, 1, n, dtype=torch.bool)
+    for bi in range(b):
+        for hi in range(hk):
+            for j in set(kept[bi, hi].tolist()) | {own - i for i in range(local + 1)}:
+                if 0 <= j <= own:
+                    mask[bi, hi, 0, j * block:(j + 1) * block] = True
+    ref, ref_lse = dense_attention(q, k, v, causal=False, scale=scale, mask=mask.repeat_interleave(hq // hk, 1))
+    s = q.double() @ k.double().repeat_interleave(2, 1).transpose(-1, -2) * scale
+    assert float((s - s.amax(-1, keepdim=True)).min()) < -100  # the exp floor is reached
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=2e-5)
+    out2, none = block_sparse_decode(q, k, v, kept, block, local, scale, need_lse=False)
+    assert torch.equal(out2, out) and (none is None or torch.equal(none, lse))  # the LSE: where it is free
 
 
 # ---- the row form (per-query lists: the papers' gates run on it) ----------------------------------

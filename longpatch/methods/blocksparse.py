@@ -16,8 +16,9 @@ one for every diagonal block at once (causal), then, for the query blocks that l
 of blocks, one per chunk of them against their gathered blocks (no mask: the kernel's fastest form),
 merged by their LSEs. Its work is the attended pairs plus one copy of each listed block (whole
 blocks, one memcpy each): no n x n matrix, no per-row index lists. ``backend="triton"`` runs the
-Triton twin instead (``kernels/blocksparse.py``). A one-token decode step attends its blocks on
-views of the cache (``cpu_flash.attend_spans``), without copying them.
+Triton twin instead (``kernels/blocksparse.py``). A one-token decode step attends its blocks in
+place, without copying them: on views of the cache (``cpu_flash.attend_spans``), or, scattered, by
+one sparse call over their rows (``cpu_flash.cache_rows``).
 
 The row form (``row_sparse_attention``, at the end) takes a list per query row instead of per query
 block: the papers' gates (MoBA's, NSA's compressed ranking) run on it.
@@ -28,12 +29,17 @@ import math
 
 import torch
 
-from .common import acc_dtype, gather_blocks, merge_lse
-from .cpu_flash import additive_mask, attend_spans, fused_ok, merge_spans, spans_ok
+from .common import acc_dtype, exp_below_max_, gather_blocks, merge_lse
+from .cpu_flash import additive_mask, attend_spans, cache_rows, fused_ok, merge_spans, row_scores, row_sum, spans_ok
 from .lse_attention import attend
 
 # Elements of gathered keys per call: large enough for few calls, small enough to stay in cache.
 _CHUNK_ELEMS = 1 << 22
+# A decode step whose blocks lie in more runs than this per KV head reads their rows in one sparse
+# call (``_decode_rows``), not a fused call per run (~30 us fixed each): measured at 32k with 32
+# blocks per KV head in 1-32 runs, the sparse call wins from 4 runs on (2.2 vs 2.0 ms; 4.0 vs 1.9 ms
+# at 32 runs), the fused calls below.
+_ROWS_AFTER = 3
 
 
 def _pad_to(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -123,9 +129,11 @@ def block_sparse_decode(q, k, v, kept: torch.Tensor, block: int, local_blocks: i
     """(out, lse) of one query per head at the last position t = kv_len - 1: its own (partial) block,
     the ``local_blocks`` blocks before it, and the past blocks ``kept`` [b, kv_heads, S] (-1 pads, no
     duplicates) that are not among those. Reads only those rows of the cache: in place with fused
-    calls on views (``attend_spans``, touching blocks joined), or, without the fused kernel or under
-    autograd, by gathering them into one masked call. backend "flex": one FlexAttention call over the
-    blocks (``flex.flex_decode``: no host round-trip; lse None without ``need_lse``), where it runs."""
+    calls on views (``attend_spans``, touching blocks joined), or, for float32 blocks scattered in
+    more than ``_ROWS_AFTER`` runs a KV head, in one sparse score call and one weighted sum (``_decode_rows``);
+    without the fused kernel or under autograd, by gathering them into one masked call. backend
+    "flex": one FlexAttention call over the blocks (``flex.flex_decode``: no host round-trip; lse
+    None without ``need_lse``), where it runs."""
     if backend == "flex":
         from .flex import flex_decode, supports
         if supports(q, k, v, block, need_lse):
@@ -141,6 +149,10 @@ def block_sparse_decode(q, k, v, kept: torch.Tensor, block: int, local_blocks: i
     if spans_ok(q, k, v):
         groups = [(bi, hi, merge_spans([(j * block, min(nk, j * block + block)) for j in ids if j >= 0]))
                   for bi, per_head in enumerate(sel.tolist()) for hi, ids in enumerate(per_head)]
+        if q.dtype == torch.float32 and sum(len(spans) for *_, spans in groups) > _ROWS_AFTER * len(groups):
+            got = _decode_rows(q, k, v, sel, block, scale, need_lse)
+            if got is not None:
+                return got
         return attend_spans(q, k, v, groups, scale)
     tok = (sel.clamp(min=0).unsqueeze(-1) * block + torch.arange(block, device=q.device)).flatten(-2)
     valid = ((sel >= 0).unsqueeze(-1).expand(-1, -1, -1, block).flatten(-2)) & (tok <= t)
@@ -148,6 +160,35 @@ def block_sparse_decode(q, k, v, kept: torch.Tensor, block: int, local_blocks: i
     bias = torch.zeros(valid.shape, dtype=torch.float32, device=q.device).masked_fill(~valid, float("-inf"))
     out, lse = attend(q.view(b, hk, g, d), ks, vs, scale, mask=bias.unsqueeze(2))
     return out.reshape(b, hq, 1, d).to(q.dtype), lse.reshape(b, hq, 1)
+
+
+def _decode_rows(q, k, v, sel: torch.Tensor, block: int, scale: float, need_lse: bool):
+    """``block_sparse_decode`` on the CPU in float32: every listed row of the cache read in place by
+    one sparse score call and one weighted sum for all heads (``cpu_flash.cache_rows``), where
+    ``attend_spans`` makes a fused call per run of touching blocks and KV head, ~30 us of fixed cost
+    each: at 32k the demo configs' steps list ~33 blocks per KV head, and the calls cost twice the
+    rows' reading. sel [b, hk, L]: the own block first, then past blocks (negative: none). None where
+    the cache's strides are not whole rows."""
+    b, hq, _, d = q.shape
+    hk, t = k.shape[1], k.shape[2] - 1
+    past = sel[..., 1:].clamp(min=-1).sort(-1, descending=True).values  # listed blocks first
+    past = past[..., :int((past >= 0).sum(-1).max())]
+    # slots: the own block's rows up to t, then each listed block whole; empty slots read row t, masked
+    own = torch.arange(t - t % block, t + 1, device=q.device).expand(b, hk, -1)
+    slots = (past.clamp(min=0).unsqueeze(-1) * block + torch.arange(block, device=q.device)).flatten(-2)
+    empty = (past < 0).repeat_interleave(block, -1)
+    rows = cache_rows(k, v, hq, torch.cat([own, slots.masked_fill(empty, t)], -1))
+    if rows is None:
+        return None
+    s = row_scores(q, rows, scale)[0]  # [b * hq, L]
+    top = s.amax(-1, keepdim=True)  # row t (the step's own key) is in every list: finite
+    p = exp_below_max_(s, top)
+    if bool(empty.any()):
+        hide = torch.nn.functional.pad(empty, (own.shape[-1], 0)).unsqueeze(2).expand(b, hk, hq // hk, -1)
+        p.masked_fill_(hide.reshape(b * hq, -1), 0.0)
+    total = p.sum(-1, keepdim=True)
+    out = row_sum(rows, [p.div_(total)]).view(b, hq, 1, d).to(q.dtype)
+    return out, (top + total.log()).view(b, hq, 1) if need_lse else None
 
 
 def block_mask_reference(blocks: torch.Tensor, n: int, block: int) -> torch.Tensor:

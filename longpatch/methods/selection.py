@@ -39,7 +39,7 @@ import torch
 
 from ..errors import ConfigError, check_int
 from .base import Between, Param, nonneg_int, positive_int
-from .common import acc_dtype, window_summaries
+from .common import acc_dtype, exp_below_max_, window_summaries
 
 SCORINGS = ("estimate", "antidiagonal", "hybrid")  # the query-aware selections; a method's `selection` names one
 STRIDED = ("antidiagonal", "hybrid")  # the selections that score antidiagonals of score_stride tiles
@@ -155,19 +155,6 @@ def _block_mass(q, k, qpos: torch.Tensor, first: int, scale: float, nb: int, blo
         s[..., first + 1:].masked_fill_(future, 0.0)
     return _pooled(s, nb, block) / s.sum(-1, keepdim=True)
 
-
-# exp() of float32 inputs below about -87 (results under float32's smallest normal number) takes a
-# slow path in torch's CPU kernel: 50-100x slower per element. Scores that far below their row's
-# maximum are common in a real model's rows of 32k keys: the demo model's last-queries estimate spent
-# 200 ms a layer in exp at 32k (4 ms on random inputs). A key 80 below its row's maximum weighs under
-# 2e-35 of it: raising it to that floor changes no sum and no ranking that matters.
-EXP_FLOOR = -80.0
-
-
-def exp_below_max_(s: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
-    """In place: exp(s - top), each difference raised to at least ``EXP_FLOOR`` (so -inf entries
-    become exp(EXP_FLOOR), not 0: callers zero the ones they masked)."""
-    return s.sub_(top).clamp_(min=EXP_FLOOR).exp_()
 
 
 def _pooled(p: torch.Tensor, nb: int, block: int) -> torch.Tensor:
