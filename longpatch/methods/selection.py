@@ -265,12 +265,15 @@ def antidiagonal_scores(q, k, block: int, stride: int, scale: float) -> torch.Te
     per = block // stride  # tiles per block
     nt = nb * per
     acc = acc_dtype(q.dtype)
-    pad = nt * stride - n
-    # reshape, not view: a model's q/k are strided views of its projections
-    qt = torch.nn.functional.pad(q.to(acc) * (scale / stride), (0, 0, 0, pad)).reshape(b, hq, nt, stride * d)
+    # one copy each into zero-padded tiles (a model's q/k are strided views of its projections)
+    qt = torch.zeros(b, hq, nt * stride, d, dtype=acc, device=q.device)
+    torch.mul(q, scale / stride, out=qt[:, :, :n])
+    qt = qt.view(b, hq, nt, stride * d)
     # each key tile's rows reversed, so a row of q tiles times a row of k tiles sums an antidiagonal
-    kt = torch.nn.functional.pad(k.to(acc), (0, 0, 0, pad)).reshape(b, hk, nt, stride, d).flip(3)
-    kt = kt.reshape(b, hk, nt, stride * d)
+    j = torch.arange(n, device=q.device)
+    kt = torch.zeros(b, hk, nt * stride, d, dtype=acc, device=q.device)
+    kt.index_copy_(2, j - j % stride + stride - 1 - j % stride, k.to(acc))
+    kt = kt.view(b, hk, nt, stride * d)
     out = torch.zeros(b, hk, nb, nb, dtype=torch.float32, device=q.device)
     c = torch.arange(nt, device=q.device)
     budget = _ANTI_ELEMS["cpu" if q.device.type == "cpu" else "gpu"]
