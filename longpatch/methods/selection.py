@@ -160,7 +160,9 @@ def _block_mass(q, k, qpos: torch.Tensor, first: int, scale: float, nb: int, blo
 def _pooled(p: torch.Tensor, nb: int, block: int) -> torch.Tensor:
     """[..., n] -> [..., nb]: sums over key blocks."""
     n = p.shape[-1]
-    return torch.nn.functional.pad(p, (0, nb * block - n)).view(*p.shape[:-1], nb, block).sum(-1)
+    if n < nb * block:  # a partial last block: zeros after it (a copy, so only then)
+        p = torch.nn.functional.pad(p, (0, nb * block - n))
+    return p.view(*p.shape[:-1], nb, block).sum(-1)
 
 
 def last_queries_vertical(q, k, block: int, m: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
