@@ -20,6 +20,9 @@
 # DRY_RUN=1: one 1024-token prompt. `bash scripts/gpu_check.sh issue40+41`: both in one lease (SKIP_KERNELS=1
 # leaves out the kernels' bf16 check, e.g. when an earlier call of the lease measured it).
 # FLEX_LIMIT, E2E_LIMIT, NEEDLE_LIMIT: the steps' time limits in seconds (200, 170, 240 per template).
+# `bash scripts/gpu_check.sh selection` (about 5 minutes on an H100, for a lease's last minutes): the query-aware
+# selections' GPU form against the CPU code (gpu_flex_check.py without the demo logits), the flex table
+# (gpu_flex.py), issue 41's needles (TRIALS, default 2) and Llama-3.1-8B's architecture at 128k only.
 set -u
 OUT=${OUT:-runs/gpu}
 SUITE=${1:-issue40}
@@ -73,6 +76,21 @@ issue41() {
     cp "$TMP/needle_$t/records.jsonl" "$OUT/needle_$t.records.jsonl"
   done
 }
+selection() {
+  if [ "${DRY_RUN:-0}" = 1 ]; then
+    step 300 $PY scripts/gpu_flex_check.py --device cpu --lengths 1100 --demo-len 0 --out "$OUT/flex_check.json"
+    step 600 $PY scripts/gpu_flex.py --dry-run --repeats 2 --out "$OUT/flex.json"
+  else
+    step ${CHECK_LIMIT:-50} $PY scripts/gpu_flex_check.py --lengths 4100 --demo-len 0 --out "$OUT/flex_check.json"
+    TORCH_LOGS=recompiles step ${FLEX_LIMIT:-110} $PY scripts/gpu_flex.py --out "$OUT/flex.json"
+  fi
+  TRIALS=${TRIALS:-2} NEEDLE_LIMIT=${NEEDLE_LIMIT:-50} issue41
+  [ "${DRY_RUN:-0}" = 1 ] || step ${E2E_LIMIT:-70} $LP bench generate --model llama-3.1-8b --random-weights --method moba \
+    --set selection=estimate --set chunk_size=256 --set topk=16 --set mass=0.9 --set local_blocks=1 --layers all \
+    --contexts 131072 --new-tokens 8 --no-plots --no-progress --out "$TMP/e2e"
+  [ "${DRY_RUN:-0}" = 1 ] || cp "$TMP/e2e/results.json" "$OUT/e2e_llama8b.json"
+}
+if [ "$SUITE" = selection ]; then selection 2>&1 | tee "$OUT/log.txt"; exit; fi
 if [ "$SUITE" = issue40 ]; then issue40 2>&1 | tee "$OUT/log.txt"; exit; fi
 if [ "$SUITE" = issue41 ]; then issue41 2>&1 | tee "$OUT/log.txt"; exit; fi
 if [ "$SUITE" = issue40+41 ]; then { issue40; issue41; } 2>&1 | tee "$OUT/log.txt"; exit; fi

@@ -1,13 +1,17 @@
 """Does the FlexAttention path (backend flex) give the torch path's outputs on this device? Correctness
 before speed: each block-sparse case of scripts/gpu_flex.py at small shapes, fp32 and bf16, ragged
-lengths, and the demo model's logits with every layer patched (flex against torch on the same device).
+lengths, and the demo model's logits with every layer patched (flex against torch on the same device);
+then the query-aware selections' GPU form (longpatch/methods/gpu_scores.py: half-precision products,
+fused passes) against the CPU's float32 code on the same bf16 values: the block masses' largest
+difference and the share of block-list entries that agree.
 
     python scripts/gpu_flex_check.py --out runs/gpu/flex_check.json              # on a CUDA machine
     python scripts/gpu_flex_check.py --out /tmp/flex_check.json --device cpu      # the same, on the CPU
 
 Per case: the largest |flex - torch| over the largest |torch| (relative), and whether it is within the
 dtype's tolerance (fp32 1e-3, bf16 3e-2). Per demo config: the logits' relative difference and the
-share of positions whose top token agrees. Exits 1 when a case is off, 0 when all agree.
+share of positions whose top token agrees. Per selection: ok when at least 99% of the entries agree
+(the two sum in different orders, which may flip a near-tie). Exits 1 when a case is off, 0 when all agree.
 """
 from __future__ import annotations
 
@@ -21,8 +25,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from longpatch.methods.selection import antidiagonal_scores, estimated_blocks, last_queries_vertical  # noqa: E402
 from longpatch.ops import moba_attention, nsa_attention, sparse_attention  # noqa: E402
 
+D = 128  # the selection checks' head size
 BLOCK = 128  # small enough that a few thousand tokens hold many blocks
 CASES = {
     "moba estimate": (moba_attention, dict(selection="estimate", chunk_size=BLOCK, topk=6, mass=0.9,
@@ -53,7 +59,7 @@ def main(argv=None) -> int:
     ap.add_argument("--demo-len", type=int, default=4096, help="0: no demo-model check")
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
-    res = {"device": str(dev), "torch": torch.__version__, "cases": [], "demo": []}
+    res = {"device": str(dev), "torch": torch.__version__, "cases": [], "selection": [], "demo": []}
     bad = False
 
     def record(section, row):
@@ -79,6 +85,28 @@ def main(argv=None) -> int:
                         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
                         traceback.print_exc()
                     record("cases", row)
+        for n in (int(x) for x in args.lengths.split(",")):
+            g = torch.Generator(device=dev).manual_seed(n + 1)
+            dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+            q = torch.randn(1, 8, n, D, device=dev, dtype=dtype, generator=g) * 2
+            k = torch.randn(1, 2, n, D, device=dev, dtype=dtype, generator=g) * 2
+            for scoring in (("estimate", 64), ("hybrid", 64, 16)):
+                row = {"selection": scoring[0], "dtype": str(dtype), "n": n}
+                try:
+                    both = ((q, k), (q.cpu(), k.cpu()))  # this device's form, the CPU's float32 code
+                    sel = [estimated_blocks(x, y, BLOCK, 6, 0.9, scoring, 1, D ** -0.5, final_topk=2) for x, y in both]
+                    mass = [last_queries_vertical(x, y, BLOCK, 64, D ** -0.5)[0] for x, y in both]
+                    row.update(agree=(sel[0].cpu() == sel[1]).float().mean().item(),
+                               mass_err=(mass[0].cpu() - mass[1]).abs().max().item())
+                    if scoring[0] == "hybrid":
+                        anti = [antidiagonal_scores(x, y, BLOCK, 16, D ** -0.5) for x, y in both]
+                        fin = anti[1].isfinite()
+                        row["anti_err"] = (anti[0].cpu()[fin] - anti[1][fin]).abs().max().item()
+                    row["ok"] = row["agree"] >= 0.99
+                except Exception as e:
+                    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+                    traceback.print_exc()
+                record("selection", row)
         if args.demo_len:
             from longpatch.config import load_config
             from longpatch.loading import load_model

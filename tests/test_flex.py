@@ -238,6 +238,22 @@ def test_flex_calls_compile_fullgraph_once_for_every_length():
     assert not counters["graph_break"]
 
 
+def test_compiled_calls_run_in_one_grad_mode_whatever_the_callers():
+    """Grad mode is part of a compiled function's guards: a warm-up with grad enabled and a call under
+    no_grad compiled twice on an H100. Inside, grad mode is whether an input needs a gradient."""
+    seen = []
+    fn = flex._Compiled(lambda *a: None, {})
+    fn.fn = lambda *a, **kw: seen.append(torch.is_grad_enabled())  # the compiled function's place
+    x = torch.zeros(1, 2, 3, 4)
+    fn(x)
+    with torch.no_grad():
+        fn(x)
+    fn(x.clone().requires_grad_())
+    with torch.no_grad():
+        fn(x.clone().requires_grad_())
+    assert seen == [False, False, True, False]
+
+
 @needs_flex
 @pytest.mark.slow
 def test_warm_up_reports_its_compile_time():

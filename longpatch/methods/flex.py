@@ -354,7 +354,12 @@ class _Compiled:
             # (a model has one head count; a new one compiles once more). The CPU lowering has no such test.
             if t.is_cuda and t.is_floating_point() and t.dim() == 4:
                 torch._dynamo.mark_static(t, 1)
-        with fx_config.patch(use_duck_shape=False):
+        # Grad mode is part of dynamo's guards: a warm-up run with grad enabled and a timed call under
+        # no_grad compiled twice (an H100 spent 3.6-4.8 s in the first timed call after the warm-up,
+        # "GLOBAL_STATE changed: grad_mode"). Grad mode inside is whether a gradient is needed, so every
+        # inference call meets the same compiled entry whatever the caller's mode.
+        need_grad = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in args)
+        with fx_config.patch(use_duck_shape=False), torch.set_grad_enabled(need_grad):
             return self.fn(*args, **self.consts)
 
 

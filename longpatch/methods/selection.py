@@ -38,6 +38,7 @@ import math
 import torch
 
 from ..errors import ConfigError, check_int
+from . import gpu_scores
 from .base import Between, Param, nonneg_int, positive_int
 from .common import acc_dtype, exp_below_max_, window_summaries
 
@@ -143,6 +144,9 @@ def _block_mass(q, k, qpos: torch.Tensor, first: int, scale: float, nb: int, blo
     b, hq, n, d = q.shape
     hk = k.shape[1]
     g = hq // hk
+    if gpu_scores.applies(q):  # half-precision products, the softmax and pooling fused (gpu_scores.py)
+        s = gpu_scores.products(q.index_select(2, qpos).reshape(b, hk, g * len(qpos), d), k.transpose(-1, -2))
+        return _FUSED_BLOCK_MASS(s, qpos.repeat(g).view(-1, 1), scale, nb, block)
     acc = acc_dtype(q.dtype)
     rows = q.index_select(2, qpos).reshape(b, hk, g * len(qpos), d).to(acc) * scale
     s = torch.matmul(rows, k.to(acc).transpose(-1, -2))
@@ -155,6 +159,9 @@ def _block_mass(q, k, qpos: torch.Tensor, first: int, scale: float, nb: int, blo
         s[..., first + 1:].masked_fill_(future, 0.0)
     return _pooled(s, nb, block) / s.sum(-1, keepdim=True)
 
+
+_FUSED_BLOCK_MASS = gpu_scores.fused(gpu_scores.block_mass)
+_FUSED_TILE_MASS = gpu_scores.fused(gpu_scores.antidiagonal_tile_mass)
 
 
 def _pooled(p: torch.Tensor, nb: int, block: int) -> torch.Tensor:
@@ -192,7 +199,8 @@ def last_queries_estimate(q, k, block: int, m: int, scale: float):
     nb = math.ceil(n / block)
     dev = q.device
     vertical, peak = last_queries_vertical(q, k, block, m, scale)
-    spread = torch.unique(torch.linspace(0, n - 1, m, device=dev).round().long())
+    # m <= n: points at least 1 apart round to distinct, increasing positions (no unique(): a host sync)
+    spread = torch.linspace(0, n - 1, m, device=dev).round().long()
     pb = _block_mass(q, k, spread, 0, scale, nb, block)  # [b, hk, rows, nb]; spread starts at position 0
     off = (spread // block).repeat(g).view(-1, 1) - torch.arange(nb, device=dev).view(1, -1)
     off = off.clamp(min=0).expand(b, hk, -1, -1)  # a future block (offset < 0) has mass 0
@@ -266,10 +274,14 @@ def antidiagonal_scores(q, k, block: int, stride: int, scale: float) -> torch.Te
     nb = math.ceil(n / block)
     per = block // stride  # tiles per block
     nt = nb * per
-    acc = acc_dtype(q.dtype)
+    gpu = gpu_scores.applies(q)  # half-precision tiles, scaled after their products (gpu_scores.py)
+    acc = q.dtype if gpu else acc_dtype(q.dtype)
     # one copy each into zero-padded tiles (a model's q/k are strided views of its projections)
     qt = torch.zeros(b, hq, nt * stride, d, dtype=acc, device=q.device)
-    torch.mul(q, scale / stride, out=qt[:, :, :n])
+    if gpu:
+        qt[:, :, :n] = q
+    else:
+        torch.mul(q, scale / stride, out=qt[:, :, :n])
     qt = qt.view(b, hq, nt, stride * d)
     # each key tile's rows reversed, so a row of q tiles times a row of k tiles sums an antidiagonal
     j = torch.arange(n, device=q.device)
@@ -283,6 +295,11 @@ def antidiagonal_scores(q, k, block: int, stride: int, scale: float) -> torch.Te
     for a0 in range(0, nt, rows):
         a = torch.arange(a0, min(nt, a0 + rows), device=q.device)
         seen = a0 + len(a)  # key tiles these query tiles can see: whole blocks up to their last block
+        if gpu:
+            sc = gpu_scores.products(qt[:, :, a0:seen].reshape(b, hk, g * len(a), -1),
+                                     kt[:, :, :seen].transpose(-1, -2)).view(b, hk, g, len(a), seen)
+            out[:, :, a0 // per: seen // per, :seen // per] = _FUSED_TILE_MASS(sc, a, scale / stride, per)
+            continue
         sc = torch.matmul(qt[:, :, a0:seen].reshape(b, hk, g * len(a), -1), kt[:, :, :seen].transpose(-1, -2))
         sc = sc.view(b, hk, g, len(a), seen)
         # the softmax in place (these scores are the estimate's largest temporaries); only tiles from a0
@@ -513,7 +530,7 @@ def estimate_cost(b: int, hq: int, n: int, scoring: tuple[str, int], final_row: 
         m = min(scoring[1], n)
         return anti + b * hq * int((torch.arange(n - m, n) + 1).sum())
     m = min(amount, n)
-    spread = torch.unique(torch.linspace(0, n - 1, m).round().long())
+    spread = torch.linspace(0, n - 1, m).round().long()  # as last_queries_estimate's
     return b * hq * (int((torch.arange(n - m, n) + 1).sum()) + int((spread + 1).sum()))
 
 
