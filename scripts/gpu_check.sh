@@ -81,7 +81,7 @@ selection() {
     step 300 $PY scripts/gpu_flex_check.py --device cpu --lengths 1100 --demo-len 0 --out "$OUT/flex_check.json"
     step 600 $PY scripts/gpu_flex.py --dry-run --repeats 2 --out "$OUT/flex.json"
   else
-    step ${CHECK_LIMIT:-50} $PY scripts/gpu_flex_check.py --lengths 4100 --demo-len 0 --out "$OUT/flex_check.json"
+    step ${CHECK_LIMIT:-90} $PY scripts/gpu_flex_check.py --lengths 4100 --demo-len 0 --out "$OUT/flex_check.json"
     TORCH_LOGS=recompiles step ${FLEX_LIMIT:-110} $PY scripts/gpu_flex.py --out "$OUT/flex.json"
   fi
   TRIALS=${TRIALS:-2} NEEDLE_LIMIT=${NEEDLE_LIMIT:-50} issue41

@@ -44,7 +44,9 @@ import types
 
 import torch
 
+from . import gpu_scores
 from .common import flex_available, ordered_int, triton_available, warn_once
+from .selection import estimated_blocks
 
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int, need_lse: bool = False) -> bool:
@@ -441,10 +443,12 @@ def _cpu_no_grad(q):
 
 def warm_up(device="cuda", dtype=torch.bfloat16, heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
             blocks=(64, 128, 256), bands=((512, 0), (1024, 64)), lengths=(1000, 2100), need_lse: bool = False,
-            decode_local=(1,)) -> dict:
+            decode_local=(1,), selections=(("estimate", 64), ("hybrid", 64, 16))) -> dict:
     """Compile the flex calls ahead of the timed ones: the block-sparse call for each block size, the
     one-token step for each block size and count of local blocks in ``decode_local`` (MoBA's
-    local_blocks, NSA's local_blocks - 1), and the band for each (window, global_tokens) of ``bands``,
+    local_blocks, NSA's local_blocks - 1), the query-aware ``selections`` (``scoring_of``'s tuples) with
+    the largest block size, whose score passes compile on a GPU (``gpu_scores.fused``; nothing to compile
+    on the CPU), and the band for each (window, global_tokens) of ``bands``,
     each at two lengths (a dynamic-shape function may specialise its first call and compile the
     general form on the second). The constants must be the calls' own (head_dim's scale, need_lse: a
     route asks for no LSE).
@@ -477,4 +481,8 @@ def warm_up(device="cuda", dtype=torch.bfloat16, heads: int = 32, kv_heads: int 
         for window, glob in bands:
             if supports(q, k, v, 128, need_lse):
                 timed(f"band window={window} global={glob} n={n}", flex_band, q, k, v, window, glob, scale, need_lse)
+        for scoring in selections:  # the selections' fused score passes (gpu_scores.py: CUDA, half precision)
+            if gpu_scores.applies(q):
+                timed(f"selection {scoring[0]} n={n}", estimated_blocks, q, k, blocks[-1], 4, 0.9, scoring, 1, scale,
+                      1, 1)
     return {"compile_s": round(time.perf_counter() - t_all, 3), "calls": calls}

@@ -92,8 +92,12 @@ def fused(fn):
         if compiled is None:
             compiled = _FUSED[fn.__name__] = torch.compile(fn, dynamic=True)
         if compiled is not False:
+            from torch.fx.experimental import _config as fx_config
             try:
-                return compiled(*args)
+                # no duck sizing: the antidiagonal's first step has as many key tiles as query tiles, and
+                # with it the second step recompiled (seen on an H100)
+                with fx_config.patch(use_duck_shape=False):
+                    return compiled(*args)
             except Exception as e:  # a compile failure; a real error raises again below, uncompiled
                 if isinstance(e, torch.OutOfMemoryError):
                     raise
