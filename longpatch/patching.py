@@ -52,7 +52,7 @@ class PatchReport:
                 s["seconds"] += r.seconds[(phase, path)]
             for (phase, path, kind), n in r.work.items():
                 s = side[phase][path]
-                s[kind] = s.get(kind, 0) + n
+                s[kind] = s.get(kind, 0) + int(n)  # a selection counts on the device (no sync per call)
         return out
 
     def stats(self) -> dict:

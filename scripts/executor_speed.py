@@ -113,7 +113,7 @@ def main(argv=None) -> int:
     ms = {key: statistics.median(t) * 1e3 for key, t in times.items()}
     rows = []
     for S in budgets:
-        pairs = estimate_cost(1, 1, a.n, ("estimate", a.queries)) + attended_cost(lists[S], 1, a.n, a.block)
+        pairs = int(estimate_cost(1, 1, a.n, ("estimate", a.queries)) + attended_cost(lists[S], 1, a.n, a.block))
         ideal = exact_pairs / pairs
         speed = ms["exact"] / ms[S]
         f = flex.get(S)

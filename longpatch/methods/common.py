@@ -139,7 +139,10 @@ def guards_nonfinite(op):
         q, k, v = (t.contiguous() if isinstance(t, torch.Tensor) and t.dim() == 4 and t.shape[-1] > 1
                    and t.stride(-1) != 1 else t for t in (q, k, v))
         floats = all(isinstance(t, torch.Tensor) and t.is_floating_point() and not t.is_meta for t in (q, k, v))
-        if not floats:  # the op's own argument check names what is wrong
+        # Inside a caller's compiled region (torch.compile, a CUDA graph's capture) no branch may read
+        # the data: the op runs unguarded, so a NaN/inf key or value row may also turn rows that do not
+        # attend to it NaN (never a finite wrong value). docs/gpu.md says so.
+        if not floats or torch.compiler.is_compiling():  # else the op's own argument check names what is wrong
             return op(q, k, v, **kwargs)
         lse = bool(kwargs.get("return_lse", False))
         if q.dim() == 4 and k.dim() == 4 and q.shape[2] < k.shape[2]:

@@ -37,6 +37,7 @@ the backward reads are not built). Callers fall back to their other paths where 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import re
 import time
@@ -319,6 +320,8 @@ def compiled(name: str, **consts):
     these constants (block size, window, scale, ...): made once per process and configuration,
     fullgraph (no graph break: no host round-trip between the selection's tensors and the kernel),
     with dynamic tensor shapes (a new sequence length does not recompile)."""
+    if torch.compiler.is_compiling():  # a caller's compiled region traces the call itself, fullgraph
+        return functools.partial(_CALLS[name], **consts)
     key = (name, *sorted(consts.items()))
     fn = _COMPILED.get(key)
     if fn is None:

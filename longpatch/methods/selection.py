@@ -199,14 +199,25 @@ def last_queries_estimate(q, k, block: int, m: int, scale: float):
     nb = math.ceil(n / block)
     dev = q.device
     vertical, peak = last_queries_vertical(q, k, block, m, scale)
-    # m <= n: points at least 1 apart round to distinct, increasing positions (no unique(): a host sync)
-    spread = torch.linspace(0, n - 1, m, device=dev).round().long()
+    spread = spread_rows(n, m, dev)
     pb = _block_mass(q, k, spread, 0, scale, nb, block)  # [b, hk, rows, nb]; spread starts at position 0
     off = (spread // block).repeat(g).view(-1, 1) - torch.arange(nb, device=dev).view(1, -1)
     off = off.clamp(min=0).expand(b, hk, -1, -1)  # a future block (offset < 0) has mass 0
     slash = torch.zeros(b, hk, nb, dtype=pb.dtype, device=dev)
     slash.scatter_add_(2, off.reshape(b, hk, -1), pb.reshape(b, hk, -1))
     return vertical, (slash / (g * len(spread))).float(), peak
+
+
+def spread_rows(n: int, m: int, device=None) -> torch.Tensor:
+    """The positions of the estimate's m <= n spread rows: i (n - 1) / (m - 1) for i < m, rounded half to
+    even, in integers. Points at least 1 apart round to distinct, increasing positions. Integer
+    arithmetic is exact at any length: float32's ``linspace`` gave the same rows below 66k tokens for
+    m <= 64 and drifted by one position beyond. The ops run on the device and read nothing back."""
+    i = torch.arange(m, device=device)
+    if m == 1:
+        return i
+    quo, rem = (i * (n - 1)) // (m - 1), (i * (n - 1)) % (m - 1)
+    return quo + ((2 * rem > m - 1) | ((2 * rem == m - 1) & (quo % 2 == 1))).long()
 
 
 def block_scores(vertical: torch.Tensor, slash: torch.Tensor) -> torch.Tensor:
@@ -280,6 +291,8 @@ def antidiagonal_scores(q, k, block: int, stride: int, scale: float) -> torch.Te
     qt = torch.zeros(b, hq, nt * stride, d, dtype=acc, device=q.device)
     if gpu:
         qt[:, :, :n] = q
+    elif torch.compiler.is_compiling():  # a compiled region takes no out= view; the same product
+        qt[:, :, :n] = q * (scale / stride)
     else:
         torch.mul(q, scale / stride, out=qt[:, :, :n])
     qt = qt.view(b, hq, nt, stride * d)
@@ -438,7 +451,7 @@ def prefill_blocks(state: dict | None, q, k, block: int, max_blocks: int, mass: 
     if state is not None:
         b, hq, n, _ = q.shape
         state["kept"] = blocks[:, :, -1]
-        state["work"] = {"estimate_pairs": estimate_cost(b, hq, n, scoring, final_topk > 0),
+        state["work"] = {"estimate_pairs": estimate_cost(b, hq, n, scoring, final_topk > 0, q.device),
                          "attended_pairs": attended_cost(blocks, hq, n, block)}
     return blocks
 
@@ -513,35 +526,34 @@ def decode_blocks(q, k, block: int, max_blocks: int, local_blocks: int, scale: f
     return select_blocks(scores, max_blocks, None, local_blocks, sink_blocks)[:, :, -1]
 
 
-def estimate_cost(b: int, hq: int, n: int, scoring: tuple[str, int], final_row: bool = False) -> int:
+def estimate_cost(b: int, hq: int, n: int, scoring: tuple[str, int], final_row: bool = False, device=None):
     """Query-key products of a selection's estimate on an n-token prefill, per query head summed:
     the last-queries estimate's last and spread rows, each against its visible keys; the
     antidiagonal scoring's stride products per (query tile, past key tile); the hybrid's
     antidiagonal products and last rows; with ``final_row``, the last query's row of
-    ``final_row_blocks`` (n more)."""
+    ``final_row_blocks`` (n more). An int, or for the estimate (whose spread rows are counted where
+    they are made, on ``device``) a 0-d int64 tensor: no host round-trip (``int()`` it where it is read)."""
     if final_row:
-        return estimate_cost(b, hq, n, scoring) + b * hq * n
+        return estimate_cost(b, hq, n, scoring, device=device) + b * hq * n
     kind, amount = scoring[0], scoring[-1]
+    m = min(scoring[1], n)
+    last = m * (2 * n - m + 1) // 2  # rows n - m .. n - 1, each against its own position + 1 keys
     if kind in STRIDED:
-        nt = math.ceil(n / amount)
+        nt = -(-n // amount)
         anti = b * hq * amount * nt * (nt - 1) // 2
-        if kind == "antidiagonal":
-            return anti
-        m = min(scoring[1], n)
-        return anti + b * hq * int((torch.arange(n - m, n) + 1).sum())
-    m = min(amount, n)
-    spread = torch.linspace(0, n - 1, m).round().long()  # as last_queries_estimate's
-    return b * hq * (int((torch.arange(n - m, n) + 1).sum()) + int((spread + 1).sum()))
+        return anti if kind == "antidiagonal" else anti + b * hq * last
+    return b * hq * (last + (spread_rows(n, m, device) + 1).sum())
 
 
-def attended_cost(blocks: torch.Tensor, hq: int, n: int, block: int) -> int:
+def attended_cost(blocks: torch.Tensor, hq: int, n: int, block: int) -> torch.Tensor:
     """Query-key products the executor computes for ``blocks`` on an n-token prefill: each query
-    block's listed blocks in full and its own block's causal half, per query head summed."""
+    block's listed blocks in full and its own block's causal half, per query head summed. A 0-d int64
+    tensor on the blocks' device: counting it needs no host round-trip (``int()`` it where it is read)."""
     b, hk, nb, _ = blocks.shape
     g = hq // hk
     sizes = torch.clamp(n - torch.arange(nb, device=blocks.device) * block, max=block)  # rows of each block
-    listed = int(((blocks >= 0).sum(-1) * sizes).sum()) * block * g
-    return listed + b * hq * int((sizes * (sizes + 1) // 2).sum())
+    listed = ((blocks >= 0).sum(-1) * sizes).sum() * (block * g)
+    return listed + b * hq * (sizes * (sizes + 1) // 2).sum()
 
 
 def estimated_pairs(q, k, block: int, max_blocks: int, mass: float | None, scoring: tuple[str, int],
@@ -549,5 +561,5 @@ def estimated_pairs(q, k, block: int, max_blocks: int, mass: float | None, scori
     """All query-key products of an estimated prefill (``estimate_cost`` + ``attended_cost``)."""
     blocks = estimated_blocks(q, k, block, max_blocks, mass, scoring, local_blocks, scale, sink_blocks, final_topk)
     n = q.shape[2]
-    return (estimate_cost(q.shape[0], q.shape[1], n, scoring, final_topk > 0)
-            + attended_cost(blocks, q.shape[1], n, block))
+    return int(estimate_cost(q.shape[0], q.shape[1], n, scoring, final_topk > 0)
+               + attended_cost(blocks, q.shape[1], n, block))
