@@ -293,6 +293,21 @@ def test_nothing_visible_gives_zero_and_minus_inf():
     assert torch.equal(sc.double(), ref)
 
 
+def test_triton_selection_scores_ranked_in_row_tiles(monkeypatch):
+    """The scoring kernel called a tile of query rows at a time (``naive.compose``, for memory): the
+    rows are the last ones of a shorter prefix, so the kernel's position offset carries the tile."""
+    from longpatch.methods.nsa import naive
+
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(1, h, 70, 16, generator=gen) for h in (4, 2, 2))
+    kw = dict(compress_block=16, compress_stride=8, select_block=16, num_selected=3, window=16, return_lse=True)
+    with torch.no_grad():
+        whole = M.nsa_attention(q, k, v, backend="triton", **kw)
+        monkeypatch.setattr(naive, "SCORE_ELEMS", 2 * 5 * 9)  # kv heads x blocks x 9 rows: 8 tiles
+        tiled = M.nsa_attention(q, k, v, backend="triton", **kw)
+    assert torch.equal(whole[0], tiled[0]) and torch.equal(whole[1], tiled[1])
+
+
 def test_triton_backend_equals_torch_backend():
     """The whole method on the two backends: topk_blocks on the kernel scores, the gated sum, and the
     gradients of q, k, v through every branch."""

@@ -15,8 +15,9 @@ The torch path makes batched calls of torch's fused CPU attention kernel (which 
 one for every diagonal block at once (causal), then, for the query blocks that list the same number
 of blocks, one per chunk of them against their gathered blocks (no mask: the kernel's fastest form),
 merged by their LSEs. Its work is the attended pairs plus one copy of each listed block (whole
-blocks, one memcpy each): no n x n matrix, no per-row index lists. ``backend="triton"`` runs the
-Triton twin instead (``kernels/blocksparse.py``). A one-token decode step attends its blocks in
+blocks, one memcpy each): no n x n matrix, no per-row index lists. On a GPU FlexAttention runs the
+lists (``flex.py``); its Triton twin was removed once flex measured 2.0-2.5x faster at the same
+lists on an H100 (docs/gpu.md). A one-token decode step attends its blocks in
 place, without copying them: on views of the cache (``cpu_flash.attend_spans``), or, scattered, by
 one sparse call over their rows (``cpu_flash.cache_rows``).
 
@@ -29,7 +30,7 @@ import math
 
 import torch
 
-from .common import acc_dtype, exp_below_max_, gather_blocks, merge_lse
+from .common import acc_dtype, exp_below_max_, gather_blocks, merge_lse, warn_once
 from .cpu_flash import additive_mask, attend_spans, cache_rows, fused_ok, merge_spans, row_scores, row_sum, spans_ok
 from .lse_attention import attend
 
@@ -58,17 +59,19 @@ def _gather(x: torch.Tensor, idx: torch.Tensor, buf: torch.Tensor | None) -> tor
 def block_sparse_prefill(q, k, v, blocks: torch.Tensor, block: int, scale: float, backend: str = "torch",
                          need_lse: bool = True):
     """(out [b, hq, n, d], lse [b, hq, n] float32/float64) of causal prefill (q_len == kv_len = n).
-    backend "triton": the executor's Triton kernel (``kernels/blocksparse.py``, its twin); "flex":
-    FlexAttention (``flex.py``; lse None without ``need_lse``), where it runs, else what 'auto'
-    runs without it; else the torch path below."""
+    backend "flex": FlexAttention (``flex.py``; lse None without ``need_lse``), where it runs (CUDA;
+    the CPU without gradients or LSE), else the torch path below; "triton" (its Triton kernel was
+    removed, issue 40): flex on CUDA, else the torch path, said once in the log."""
+    if backend == "triton":  # the executor's Triton kernel is gone: FlexAttention runs these lists faster
+        warn_once("blocksparse-triton", "longpatch: backend 'triton' runs the block-sparse executor on "
+                                        + ("FlexAttention" if q.is_cuda else "its torch path")
+                                        + " (its Triton kernel was removed: on an H100 flex ran the same block "
+                                          "lists 2.0-2.5x faster, docs/gpu.md)")
+        backend = "flex" if q.is_cuda else "torch"
     if backend == "flex":
-        from .flex import fallback_backend, flex_block_sparse, supports
+        from .flex import flex_block_sparse, supports
         if supports(q, k, v, block, need_lse):
             return flex_block_sparse(q, k, v, blocks, block, scale, need_lse)
-        backend = fallback_backend(q)
-    if backend == "triton":
-        from ..kernels.blocksparse import block_sparse_attention  # lazily: triton is optional
-        return block_sparse_attention(q, k, v, blocks, block, scale)
     b, hq, n, d = q.shape
     hk = k.shape[1]
     g = hq // hk

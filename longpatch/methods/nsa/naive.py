@@ -150,16 +150,30 @@ REFERENCE = SimpleNamespace(compressed_attention=compressed_attention_reference,
                             window_attention=window_attention_reference)
 
 
+# Block importances ranked at once, per tile of query rows (b x kv_heads x rows x blocks). Whole, the
+# importances [b, hk, n, ns] float32 and their int64 ranking keys were 8.6 GB and 17 GB at 131k with
+# blocks of 64: most of the 42 GB peak an H100 measured for the paper's NSA (docs/gpu.md). A tile of
+# 1 << 26 is 256 MB of importances.
+SCORE_ELEMS = 1 << 26
+
+
 def compose(prims, q, k, v, k_cmp, v_cmp, cfg):
     """The method from its four primitives (references or Triton kernels) and topk_blocks. Returns
     the three branch outputs and LSEs."""
     kw = dict(scale=cfg.scale, kv_len=cfg.nk)
     blocks = dict(compress_block=cfg.l, compress_stride=cfg.s)
     o_c, l_c = prims.compressed_attention(q, k_cmp, v_cmp, **blocks, **kw)
+    b, hq, nq, _ = q.shape
+    rows = max(1, SCORE_ELEMS // (b * k_cmp.shape[1] * math.ceil(cfg.nk / cfg.sb)))
     with torch.no_grad():
-        scores = prims.selection_scores(q, k_cmp, l_c, **blocks, select_block=cfg.sb, init_blocks=cfg.init_blocks,
-                                        local_blocks=cfg.local_blocks, **kw)
-        idx = topk_blocks(scores, cfg.num_selected)
+        idx = []
+        for r0 in range(0, nq, rows):  # rows r0.. are the last rows of the first nk - nq + r1 keys
+            r1 = min(nq, r0 + rows)
+            scores = prims.selection_scores(q[:, :, r0:r1], k_cmp, l_c[:, :, r0:r1], **blocks, select_block=cfg.sb,
+                                            init_blocks=cfg.init_blocks, local_blocks=cfg.local_blocks,
+                                            scale=cfg.scale, kv_len=cfg.nk - nq + r1)
+            idx.append(topk_blocks(scores, cfg.num_selected))
+        idx = torch.cat(idx, 2)
     o_s, l_s = prims.selected_attention(q, k, v, idx, select_block=cfg.sb, **kw)
     o_w, l_w = prims.window_attention(q, k, v, window=cfg.window, **kw)
     return (o_c, o_s, o_w), (l_c, l_s, l_w)
