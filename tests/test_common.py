@@ -98,3 +98,18 @@ def test_torch_paths_run_where_the_fused_cpu_kernel_does_not(name, monkeypatch):
     torch.testing.assert_close(plain[0], fused[0], atol=2e-5, rtol=2e-5)
     if fused[1] is not None:
         torch.testing.assert_close(plain[1], fused[1], atol=2e-5, rtol=2e-5)
+
+
+def test_decode_softmax_of_rows_far_below_their_max_equals_its_definition():
+    """``cpu_flash.softmax_lse`` floors exp's inputs at EXP_FLOOR (torch's slow exp path): on rows
+    spread like a real model's (most keys 100+ below the max) it equals the float64 softmax and
+    logsumexp, and an infinite score still makes its row NaN."""
+    from longpatch.methods.common import EXP_FLOOR
+    from longpatch.methods.cpu_flash import softmax_lse
+
+    s = torch.randn(6, 300, generator=torch.Generator().manual_seed(0)) * 60
+    assert float((s - s.amax(-1, keepdim=True)).min()) < 2 * EXP_FLOOR
+    p, lse = softmax_lse(s.clone())
+    torch.testing.assert_close(p.double(), torch.softmax(s.double(), -1), atol=1e-7, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), torch.logsumexp(s.double(), -1, keepdim=True), atol=1e-5, rtol=1e-6)
+    assert softmax_lse(torch.tensor([[0.0, float("inf")]]))[0].isnan().all()

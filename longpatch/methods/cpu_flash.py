@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-from .common import acc_dtype
+from .common import acc_dtype, exp_below_max_
 
 FA_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 FA_CPU_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
@@ -274,11 +274,16 @@ def row_sum(rows: CacheRows, weights: list[torch.Tensor]) -> torch.Tensor:
 
 
 def softmax_lse(s: torch.Tensor, need_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(softmax, logsumexp [..., 1] or None) along the last dim. The LSE from the largest score,
-    whose probability exp(max - lse) >= 1 / L does not underflow: 3 small ops, where logsumexp then
-    exp(s - lse) take about twice as long."""
-    p = torch.softmax(s, -1)
-    return p, (s.amax(-1, keepdim=True) - p.amax(-1, keepdim=True).log_()) if need_lse else None
+    """(softmax, logsumexp [..., 1] or None) along the last dim of finite scores, in place on s (the
+    callers' own score rows). Differences below a row's maximum are floored at ``EXP_FLOOR`` before
+    exp (``common.exp_below_max_``): torch's CPU exp is 50-100x slower for float32 inputs below about
+    -87, which real score rows reach (torch.softmax took 4x longer on rows spread like a model's);
+    a key 80 below the maximum weighs under 2e-35 of it, which moves no float32 sum. An infinite
+    score makes the row NaN, as softmax does (the ops' non-finite guard then isolates its row)."""
+    top = s.amax(-1, keepdim=True)
+    p = exp_below_max_(s, top)
+    total = p.sum(-1, keepdim=True)
+    return p.div_(total), (top + total.log()) if need_lse else None
 
 
 def attend_rows(q, k, v, pos: torch.Tensor, scale: float, need_lse: bool = True):
