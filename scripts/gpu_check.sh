@@ -20,9 +20,10 @@
 # DRY_RUN=1: one 1024-token prompt. `bash scripts/gpu_check.sh issue40+41`: both in one lease (SKIP_KERNELS=1
 # leaves out the kernels' bf16 check, e.g. when an earlier call of the lease measured it).
 # FLEX_LIMIT, E2E_LIMIT, NEEDLE_LIMIT: the steps' time limits in seconds (200, 170, 240 per template).
-# `bash scripts/gpu_check.sh selection` (about 6 minutes on an H100, at most 7.7 with its step limits): the query-aware
-# selections' GPU form against the CPU code (gpu_flex_check.py without the demo logits), the flex table
-# (gpu_flex.py), issue 41's needles (TRIALS, default 2) and Llama-3.1-8B's architecture at 128k only.
+# `bash scripts/gpu_check.sh selection` (about 6.5 minutes on an H100, at most 8.4 with its step limits): the
+# query-aware selections' GPU form against the CPU code (gpu_flex_check.py without the demo logits), the flex
+# table (gpu_flex.py), a decode step's profile (gpu_decode_profile.py), issue 41's needles (TRIALS, default
+# 2; their agreements, not their records) and Llama-3.1-8B's architecture at 128k only.
 set -u
 OUT=${OUT:-runs/gpu}
 SUITE=${1:-issue40}
@@ -73,7 +74,7 @@ issue41() {
     $PY scripts/needle_agreement.py --reference docs/img/heldout/grid_$t/records.jsonl \
       docs/img/heldout/rerun/seed0_$t/records.jsonl --other "$TMP/needle_$t/records.jsonl" --out "$OUT/needle_agreement_$t.json"
     echo "=== agreement rc=$?"
-    cp "$TMP/needle_$t/records.jsonl" "$OUT/needle_$t.records.jsonl"
+    [ "${KEEP_RECORDS:-1}" = 0 ] || cp "$TMP/needle_$t/records.jsonl" "$OUT/needle_$t.records.jsonl"
   done
 }
 selection() {
@@ -84,7 +85,11 @@ selection() {
     step ${CHECK_LIMIT:-90} $PY scripts/gpu_flex_check.py --lengths 4100 --demo-len 0 --out "$OUT/flex_check.json"
     TORCH_LOGS=recompiles step ${FLEX_LIMIT:-110} $PY scripts/gpu_flex.py --out "$OUT/flex.json"
   fi
-  TRIALS=${TRIALS:-2} NEEDLE_LIMIT=${NEEDLE_LIMIT:-90} issue41
+  # where a decode step's time goes (launches, syncs, kernels); the dry run: tiny, on the CPU
+  step ${PROFILE_LIMIT:-45} $PY scripts/gpu_decode_profile.py $([ "${DRY_RUN:-0}" = 1 ] && echo --dry-run --steps 3) \
+    --out "$OUT/decode_profile.json"
+  # at most 8 files come back from a lease: the agreements, not the needle records
+  KEEP_RECORDS=0 TRIALS=${TRIALS:-2} NEEDLE_LIMIT=${NEEDLE_LIMIT:-90} issue41
   [ "${DRY_RUN:-0}" = 1 ] || step ${E2E_LIMIT:-70} $LP bench generate --model llama-3.1-8b --random-weights --method moba \
     --set selection=estimate --set chunk_size=256 --set topk=16 --set mass=0.9 --set local_blocks=1 --layers all \
     --contexts 131072 --new-tokens 8 --no-plots --no-progress --out "$TMP/e2e"

@@ -100,3 +100,14 @@ def test_needle_agreement_matches_prompts_and_flags_a_lost_needle(tmp_path, caps
     _needle_records(rerun, [("moba", "b", False, "9")])
     assert mod.main(["--reference", str(ref), str(rerun), "--other", str(gpu), "--out", str(out)]) == 0
     assert json.loads(out.read_text())["configs"]["moba"]["reference_kept"] == 1
+
+
+def test_gpu_decode_profile_dry_run_times_every_step(tmp_path):
+    """scripts/gpu_decode_profile.py (where a decode step's time goes on a GPU), tiny, on the CPU."""
+    out = tmp_path / "profile.json"
+    assert load_script("gpu_decode_profile").main(["--dry-run", "--cache-len", "4096", "--steps", "2",
+                                                   "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["cases"]
+    assert [r["case"] for r in rows] == ["sdpa", "moba query-aware", "nsa query-aware", "sparse defaults"]
+    assert all(r["wall_ms"] > 0 and r["aten_ops_per_step"] >= 1 for r in rows)
+    assert rows[1]["aten_ops_per_step"] > rows[0]["aten_ops_per_step"]  # a selection step is many ops
