@@ -486,6 +486,7 @@ def warm_up(device="cuda", dtype=torch.bfloat16, heads: int = 32, kv_heads: int 
                 timed(f"band window={window} global={glob} n={n}", flex_band, q, k, v, window, glob, scale, need_lse)
         for scoring in selections:  # the selections' fused score passes (gpu_scores.py: CUDA, half precision)
             if gpu_scores.applies(q):
-                timed(f"selection {scoring[0]} n={n}", estimated_blocks, q, k, blocks[-1], 4, 0.9, scoring, 1, scale,
-                      1, 1)
+                select = functools.partial(estimated_blocks, block=blocks[-1], max_blocks=4, mass=0.9, scoring=scoring,
+                                           local_blocks=1, scale=scale, final_topk=1)
+                timed(f"selection {scoring[0]} n={n}", select, q, k)
     return {"compile_s": round(time.perf_counter() - t_all, 3), "calls": calls}

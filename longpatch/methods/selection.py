@@ -536,12 +536,13 @@ def estimate_cost(b: int, hq: int, n: int, scoring: tuple[str, int], final_row: 
     if final_row:
         return estimate_cost(b, hq, n, scoring, device=device) + b * hq * n
     kind, amount = scoring[0], scoring[-1]
-    m = min(scoring[1], n)
-    last = m * (2 * n - m + 1) // 2  # rows n - m .. n - 1, each against its own position + 1 keys
-    if kind in STRIDED:
+    if kind == "antidiagonal":  # scoring: (kind, stride)
         nt = -(-n // amount)
-        anti = b * hq * amount * nt * (nt - 1) // 2
-        return anti if kind == "antidiagonal" else anti + b * hq * last
+        return b * hq * amount * nt * (nt - 1) // 2
+    m = min(scoring[1], n)  # the last-queries rows: estimate (kind, m), hybrid (kind, m, stride)
+    last = m * (2 * n - m + 1) // 2  # rows n - m .. n - 1, each against its own position + 1 keys
+    if kind == "hybrid":
+        return estimate_cost(b, hq, n, ("antidiagonal", amount)) + b * hq * last
     return b * hq * (last + (spread_rows(n, m, device) + 1).sum())
 
 
