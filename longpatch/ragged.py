@@ -37,11 +37,29 @@ def whole(segments: list[Segment], batch: int, q_len: int, kv_len: int) -> bool:
         s == Segment(b, 0, q_len, 0, kv_len) for b, s in enumerate(sorted(segments, key=lambda s: s.row)))
 
 
+def static_offset(visible: torch.Tensor) -> int:
+    """The key column of the first query row of a causal visibility mask [batch, q_len, kv_len]: kv_len -
+    q_len (the queries are the last keys) but for a static cache's preallocated buffer. transformers'
+    StaticCache hands every call its whole buffer, the columns after the tokens written so far empty
+    and hidden from every query; there the queries end at the last query row's last visible key (the
+    same column in every batch row that sees anything, none seeing past it)."""
+    b, q_len, kv_len = visible.shape
+    last_row = visible[:, -1]
+    sees = last_row.any(-1)
+    if q_len >= kv_len or not bool(sees.any()):
+        return kv_len - q_len
+    ends = kv_len - 1 - last_row.flip(-1).view(torch.uint8).argmax(-1)  # each row's last visible key
+    end = int(ends[sees].max())
+    if end == kv_len - 1 or end < q_len - 1 or bool((ends[sees] != end).any()) or bool(visible[..., end + 1:].any()):
+        return kv_len - q_len
+    return end - (q_len - 1)
+
+
 def from_visible(visible: torch.Tensor, causal: bool) -> list[Segment] | None:
     """Segments from a visibility mask [batch, q_len, kv_len] (True = the query sees the key), or None when
     the mask is not a union of contiguous causal (or, non-causal, full) blocks, one per sequence."""
     b, q_len, kv_len = visible.shape
-    off = kv_len - q_len
+    off = kv_len - q_len if not causal else static_offset(visible)
     out: list[Segment] = []
     own = torch.arange(q_len, device=visible.device) + off  # each query's own key column
     for row in range(b):  # one row at a time

@@ -211,3 +211,41 @@ def test_window_summaries_append_in_place_and_keep_handed_out_views():
     again = window_summaries(state, ("sums",), k2[:, :, :130], None, 8, 8, summarize)[0]
     torch.testing.assert_close(again, summarize(k2[:, :, :128], None)[0], rtol=0, atol=0)
     torch.testing.assert_close(first, before, rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------- transformers' StaticCache
+
+_STATIC_CONFIGS = {
+    "moba-hybrid": {"method": "moba", "params": {"chunk_size": 32, "topk": 4, "selection": "hybrid", "mass": 0.9,
+                                                 "estimate_queries": 16, "score_stride": 16, "decode_topk": 2,
+                                                 "decode_page": 4}, "layers": "all"},
+    "moba": {"method": "moba", "params": {"chunk_size": 32, "topk": 2}, "layers": "all"},
+    "nsa-hybrid": {"method": "nsa", "params": {"compress_block": 16, "compress_stride": 8, "select_block": 32,
+                                               "num_selected": 4, "window": 32, "selection": "hybrid", "mass": 0.9,
+                                               "estimate_queries": 16, "score_stride": 16}, "layers": "all"},
+    "sparse": {"method": "sparse", "layers": "all"},
+}
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("name", list(_STATIC_CONFIGS))
+def test_generation_with_a_static_cache_equals_the_dynamic_cache(name, attn, one_thread):
+    """transformers' StaticCache hands every call its whole preallocated buffer: the columns after the
+    tokens written so far are empty, and the first call may come without a mask (SDPA's top-left causal
+    mask is right there). A patched layer reads where its queries sit from the mask (or its absence) and
+    attends to the written keys only: generate gives the dynamic cache's tokens, also for a left-padded
+    batch. (Before, the queries were taken as the buffer's last rows: empty keys and future ones were
+    read, and the tokens went wrong without a word.)"""
+    model = tiny_model("llama", attn_implementation=attn).eval()
+    patch_model(model, {**_STATIC_CONFIGS[name], "min_seq_len": 0})
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, 200, (2, 200), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :37] = 0  # the second row left-padded
+    for kw in ({"input_ids": ids[:1]}, {"input_ids": ids, "attention_mask": mask}):
+        with torch.no_grad():
+            dyn = model.generate(**kw, max_new_tokens=8, do_sample=False)
+            static = model.generate(**kw, max_new_tokens=8, do_sample=False, cache_implementation="static")
+        assert torch.equal(static, dyn)
+    counts = model.longpatch.breakdown()["patched"]
+    assert counts["prefill"]["method"]["calls"] > 0 and counts["decode"]["method"]["calls"] > 0

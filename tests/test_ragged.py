@@ -90,3 +90,22 @@ def test_a_forward_reads_its_mask_once(monkeypatch):
     with torch.no_grad():
         model(torch.randint(0, 256, (2, 24)), attention_mask=mask)
     assert len(reads) == 1 and model.longpatch.num_layers == 4
+
+
+def test_a_static_buffers_queries_sit_before_its_empty_columns():
+    """A static cache's buffer: the queries end at the last visible key, not at the buffer's end; other
+    layouts keep the queries as the last keys (left or right padding, a plain decode step)."""
+    n, extra = 10, 6
+    vis = torch.zeros(2, 3, n + extra, dtype=torch.bool)
+    vis[:, :, :n] = _causal([0, 4], n)[:, -3:]  # the last 3 of 10 queries, 6 empty columns after
+    assert ragged.static_offset(vis) == n - 3
+    assert ragged.from_visible(vis, True) == [Segment(0, 0, 3, 0, n), Segment(1, 0, 3, 4, n)]
+    for plain in (_causal([0, 4], n), _causal([0, 4], n, right=True), _causal([2], n)[:, -1:]):
+        assert ragged.static_offset(plain) == plain.shape[2] - plain.shape[1]
+    # rows ending at different columns, or a query seeing past the last row's end: not a static buffer
+    odd = vis.clone()
+    odd[1, -1, n - 1] = False
+    assert ragged.static_offset(odd) == n + extra - 3
+    odd = vis.clone()
+    odd[0, 0, n + 2] = True
+    assert ragged.static_offset(odd) == n + extra - 3

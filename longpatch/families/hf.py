@@ -106,6 +106,10 @@ def _segments(mask, query, key, causal: bool, kwargs) -> tuple[list | None, str 
             return None, "packed sequences with different query and key offsets"
         cu = cu_q.tolist()
         segs = [ragged.Segment(0, s, e, s, e) for s, e in zip(cu[:-1], cu[1:]) if e > s]
+    elif mask is None and causal and 1 < q_len < kv_len:
+        # transformers hands no mask only where SDPA's own causal mask, aligned top-left, is right: a static
+        # cache's first call (transformers >= 5.17), its queries the first q_len keys of the buffer
+        segs = [ragged.Segment(row, 0, q_len, 0, q_len) for row in range(b)]
     elif mask is None:
         pos = kwargs.get("position_ids")
         if not ragged.restarts(pos, q_len, kv_len):
