@@ -661,8 +661,9 @@ def bench_generate(
     warmup: int = typer.Option(1, "--warmup", help="untimed short generations per configuration"),
     cache: str = typer.Option("growing", "--cache",
                               help="KV cache of the decode steps: growing (longpatch.cache.GrowingCache, "
-                                   "no per-token copy) or dynamic (transformers' DynamicCache, which "
-                        "copies the whole cache every token)"),
+                                   "no per-token copy), dynamic (transformers' DynamicCache, which "
+                                   "copies the whole cache every token) or static (transformers' StaticCache, "
+                                   "preallocated)"),
     filler: str = typer.Option("demo", "--filler",
                                help="prompt text: demo, a .txt or .jsonl file, or longbench:<subsets>"),
     tokenizer: Optional[str] = tokenizer_option(),

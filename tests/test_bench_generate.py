@@ -64,6 +64,17 @@ def test_records_files_and_greedy_tokens(tmp_path, configs, one_thread):
     assert written_by(out) == "bench generate"
 
 
+def test_a_static_cache_gives_the_growing_caches_tokens(tmp_path, configs, one_thread):
+    """--cache static: transformers' StaticCache, preallocated for the prompt and the new tokens; the patched
+    layers run the method in every step on the written keys, so the tokens are the growing cache's."""
+    moba, _ = configs
+    runs = {c: run_generate_bench("tiny:llama", moba, None, "256", NEW, tmp_path / c, tokenizer="bytes",
+                                  progress=False, cache=c, plots=False)["records"] for c in ("growing", "static")}
+    assert [r["tokens"] for r in runs["static"]] == [r["tokens"] for r in runs["growing"]]
+    m = next(r for r in runs["static"] if r["config"] == moba)
+    assert m["paths"]["decode"] == {"method": 2 * (NEW - 1)}
+
+
 def test_cli_prints_the_table(tmp_path, one_thread):
     out = tmp_path / "out"
     r = runner.invoke(cli.app, ["bench", "generate", "--model", "tiny:llama", "--tokenizer", "bytes", "--method",
@@ -95,7 +106,7 @@ def _one_line_error(r, *needles):
     (["--layers", "9"], ["layers: got 9", "4 layers"]),
     (["--filler", "missing.txt"], ["--filler", "missing.txt"]),
     (["--threads", "0"], ["--threads: got 0"]),
-    (["--cache", "static"], ["cache: got 'static'", "growing, dynamic"]),
+    (["--cache", "paged"], ["cache: got 'paged'", "growing, dynamic, static"]),
     (["--tokenizer", None], ["tokenizer", "tiny:llama", "--tokenizer"]),
 ])
 def test_bad_options_fail_in_one_line_and_write_nothing(tmp_path, args, needles):

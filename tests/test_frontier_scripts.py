@@ -55,3 +55,14 @@ def test_frontier_report_counts_kept_needles_and_speedups(tmp_path, capsys):
     assert (row["found"], row["kept"], row["exact_found"]) == (2, 1, 2)  # the 0.9 find is not one exact made
     assert row["prefill_speedup"] == pytest.approx(3.0) and (out / "frontier.png").exists()
     assert mod.main(["--needles", str(needles), "--generate", str(tmp_path / "none"), "--out", str(out)]) == 2
+
+
+def test_sdpa_rows_times_every_row_count_and_thread_count(tmp_path, capsys):
+    mod = load_script("sdpa_rows")
+    assert mod.main(["--rows", "64,256", "--threads", "1", "--keys", "128", "--pairs", "65536", "--repeats", "1",
+                     "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "results.json").read_text())["results"]
+    assert [(r["threads"], r["rows"]) for r in res] == [(1, 64), (1, 256)]
+    assert all(r["ns_per_pair"] > 0 for r in res) and (tmp_path / "sdpa_rows.png").exists()
+    assert mod.main(["--rows", "0", "--out", str(tmp_path / "x")]) == 2
+    assert "--rows: got 0" in capsys.readouterr().err and not (tmp_path / "x").exists()

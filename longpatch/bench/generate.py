@@ -55,7 +55,9 @@ CSV_FILE = "results.csv"
 PLOT_FILE = "generate.png"
 UNPATCHED = "exact"  # the row of the model without a patch: the baseline's one name in every output
 COMMAND = "bench generate"  # marks its --out (outdir.claim_out)
-CACHES = ("growing", "dynamic")  # --cache: longpatch.cache.GrowingCache, transformers' DynamicCache
+# --cache: longpatch.cache.GrowingCache, transformers' DynamicCache, transformers' StaticCache (the whole
+# generation preallocated: the layout a CUDA graph of the step needs)
+CACHES = ("growing", "dynamic", "static")
 CSV_COLUMNS = ["config", "method", "layers", "context", "batch", "new_tokens", "ttft_s", "decode_ms_per_token",
                "decode_tokens_per_s", "tokens_per_s", "total_s", "ttft_speedup", "decode_speedup", "peak_rss_mib",
                "rss_increase_mib", "peak_cuda_mib", "tokens_match_exact", "warmup_s"]
@@ -139,13 +141,17 @@ def _next_and_cache(out) -> tuple[torch.Tensor, object]:
 def greedy_generate(model, ids: torch.Tensor, new_tokens: int, cache: str = "dynamic") -> dict:
     """Greedy decoding with our own loop: one timed forward of the prompt (TTFT), then one timed
     forward per further token with the KV cache. cache: "growing" hands the prefill a
-    longpatch GrowingCache (where the model takes transformers' Cache objects), "dynamic" leaves
-    the model its default. -> {"tokens", "ttft_s", "step_s": [...]}."""
+    longpatch GrowingCache (where the model takes transformers' Cache objects), "static" a
+    transformers StaticCache of the prompt and the new tokens, "dynamic" leaves the model its default.
+    -> {"tokens", "ttft_s", "step_s": [...]}."""
     sync = synchronizer(ids.device)
     keep, cache_arg = _forward_names(model)
     if cache == "growing" and takes_cache_objects(model):
         from ..cache import GrowingCache
         keep = {**keep, cache_arg: GrowingCache(reserve=new_tokens)}
+    elif cache == "static" and takes_cache_objects(model):
+        from transformers.cache_utils import StaticCache
+        keep = {**keep, cache_arg: StaticCache(config=model.config, max_cache_len=ids.shape[1] + new_tokens)}
     with torch.no_grad():
         sync()
         t0 = time.perf_counter()
@@ -268,9 +274,9 @@ def run_generate_bench(model: str, config=None, layer_counts=None, contexts="819
         label = name or (method or cfg.method)
         points += [(label, p) for p in make_points(cfg, sweep, n_layers, identity) if p.layers]
     say_if_exact(loaded, [p for _, p in points if p is not None], generation_shapes((n, new_tokens) for n in ctx))
-    if cache == "growing" and not takes_cache_objects(loaded):
-        log.warning("longpatch: %s keeps its own KV cache (not transformers' Cache classes): --cache growing "
-                    "does not apply, the model's own cache is timed", type(loaded).__name__)
+    if cache in ("growing", "static") and not takes_cache_objects(loaded):
+        log.warning("longpatch: %s keeps its own KV cache (not transformers' Cache classes): --cache %s "
+                    "does not apply, the model's own cache is timed", type(loaded).__name__, cache)
         cache = "model's own"
     records = _run(loaded, points, ids, ctx, new_tokens, repeats, warmup, device, progress, cache, batch_size)
     meta = machine_meta(model=str(model), filler=None if random_weights else filler, contexts=ctx,
@@ -280,7 +286,8 @@ def run_generate_bench(model: str, config=None, layer_counts=None, contexts="819
                              "(it yields the first token); "
                              "decode_ms_per_token: median of the per-token forward passes with the KV cache; "
                              "tokens_per_s: new_tokens / (ttft + decode time); cache: the KV cache of the decode steps "
-                             "(growing: longpatch.cache.GrowingCache; dynamic: transformers' DynamicCache); warmup_s: "
+                             "(growing: longpatch.cache.GrowingCache; dynamic: transformers' DynamicCache; static: transformers' "
+                             "StaticCache); warmup_s: "
                              "the untimed warm-up generations before a row's first timed one (compiles included)"
                              + ("; random weights and random prompt ids: the costs are the architecture's (a "
                                 "fixed-budget selection costs the same whatever the weights), the tokens mean "
