@@ -298,6 +298,26 @@ def test_batched_generation_equals_each_prompt_alone(name, family):
 
 
 @pytest.mark.parametrize("name", METHODS)
+def test_static_cache_generation_equals_the_dynamic_cache(name):
+    """model.generate with transformers' StaticCache (every call gets the whole preallocated buffer) gives
+    the dynamic cache's tokens on a left-padded batch, through every method's prefill and decode."""
+    model = tiny_model("llama")
+    patch_model(model, _config(name))
+    prompts = _prompts(model.config.vocab_size)
+    n = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), n, dtype=torch.long)
+    mask = torch.zeros(len(prompts), n, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, n - len(p):], mask[i, n - len(p):] = p, 1
+    with torch.no_grad():
+        runs = [model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, **kw)
+                for kw in ({}, {"cache_implementation": "static"})]
+    assert torch.equal(runs[1], runs[0])
+    paths = model.longpatch.breakdown()["patched"]
+    assert "original" not in paths["prefill"] and "original" not in paths["decode"], paths
+
+
+@pytest.mark.parametrize("name", METHODS)
 def test_ragged_rows_ignore_nan_in_padding(name):
     """Padding positions never reach a real row, NaN and inf in padded K/V included."""
     from longpatch import ragged
