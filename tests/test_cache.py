@@ -1,5 +1,7 @@
 """longpatch.cache.GrowingCache (a KV cache that does not copy itself every token) and the ways a
 decode step reads it in place (common.gather_blocks, cpu_flash.attend_spans)."""
+import copy
+
 import pytest
 import torch
 from transformers.cache_utils import DynamicCache
@@ -249,3 +251,31 @@ def test_generation_with_a_static_cache_equals_the_dynamic_cache(name, attn, one
         assert torch.equal(static, dyn)
     counts = model.longpatch.breakdown()["patched"]
     assert counts["prefill"]["method"]["calls"] > 0 and counts["decode"]["method"]["calls"] > 0
+
+
+def test_generate_does_not_auto_compile_a_patched_models_static_cache_steps():
+    """generate() compiles the steps of a static cache (on a GPU; here forced with the compile config's
+    all-devices switch): a patched step is not graph-safe yet, so patching switches that off and unpatching
+    restores the model's own setting."""
+    from transformers.cache_utils import StaticCache
+    from transformers.generation.configuration_utils import CompileConfig
+
+    from longpatch import unpatch_model
+
+    model = tiny_model("llama")
+    before = model.generation_config.disable_compile
+    compile_config = CompileConfig()
+    compile_config._compile_all_devices = True
+    static = StaticCache(config=model.config, max_cache_len=64)
+    kwargs = {"cache": static, "past_key_values": static}  # the cache argument's name in newer and older transformers
+
+    def auto_compiles() -> bool:
+        gen = copy.deepcopy(model.generation_config)
+        gen.compile_config = compile_config
+        return model._valid_auto_compile_criteria(kwargs, gen)
+
+    assert auto_compiles()
+    patch_model(model, {"method": "moba", "params": {"chunk_size": 32, "topk": 2}, "layers": "all"})
+    assert model.generation_config.disable_compile is True and not auto_compiles()
+    unpatch_model(model)
+    assert model.generation_config.disable_compile == before and auto_compiles()

@@ -10,6 +10,7 @@ function hands every call to the `attend` set on the module, with the layer's ro
 """
 from __future__ import annotations
 
+import logging
 import sys
 
 import torch
@@ -201,6 +202,16 @@ class HFAttentionInterfaceFamily:
             raise UnsupportedModelError(f"{type(model).__name__} does not let its attention implementation "
                                         "be switched at runtime")
         model._longpatch_base_impl = base
+        gen = getattr(model, "generation_config", None)
+        if gen is not None and hasattr(gen, "disable_compile"):
+            # generate() compiles the steps of a static cache on a GPU (mode reduce-overhead: CUDA graphs), and
+            # a patched step is not graph-safe yet (it reads its mask on the host and keeps decode state across
+            # steps): kept eager, said in the log; unpatch_model restores the setting
+            model._longpatch_disable_compile = gen.disable_compile
+            gen.disable_compile = True
+            logging.getLogger("longpatch").info(
+                "longpatch: generate() will not auto-compile this patched model's static-cache steps (the patched "
+                "step is not graph-safe yet; docs/gpu.md); set model.generation_config.disable_compile = False to try")
         for m in _attention_modules(model):
             route = routes[m.layer_idx]
             head_dim = getattr(m, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
@@ -216,6 +227,8 @@ class HFAttentionInterfaceFamily:
                 delattr(m, ROUTE_ATTR)
         model.set_attn_implementation(model._longpatch_base_impl)
         del model._longpatch_base_impl
+        if "_longpatch_disable_compile" in vars(model):
+            model.generation_config.disable_compile = vars(model).pop("_longpatch_disable_compile")
 
     def wrap_attention(self, model, attend) -> None:
         if UNWRAPPED_ATTR in vars(model):
