@@ -250,6 +250,16 @@ def _rows(model, prompts, layout: str) -> list[torch.Tensor]:
         return [out[i, a:b] for i, (a, b) in enumerate(spans)]
 
 
+def _left_padded(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention mask) of the prompts as one left-padded batch, as generate() takes them."""
+    n = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), n, dtype=torch.long)
+    mask = torch.zeros(len(prompts), n, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, n - len(p):], mask[i, n - len(p):] = p, 1
+    return ids, mask
+
+
 def _layouts(family: str) -> list[str]:
     # the ChatGLM2 stand-in, like the remote code, takes one row of positions for the whole batch:
     # right padding is its only layout whose positions match each row alone
@@ -282,10 +292,7 @@ def test_batched_generation_equals_each_prompt_alone(name, family):
     patch_model(model, _config(name))
     prompts = _prompts(model.config.vocab_size)
     n, new = max(len(p) for p in prompts), 6
-    ids = torch.zeros(len(prompts), n, dtype=torch.long)
-    mask = torch.zeros(len(prompts), n, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, n - len(p):], mask[i, n - len(p):] = p, 1
+    ids, mask = _left_padded(prompts)
     with torch.no_grad():
         batch = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0)
         for i, p in enumerate(prompts):
@@ -305,11 +312,7 @@ def test_static_cache_generation_equals_the_dynamic_cache(name, family):
     model = tiny_model(family)
     patch_model(model, _config(name))
     prompts = _prompts(model.config.vocab_size)
-    n = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), n, dtype=torch.long)
-    mask = torch.zeros(len(prompts), n, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, n - len(p):], mask[i, n - len(p):] = p, 1
+    ids, mask = _left_padded(prompts)
     with torch.no_grad():
         runs = [model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, **kw)
                 for kw in ({}, {"cache_implementation": "static"})]
