@@ -24,7 +24,10 @@ boundary; the rest of it is not used). Written under ``--out``:
 - ``manifest.json``: the seed, the files of every document (in order) and the token counts.
 
 Run: ``python scripts/heldout_corpora.py --out runs/heldout`` (about 20 s). Tune on ``--data demo``
-only; these corpora are for reporting.
+only; these corpora are for reporting. For more text never measured, build another seed without the
+files an earlier build's documents used (``--exclude``, repeatable, each an earlier ``manifest.json``):
+``python scripts/heldout_corpora.py --out runs/heldout_s1 --seed 1 --docs 8 --exclude
+docs/img/heldout/manifest.json``.
 """
 from __future__ import annotations
 
@@ -83,6 +86,15 @@ def read_unique(files: list[Path]) -> list[tuple[str, str]]:
     return out
 
 
+def used_files(manifests: list[Path], corpus: str) -> set[str]:
+    """The files (as named in a manifest) that earlier builds' documents of ``corpus`` used."""
+    used = set()
+    for m in manifests:
+        for doc in json.loads(m.read_text())["corpora"].get(corpus, {}).get("documents", []):
+            used.update(doc["files"])
+    return used
+
+
 def build(corpus: str, files: list[tuple[str, str]], tok, docs: int, doc_tokens: int, seed: int,
           filler_tokens: int) -> tuple[list, list]:
     """(documents, filler records): documents of at least doc_tokens tokens from the shuffled files."""
@@ -123,17 +135,25 @@ def main() -> None:
     ap.add_argument("--docs", type=int, default=4, help="documents per corpus (perplexity)")
     ap.add_argument("--doc-tokens", type=int, default=16640, help="tokens per document (>= the ppl --seq-len)")
     ap.add_argument("--filler-tokens", type=int, default=160000, help="tokens of needle filler per corpus")
+    ap.add_argument("--exclude", action="append", default=[], metavar="MANIFEST",
+                    help="an earlier build's manifest.json: the files its documents used are left out (repeatable)")
     args = ap.parse_args()
+    for m in args.exclude:
+        try:
+            json.loads(Path(m).read_text())["corpora"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            sys.exit(f"heldout_corpora: --exclude {m}: not a manifest.json of this script ({type(e).__name__})")
     from transformers import AutoTokenizer
 
     from longpatch.assets import demo_model_path
 
     tok = AutoTokenizer.from_pretrained(demo_model_path())
     out = Path(args.out)
-    manifest = {"seed": args.seed, "doc_tokens": args.doc_tokens, "corpora": {}}
+    manifest = {"seed": args.seed, "doc_tokens": args.doc_tokens, "excluded": args.exclude, "corpora": {}}
     for corpus, files in (("code", code_files()), ("prose", prose_files())):
-        docs, filler = build(corpus, read_unique(files), tok, args.docs, args.doc_tokens, args.seed,
-                             args.filler_tokens)
+        used = used_files([Path(m) for m in args.exclude], corpus)
+        fresh = [f for f in read_unique(files) if f[0] not in used]
+        docs, filler = build(corpus, fresh, tok, args.docs, args.doc_tokens, args.seed, args.filler_tokens)
         subset = SUBSET[corpus]
         (out / corpus).mkdir(parents=True, exist_ok=True)
         with open(out / corpus / f"{subset}.jsonl", "w", encoding="utf-8") as f:
