@@ -39,21 +39,20 @@ def _records(out: Path) -> list[dict]:
 
 
 def needles(outs: Path | list[Path]) -> dict:
-    """{config: {found, prompts, kept (of exact's), exact_found, kept_95}} on the prompts every config ran,
-    pooled over the directories ``outs`` (prompts are matched by digest: a config's re-run in one
-    directory pairs with exact's records in another)."""
+    """{config: {found, prompts, kept (of exact's), exact_found, kept_95}}, each config on the prompts both
+    it and exact ran, pooled over the directories ``outs``: prompts are matched by digest, so a config's
+    re-run in one directory pairs with exact's records in another, and a later directory's record of a
+    config and prompt replaces an earlier one's."""
     outs = [outs] if isinstance(outs, Path) else outs
     by = defaultdict(dict)
     for r in (r for out in outs for r in _records(out)):
         name = "exact" if not r["layers"] else r["config"]
         by[name][r["digest"]] = bool(r["correct"])
     exact = by.get("exact", {})
-    common = set(exact)
-    for got in by.values():
-        common &= set(got)
-    found_by_exact = {d for d in common if exact[d]}
     out = {}
     for name, got in by.items():
+        common = set(got) & set(exact)
+        found_by_exact = {d for d in common if exact[d]}
         kept = sum(got[d] for d in found_by_exact)
         out[name] = {"prompts": len(common), "found": sum(got[d] for d in common), "kept": kept,
                      "exact_found": len(found_by_exact), "kept_95": wilson(kept, len(found_by_exact))}
