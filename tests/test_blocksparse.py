@@ -73,40 +73,9 @@ def test_executor_is_causal_and_differentiable():
     torch.testing.assert_close(out2[:, :, :30], out.detach()[:, :, :30], atol=0, rtol=0)
 
 
-def test_executor_runs_kv_heads_on_workers_as_one_thread_does(monkeypatch):
-    """With 2 torch threads the KV heads run on single-threaded workers (run_units), each with its own
-    gather buffers: the same outputs as one thread running them in turn, bit for bit."""
-    import longpatch.methods.blocksparse as bs
-    block, n = 8, 75
-    q, k, v = (torch.cat([t, t.flip(2)]) for t in qkv(n, 6, 3, dtype=torch.float32))  # 2 rows, 3 KV heads
-    blocks = torch.cat([random_blocks(n, block, 4, 3, seed=1), random_blocks(n, block, 4, 3, seed=2)])
-    units, real = [], bs.run_units
-
-    def spy(fn, us):
-        units.extend(us)
-        real(fn, us)
-
-    monkeypatch.setattr(bs, "run_units", spy)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        with torch.no_grad():
-            out2, lse2 = block_sparse_prefill(q, k, v, blocks, block, 0.25)
-        torch.set_num_threads(1)
-        with torch.no_grad():
-            out1, lse1 = block_sparse_prefill(q, k, v, blocks, block, 0.25)
-    finally:
-        torch.set_num_threads(before)
-    assert sorted(units) == sorted([(b, h) for b in range(2) for h in range(3)] * 2)
-    assert torch.equal(out1, out2) and torch.equal(lse1, lse2)
-    ref, ref_lse = masked_reference(q.double(), k.double(), v.double(), blocks, block)
-    torch.testing.assert_close(out2.double(), ref, atol=1e-5, rtol=1e-5)
-
-
 def test_executor_keeps_the_gradient_of_queries_alone():
     """Only q records gradients (k and v frozen): the gathers get fresh tensors, not the reused buffers
-    (which the next chunk overwrote before backward read them: an in-place error), and the heads run in
-    the caller, not on workers, which run without grad."""
+    (which the next chunk overwrote before backward read them: an in-place error in backward)."""
     block, n = 8, 40
     blocks = random_blocks(n, block, 2, 2)
     q, k, v = qkv(n, 4, 2, d=4)

@@ -27,11 +27,10 @@ block: the papers' gates (MoBA's, NSA's compressed ranking) run on it.
 from __future__ import annotations
 
 import math
-import queue
 
 import torch
 
-from .common import acc_dtype, exp_below_max_, gather_blocks, merge_lse, run_units, warn_once
+from .common import acc_dtype, exp_below_max_, gather_blocks, merge_lse, warn_once
 from .cpu_flash import additive_mask, attend_spans, cache_rows, fused_ok, merge_spans, row_scores, row_sum, spans_ok
 from .lse_attention import attend
 
@@ -90,56 +89,39 @@ def block_sparse_prefill(q, k, v, blocks: torch.Tensor, block: int, scale: float
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     most = int(counts.max()) if counts.numel() else 0
     room = min(_CHUNK_ELEMS, nb * most * block * d) if most else 0
+    kbuf = vbuf = None
+    if not grad and room:
+        kbuf, vbuf = (torch.empty(room + most * block * d, dtype=k.dtype, device=k.device) for _ in range(2))
     out = torch.empty(b, hk, nb, g, block, d, dtype=acc, device=q.device)
     lse = torch.empty(b, hk, nb, g, block, dtype=acc, device=q.device)
-    # one pair of buffers per worker that can run at once (run_units: a worker per torch thread)
-    spare = queue.SimpleQueue()
-    if not grad and room:
-        for _ in range(min(b * hk, torch.get_num_threads())):
-            spare.put(tuple(torch.empty(room + most * block * d, dtype=k.dtype, device=k.device) for _ in range(2)))
-
-    def one_head(unit):  # one (batch row, KV head): its diagonal call, then its listed blocks
-        bi, hi = unit
-        kbuf, vbuf = (None, None) if spare.empty() else spare.get()
-        qh = qp[bi, hi * g:(hi + 1) * g].reshape(g, nb, block, d).transpose(0, 1)  # [nb, g, block, d]
-        kh, vh = kp[bi, hi].reshape(nb, block * d), vp[bi, hi].reshape(nb, block * d)
-        o_d, l_d = attend(qh, kh.view(nb, 1, block, d), vh.view(nb, 1, block, d), scale, causal=True)
-        out[bi, hi], lse[bi, hi] = o_d.to(acc), l_d.to(acc)
-        # query blocks with the same number c of listed blocks: one maskless call per chunk of them
-        for c in counts[bi, hi].unique().tolist():
-            if c == 0:
-                continue
-            rows = torch.nonzero(counts[bi, hi] == c).squeeze(1)
-            step = max(1, _CHUNK_ELEMS // (c * block * d))
-            for a in range(0, len(rows), step):
-                r = rows[a:a + step]
-                idx = blocks[bi, hi].index_select(0, r)[:, :c].reshape(-1)
-                kg, vg = _gather(kh, idx, kbuf), _gather(vh, idx, vbuf)  # whole blocks: one copy each
-                kg, vg = kg.view(len(r), 1, c * block, d), vg.view(len(r), 1, c * block, d)
-                # the group's g query heads read the same keys, maskless: one head of g * block
-                # rows to the fused kernel, which works longer queries in larger row tiles (5-6%
-                # less executor time at 32k for g = 2 and 4, measured; the diagonal's causal mask
-                # needs its heads apart)
-                qs = qh.index_select(0, r).reshape(len(r), 1, g * block, d)
-                o_s, l_s = attend(qs, kg, vg, scale)
-                o_s, l_s = o_s.view(len(r), g, block, d), l_s.view(len(r), g, block)
-                o, l_ = merge_lse(out[bi, hi].index_select(0, r), lse[bi, hi].index_select(0, r),
-                                  o_s.to(acc), l_s.to(acc))
-                out[bi, hi].index_copy_(0, r, o)
-                lse[bi, hi].index_copy_(0, r, l_)
-        if kbuf is not None:
-            spare.put((kbuf, vbuf))
-
-    units = [(bi, hi) for bi in range(b) for hi in range(hk)]
-    if grad or q.device.type != "cpu":
-        for unit in units:
-            one_head(unit)
-    else:
-        # a KV head's work is ~30 mid-sized calls with index ops and merges between them: run T-threaded
-        # inside each op, the cores idle between ops (1.5x from a second thread at 32k, where exact
-        # attention's one long call gains 1.6x); whole heads on single-threaded workers keep them busy
-        # (workers run without grad: a call that records gradients runs the heads in the caller above)
-        run_units(one_head, units)
+    for bi in range(b):
+        for hi in range(hk):
+            qh = qp[bi, hi * g:(hi + 1) * g].reshape(g, nb, block, d).transpose(0, 1)  # [nb, g, block, d]
+            kh, vh = kp[bi, hi].reshape(nb, block * d), vp[bi, hi].reshape(nb, block * d)
+            o_d, l_d = attend(qh, kh.view(nb, 1, block, d), vh.view(nb, 1, block, d), scale, causal=True)
+            out[bi, hi], lse[bi, hi] = o_d.to(acc), l_d.to(acc)
+            # query blocks with the same number c of listed blocks: one maskless call per chunk of them
+            for c in counts[bi, hi].unique().tolist():
+                if c == 0:
+                    continue
+                rows = torch.nonzero(counts[bi, hi] == c).squeeze(1)
+                step = max(1, _CHUNK_ELEMS // (c * block * d))
+                for a in range(0, len(rows), step):
+                    r = rows[a:a + step]
+                    idx = blocks[bi, hi].index_select(0, r)[:, :c].reshape(-1)
+                    kg, vg = _gather(kh, idx, kbuf), _gather(vh, idx, vbuf)  # whole blocks: one copy each
+                    kg, vg = kg.view(len(r), 1, c * block, d), vg.view(len(r), 1, c * block, d)
+                    # the group's g query heads read the same keys, maskless: one head of g * block
+                    # rows to the fused kernel, which works longer queries in larger row tiles (5-6%
+                    # less executor time at 32k for g = 2 and 4, measured; the diagonal's causal mask
+                    # needs its heads apart)
+                    qs = qh.index_select(0, r).reshape(len(r), 1, g * block, d)
+                    o_s, l_s = attend(qs, kg, vg, scale)
+                    o_s, l_s = o_s.view(len(r), g, block, d), l_s.view(len(r), g, block)
+                    o, l_ = merge_lse(out[bi, hi].index_select(0, r), lse[bi, hi].index_select(0, r),
+                                      o_s.to(acc), l_s.to(acc))
+                    out[bi, hi].index_copy_(0, r, o)
+                    lse[bi, hi].index_copy_(0, r, l_)
     out = out.permute(0, 1, 3, 2, 4, 5).reshape(b, hq, npad, d)
     lse = lse.permute(0, 1, 3, 2, 4).reshape(b, hq, npad)
     return out[:, :, :n].to(q.dtype), lse[:, :, :n]
