@@ -133,7 +133,7 @@ def ruler(out: Path) -> dict:
     return {k: dict(v) for k, v in by.items()}
 
 
-def _pairs(items: list[str]) -> list[tuple[str, Path]]:
+def _pairs(items: list[str]) -> list[tuple[str, list[Path]]]:
     return [(i.split("=", 1)[0], [Path(p) for p in i.split("=", 1)[1].split(",")]) for i in items]
 
 
