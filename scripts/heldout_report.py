@@ -38,12 +38,11 @@ def _records(out: Path) -> list[dict]:
     return rows
 
 
-def needles(outs: Path | list[Path]) -> dict:
+def needles(outs: list[Path]) -> dict:
     """{config: {found, prompts, kept (of exact's), exact_found, kept_95}}, each config on the prompts both
     it and exact ran, pooled over the directories ``outs``: prompts are matched by digest, so a config's
     re-run in one directory pairs with exact's records in another, and a later directory's record of a
     config and prompt replaces an earlier one's."""
-    outs = [outs] if isinstance(outs, Path) else outs
     by = defaultdict(dict)
     for r in (r for out in outs for r in _records(out)):
         name = "exact" if not r["layers"] else r["config"]
@@ -96,10 +95,9 @@ def ppl_ratio_interval(pairs: list[tuple[float, float, float]], draws: int = BOO
     return [ratios[int(0.025 * draws)], ratios[int(0.975 * draws) - 1]]
 
 
-def perplexity(outs: Path | list[Path]) -> dict:
+def perplexity(outs: list[Path]) -> dict:
     """{config: ppl, vs_exact, its 95% interval, docs} pooled over the documents that exact and the
     config both scored in the directories ``outs`` (one corpus, one or several runs)."""
-    outs = [outs] if isinstance(outs, Path) else outs
     by = _doc_nll(outs)
     exact = by.get("exact", {})
     result = {}

@@ -291,14 +291,14 @@ def test_batched_generation_equals_each_prompt_alone(name, family):
     model = tiny_model(family)
     patch_model(model, _config(name))
     prompts = _prompts(model.config.vocab_size)
-    n, new = max(len(p) for p in prompts), 6
+    new = 6
     ids, mask = _left_padded(prompts)
     with torch.no_grad():
         batch = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0)
         for i, p in enumerate(prompts):
             one = model.generate(p[None], attention_mask=torch.ones(1, len(p), dtype=torch.long),
                                  max_new_tokens=new, do_sample=False, pad_token_id=0)[0, len(p):]
-            row = batch[i, n:]
+            row = batch[i, ids.shape[1]:]
             assert torch.equal(row[:len(one)], one) and bool((row[len(one):] == 0).all()), (i, row, one)
     decode = model.longpatch.breakdown()["patched"]["decode"]
     assert "original" not in decode, decode

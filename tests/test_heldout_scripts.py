@@ -41,7 +41,7 @@ def test_perplexity_pools_runs_document_by_document_with_a_paired_interval(tmp_p
 def test_perplexity_interval_widens_with_documents_that_disagree(tmp_path):
     mod = load_script("heldout_report")
     _ppl_run(tmp_path / "a", {f"d{i}": (400.0, 400.0 + (12.0 if i % 2 else -8.0)) for i in range(8)})
-    r = mod.perplexity(tmp_path / "a")["cfg"]
+    r = mod.perplexity([tmp_path / "a"])["cfg"]
     lo, hi = r["vs_exact_95"]
     assert lo < r["vs_exact"] < hi and lo < 0 < hi  # +2% on average, within the documents' spread
 
