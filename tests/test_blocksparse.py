@@ -129,12 +129,15 @@ def test_last_queries_estimate_equals_its_definition():
     assert torch.allclose(vert.sum(-1), torch.ones(1, 2)) and torch.allclose(slash.sum(-1), torch.ones(1, 2))
 
 
-def test_estimates_of_scores_far_below_their_row_max_equal_their_definitions():
+def test_estimates_of_scores_far_below_their_row_max_equal_their_definitions(monkeypatch):
     """Float32 scores 80 and more below their row's maximum (exp's slow path, clamped to its floor:
-    ``common.EXP_FLOOR``) leave the estimates at their float64 definitions, masked keys at 0."""
+    ``common.EXP_FLOOR``) leave the estimates at their float64 definitions, masked keys at 0 (the
+    antidiagonal's float32 products; its int8 ones are held to these in test_hybrid_selection.py)."""
     from longpatch.methods import selection
     from longpatch.methods.common import EXP_FLOOR
     from longpatch.methods.selection import antidiagonal_scores
+
+    monkeypatch.setattr(selection, "INT8_PRODUCTS", False)
 
     q, k, _ = qkv(45, dtype=torch.float32)
     scale = 40.0

@@ -197,3 +197,62 @@ def test_nsa_strided_selection_on_an_input_shorter_than_one_block(selection):
     torch.testing.assert_close(out, 0.75 * full + 0.25 * win, atol=1e-12, rtol=1e-10)
     step = nsa_attention(q[:, :, -1:], k, v, state=state, **kw)
     torch.testing.assert_close(step, out[:, :, -1:], atol=1e-12, rtol=1e-10)
+
+
+# ------------------------------------------------------------------ the antidiagonal's int8 products
+def _both_products(monkeypatch, fn):
+    """fn() with the antidiagonal's products in int8 (counting the int8 calls), then in float32."""
+    from longpatch.methods import selection
+
+    calls = []
+    int_mm = torch._int_mm
+    monkeypatch.setattr(torch, "_int_mm", lambda *a, **kw: calls.append(1) or int_mm(*a, **kw))
+    got = fn()
+    monkeypatch.setattr(selection, "INT8_PRODUCTS", False)
+    want = fn()
+    assert calls, "the int8 path did not run"
+    return got, want
+
+
+@pytest.mark.parametrize("n,b", [(256, 1), (250, 2)])  # whole tiles; a partial last tile and a batch
+def test_int8_antidiagonal_scores_are_within_their_rounding_of_float32(n, b, monkeypatch):
+    """Float32 inputs on a CPU take int8 products (each tile row rounded with its own scale): every
+    score within 0.01 of the float32 products' (scores are masses: each row sums to 1), the same
+    causal pattern, the same rows at 0."""
+    q, k, _ = qkv(n, 4, 2, dtype=torch.float32, seed=n)
+    q, k = q.repeat(b, 1, 1, 1), k.repeat(b, 1, 1, 1)
+    q[b - 1] *= 3.0  # another scale in the second batch item: scales are per row
+    got, want = _both_products(monkeypatch, lambda: antidiagonal_scores(q, k, 32, 4, 0.25))
+    assert torch.equal(got.isinf(), want.isinf())
+    fin = want.isfinite()
+    assert float((got[fin] - want[fin]).abs().max()) < 0.01
+    torch.testing.assert_close(got.clamp(min=0).sum(-1), want.clamp(min=0).sum(-1), atol=1e-5, rtol=0)
+
+
+def test_int8_products_keep_the_lists_where_blocks_stand_apart(monkeypatch):
+    """Where the blocks a query block reads stand apart from the rest (keys planted to match its
+    queries), the int8 products choose the lists the float32 products choose."""
+    n, block, d = 512, 32, 16
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 4, n, d, generator=g)
+    k = torch.randn(1, 2, n, d, generator=g)
+    for i in range(2, n // block):  # query block i reads block i // 2 strongly
+        j = i // 2
+        k[:, :, j * block:(j + 1) * block] += 0.6 * q[:, ::2, i * block:(i + 1) * block].mean(2, keepdim=True)
+    got, want = _both_products(monkeypatch, lambda: estimated_blocks(q, k, block, 6, 0.9, ("hybrid", 16, 4), 1,
+                                                                      0.25))
+    assert torch.equal(got.sort(-1).values, want.sort(-1).values)
+
+
+def test_int8_antidiagonal_scores_are_causal(monkeypatch):
+    """Changing the keys of the last blocks leaves every earlier query block's int8 scores as they
+    were, bit for bit (each key tile row has its own scale: no key moves another's rounding)."""
+    from longpatch.methods import selection
+
+    q, k, _ = qkv(256, 4, 2, dtype=torch.float32, seed=5)
+    before = antidiagonal_scores(q, k, 32, 4, 0.25)
+    k2 = k.clone()
+    k2[:, :, 192:] = torch.randn(1, 2, 64, 16) * 5
+    after = antidiagonal_scores(q, k2, 32, 4, 0.25)
+    assert selection.INT8_PRODUCTS and torch.equal(before[:, :, :6], after[:, :, :6])
+    assert not torch.equal(before[:, :, 7], after[:, :, 7])  # the changed keys are read after them

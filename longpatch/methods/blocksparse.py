@@ -92,8 +92,11 @@ def block_sparse_prefill(q, k, v, blocks: torch.Tensor, block: int, scale: float
     kbuf = vbuf = None
     if not grad and room:
         kbuf, vbuf = (torch.empty(room + most * block * d, dtype=k.dtype, device=k.device) for _ in range(2))
-    out = torch.empty(b, hk, nb, g, block, d, dtype=acc, device=q.device)
-    lse = torch.empty(b, hk, nb, g, block, dtype=acc, device=q.device)
+    # the results are written in place into the returned layout, seen as [b, hk, nb, g, block(, d)]: a
+    # copy into it at the end would be one more tensor of q's size (page faults of the order of the copy)
+    res, res_lse = (torch.empty(b, hq, npad, *x, dtype=acc, device=q.device) for x in ((d,), ()))
+    out = res.view(b, hk, g, nb, block, d).transpose(2, 3)
+    lse = res_lse.view(b, hk, g, nb, block).transpose(2, 3)
     for bi in range(b):
         for hi in range(hk):
             qh = qp[bi, hi * g:(hi + 1) * g].reshape(g, nb, block, d).transpose(0, 1)  # [nb, g, block, d]
@@ -122,9 +125,7 @@ def block_sparse_prefill(q, k, v, blocks: torch.Tensor, block: int, scale: float
                                       o_s.to(acc), l_s.to(acc))
                     out[bi, hi].index_copy_(0, r, o)
                     lse[bi, hi].index_copy_(0, r, l_)
-    out = out.permute(0, 1, 3, 2, 4, 5).reshape(b, hq, npad, d)
-    lse = lse.permute(0, 1, 3, 2, 4).reshape(b, hq, npad)
-    return out[:, :, :n].to(q.dtype), lse[:, :, :n]
+    return res[:, :, :n].to(q.dtype), res_lse[:, :, :n]
 
 
 def block_sparse_decode(q, k, v, kept: torch.Tensor, block: int, local_blocks: int, scale: float,

@@ -149,15 +149,21 @@ def _block_mass(q, k, qpos: torch.Tensor, first: int, scale: float, nb: int, blo
         return _FUSED_BLOCK_MASS(s, qpos.repeat(g).view(-1, 1), scale, nb, block)
     acc = acc_dtype(q.dtype)
     rows = q.index_select(2, qpos).reshape(b, hk, g * len(qpos), d).to(acc) * scale
-    s = torch.matmul(rows, k.to(acc).transpose(-1, -2))
     future = None
     if first + 1 < n:
         future = torch.arange(first + 1, n, device=q.device).view(1, -1) > qpos.repeat(g).view(-1, 1)
-        s[..., first + 1:].masked_fill_(future, float("-inf"))
-    exp_below_max_(s, s.amax(-1, keepdim=True))  # each row's own key (unmasked) keeps the max finite
-    if future is not None:
-        s[..., first + 1:].masked_fill_(future, 0.0)
-    return _pooled(s, nb, block) / s.sum(-1, keepdim=True)
+    # one KV head at a time: a [b, rows, n] temporary of half the size, which the allocator reuses for
+    # the next head (a fresh 32 MB tensor per layer at 32k costs ~10 ms of page faults on a CPU)
+    out = []
+    for hi in range(hk):
+        s = torch.matmul(rows[:, hi], k[:, hi].to(acc).transpose(-1, -2))
+        if future is not None:
+            s[..., first + 1:].masked_fill_(future, float("-inf"))
+        exp_below_max_(s, s.amax(-1, keepdim=True))  # each row's own key (unmasked) keeps the max finite
+        if future is not None:
+            s[..., first + 1:].masked_fill_(future, 0.0)
+        out.append(_pooled(s, nb, block) / s.sum(-1, keepdim=True))
+    return torch.stack(out, 1)
 
 
 _FUSED_BLOCK_MASS = gpu_scores.fused(gpu_scores.block_mass)
@@ -287,15 +293,6 @@ def antidiagonal_scores(q, k, block: int, stride: int, scale: float) -> torch.Te
     nt = nb * per
     gpu = gpu_scores.applies(q)  # half-precision tiles, scaled after their products (gpu_scores.py)
     acc = q.dtype if gpu else acc_dtype(q.dtype)
-    # one copy each into zero-padded tiles (a model's q/k are strided views of its projections)
-    qt = torch.zeros(b, hq, nt * stride, d, dtype=acc, device=q.device)
-    if gpu:
-        qt[:, :, :n] = q
-    elif torch.compiler.is_compiling():  # a compiled region takes no out= view; the same product
-        qt[:, :, :n] = q * (scale / stride)
-    else:
-        torch.mul(q, scale / stride, out=qt[:, :, :n])
-    qt = qt.view(b, hq, nt, stride * d)
     # each key tile's rows reversed, so a row of q tiles times a row of k tiles sums an antidiagonal
     j = torch.arange(n, device=q.device)
     kt = torch.zeros(b, hk, nt * stride, d, dtype=acc, device=q.device)
@@ -305,6 +302,19 @@ def antidiagonal_scores(q, k, block: int, stride: int, scale: float) -> torch.Te
     c = torch.arange(nt, device=q.device)
     budget = _ANTI_ELEMS["cpu" if q.device.type == "cpu" else "gpu"]
     rows = max(per, budget // (b * hq * nt) // per * per)  # query tiles per step: bounded temporaries
+    if _int8_applies(q):  # reads q step by step: no float32 copy of all its tiles
+        int8 = _Int8Products(q, kt, stride, scale / stride, rows)
+    else:
+        int8 = None
+        # one copy each into zero-padded tiles (a model's q/k are strided views of its projections)
+        qt = torch.zeros(b, hq, nt * stride, d, dtype=acc, device=q.device)
+        if gpu:
+            qt[:, :, :n] = q
+        elif torch.compiler.is_compiling():  # a compiled region takes no out= view; the same product
+            qt[:, :, :n] = q * (scale / stride)
+        else:
+            torch.mul(q, scale / stride, out=qt[:, :, :n])
+        qt = qt.view(b, hq, nt, stride * d)
     for a0 in range(0, nt, rows):
         a = torch.arange(a0, min(nt, a0 + rows), device=q.device)
         seen = a0 + len(a)  # key tiles these query tiles can see: whole blocks up to their last block
@@ -313,7 +323,10 @@ def antidiagonal_scores(q, k, block: int, stride: int, scale: float) -> torch.Te
                                      kt[:, :, :seen].transpose(-1, -2)).view(b, hk, g, len(a), seen)
             out[:, :, a0 // per: seen // per, :seen // per] = _FUSED_TILE_MASS(sc, a, scale / stride, per)
             continue
-        sc = torch.matmul(qt[:, :, a0:seen].reshape(b, hk, g * len(a), -1), kt[:, :, :seen].transpose(-1, -2))
+        if int8 is not None:
+            sc = int8.products(a0, seen)
+        else:
+            sc = torch.matmul(qt[:, :, a0:seen].reshape(b, hk, g * len(a), -1), kt[:, :, :seen].transpose(-1, -2))
         sc = sc.view(b, hk, g, len(a), seen)
         # the softmax in place (these scores are the estimate's largest temporaries); only tiles from a0
         # on can be the row's own or later ones
@@ -327,6 +340,74 @@ def antidiagonal_scores(q, k, block: int, stride: int, scale: float) -> torch.Te
     out = out / out.sum(-1, keepdim=True).clamp(min=1e-30)
     i = torch.arange(nb, device=q.device)
     return out.masked_fill(i.view(1, -1) > i.view(-1, 1), float("-inf"))
+
+
+# The antidiagonal's products on a CPU in int8 (``_Int8Products``); False: in float32, as before
+# 2026-11-27 (the tests of the scores' float64 definitions, and measurements against it)
+INT8_PRODUCTS = True
+
+
+def _int8_applies(x: torch.Tensor) -> bool:
+    """Whether the antidiagonal products take int8: float32 on a CPU, where this torch has ``_int_mm``,
+    outside a compiled region (its buffers are written through out= views)."""
+    return (INT8_PRODUCTS and x.device.type == "cpu" and x.dtype == torch.float32 and hasattr(torch, "_int_mm")
+            and not torch.compiler.is_compiling())
+
+
+def _int8_rows(x: torch.Tensor, out_f: torch.Tensor, out_i: torch.Tensor) -> torch.Tensor:
+    """x [..., r, e] float32 -> each row's scale [..., r, 1], the row rounded to int8 in ``out_i``
+    (its largest |value| to 127), through the float32 buffer ``out_f`` (x's shape; may be x)."""
+    top = torch.maximum(x.amax(-1, keepdim=True), x.amin(-1, keepdim=True).neg_())
+    scale = top.clamp_(min=1e-30).div_(127.0)
+    torch.div(x, scale, out=out_f).round_()
+    out_i.copy_(out_f)
+    return scale
+
+
+class _Int8Products:
+    """``antidiagonal_scores``' tile products on a CPU in int8 (SageAttention's int8 q·k, per row).
+
+    The products are most of the estimate's time at long contexts (0.35 s of its 0.57 s for the demo
+    model's 4 layers at 32k, 2 threads) and the CPU multiplies int8 with int32 sums (VNNI's
+    ``_int_mm``) about 3x faster than float32. Each flattened tile row of q and of k is rounded to
+    int8 with its own scale: a product's error is about 1/127 of |q tile| |k tile| / sqrt(stride d)
+    spread over the antidiagonal, far below the gaps between the tile scores that the softmax and the
+    block sums turn into choices (tests/test_hybrid_selection.py holds the scores and lists to float32's).
+    The query tiles are read from q one step at a time into buffers made once per call (a fresh
+    tensor of q's size costs page faults of the order of the copy itself)."""
+
+    def __init__(self, q: torch.Tensor, kt: torch.Tensor, stride: int, scale: float, rows: int):
+        """q [b, hq, n, d] as given; kt [b, hk, nt, stride * d] the key tiles (consumed: rounded in
+        place); scale multiplies every product; rows: the most query tiles of one step."""
+        b, hk, nt, e = kt.shape
+        self.q, self.stride, self.scale = q, stride, scale
+        self.g = q.shape[1] // hk
+        ki = torch.empty(kt.shape, dtype=torch.int8)
+        self.kscale = _int8_rows(kt, kt, ki).view(b, hk, 1, nt)  # kt is rounded in place: not read again
+        self.ki = ki.transpose(-1, -2).contiguous()  # [b, hk, e, nt]: _int_mm's fast layout
+        self.qf = torch.empty(b * hk * self.g * rows * e)
+        self.qi = torch.empty(b * hk * self.g * rows * e, dtype=torch.int8)
+        self.i32 = torch.empty(b * hk * self.g * rows * nt, dtype=torch.int32)
+        self.f32 = torch.empty(b * hk * self.g * rows * nt)
+
+    def products(self, a0: int, seen: int) -> torch.Tensor:
+        """float32 [b, hk, g * r, seen]: (scale x) query tiles a0..seen-1 (r of them) times key tiles
+        0..seen-1."""
+        q, g, st = self.q, self.g, self.stride
+        b, hq, n, d = q.shape
+        hk, r, e = hq // g, seen - a0, st * d
+        qf, qi = (x[:b * hk * g * r * e].view(b, hk, g, r, e) for x in (self.qf, self.qi))
+        rows = qf.view(b, hq, r * st, d)
+        m = max(0, min(n, seen * st) - a0 * st)  # the step's positions in q; past them, zeros
+        rows[:, :, :m].copy_(q[:, :, a0 * st:a0 * st + m])
+        rows[:, :, m:].zero_()
+        qscale = _int8_rows(qf, qf, qi).view(b, hk, g * r, 1)
+        i32 = self.i32[:b * hk * g * r * seen].view(b, hk, g * r, seen)
+        for bi in range(b):
+            for hi in range(hk):
+                torch._int_mm(qi[bi, hi].view(g * r, e), self.ki[bi, hi, :, :seen], out=i32[bi, hi])
+        sc = self.f32[:i32.numel()].view(i32.shape).copy_(i32)
+        return sc.mul_(qscale * self.scale).mul_(self.kscale[..., :seen])
 
 
 def hybrid_blocks(q, k, block: int, max_blocks: int, mass: float | None, m: int, stride: int, local_blocks: int,
