@@ -14,6 +14,7 @@ from rich.table import Table
 
 from .errors import ConfigError, LongpatchError
 from .eval.demo import NEEDLE_LENGTH, NEEDLE_TEMPLATE, NEEDLE_TRIALS
+from .memory import keep_freed_memory
 
 # rich_markup_mode=None: click's plain help, which shows flags as flags (typer's rich help prints "<bool>")
 _TYPER = dict(no_args_is_help=True, rich_markup_mode=None)
@@ -34,6 +35,7 @@ def command(group: typer.Typer, name: str | None = None):
     def register(fn):
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
+            keep_freed_memory()  # large tensors' pages reused, not faulted in anew (memory.py)
             try:
                 _check_paths(kwargs)
                 with _quiet_loading(kwargs.get("progress") is False):

@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import ConfigError
+from ..memory import allocator
 from ..options import MAX_VALUES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -183,7 +184,7 @@ def machine_meta(device: torch.device | None = None, **extra) -> dict:
     """What a timing depends on besides the code: threads, torch, load (other jobs), CPU, GPU."""
     device = device or torch.device("cpu")
     meta = dict(threads=torch.get_num_threads(), torch=torch.__version__, loadavg=loadavg(), cpu=cpu_name(),
-                device=str(device), **extra)
+                device=str(device), allocator=allocator(), **extra)
     if device.type == "cuda":
         import importlib.util
 
