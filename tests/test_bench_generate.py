@@ -146,3 +146,19 @@ def test_batch_size_generates_copies_together(tmp_path, configs, one_thread):
     m = next(r for r in three if r["config"] == moba)
     assert m["paths"]["decode"] == {"method": 2 * (NEW - 1)}
     assert m["tokens_per_s"] == pytest.approx(3 * NEW / m["total_s"])
+
+
+@pytest.mark.parametrize("allocator,noted", [("glibc, freed memory kept (longpatch.memory)", True),
+                                             ("as the process started", False)])
+def test_the_table_says_when_peak_rss_is_the_processs_high_water_mark(allocator, noted):
+    """With freed memory kept the resident set never shrinks: a row's peak RSS includes every row
+    before it, and the table says so under it (only then)."""
+    from rich.console import Console
+
+    from longpatch.bench.generate import print_table
+
+    row = dict(config="exact", layers=0, context=256, ttft_s=1.0, ttft_speedup=1.0, decode_ms_per_token=2.0,
+               decode_speedup=1.0, tokens_per_s=3.0, peak_rss_mib=100.0, tokens_match_exact=None, new_tokens=4)
+    console = Console(record=True, width=200)
+    print_table({"meta": {"model": "tiny", "new_tokens": 4, "allocator": allocator}, "records": [row]}, console)
+    assert ("high-water mark" in console.export_text()) == noted

@@ -16,6 +16,9 @@ Peak memory: the process's peak resident set (VmHWM, reset before each generatio
 /proc/self/clear_refs; without it getrusage's ru_maxrss, the peak of the whole process so far), as
 peak_rss_mib, and its increase over the resident set at the start of the generation (KV cache and
 activations) as rss_increase_mib; on CUDA also torch.cuda.max_memory_allocated (peak_cuda_mib).
+Where the process keeps freed memory (``memory.keep_freed_memory``, the CLI's default), the resident set
+does not shrink after a row, so a row's peak is the high-water mark of every row before it too: the
+table says so under it, and ``LONGPATCH_KEEP_FREED_MEMORY=0`` measures each row's own.
 
 Output, written only when every row is done: results.json ({"meta", "records", "files"}), results.csv,
 and generate.png (decode latency and TTFT against context, one line per configuration).
@@ -423,8 +426,11 @@ def print_table(results: dict, console=None) -> None:
     meta = results["meta"]
     title = escape(f"{meta['model']}: greedy generation of {meta['new_tokens']} tokens, exact (no patch) vs patched "
                    "(speedups vs exact at the same context)")
-    show_table(title, cols, cells, console or Console(width=wide_console(140).width, emoji=False, highlight=False),
-               left=("config",))
+    console = console or Console(width=wide_console(140).width, emoji=False, highlight=False)
+    show_table(title, cols, cells, console, left=("config",))
+    if "kept" in str(meta.get("allocator")):
+        console.print("peak RSS: the process's high-water mark so far (freed memory is kept for reuse; "
+                      "LONGPATCH_KEEP_FREED_MEMORY=0 measures each row's own)", markup=False)
 
 
 def plot(records: list[dict], path: Path, title: str | None = None) -> None:
