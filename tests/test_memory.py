@@ -17,7 +17,9 @@ def faults():
 x = torch.ones(16 << 20)  # 64 MB: above glibc's largest mmap threshold
 del x
 f0 = faults()
-y = torch.ones(16 << 20)
+# 60 MB: a tensor somewhat smaller than the freed one always fits its chunk; one of the same size may not
+# (the aligned allocation asks for a few bytes more, and a small live block may sit after the freed chunk)
+y = torch.ones(15 << 20)
 print(json.dumps({"applied": applied, "again": memory.keep_freed_memory(), "faults": faults() - f0,
                   "allocator": memory.allocator()}))
 """
@@ -33,7 +35,7 @@ def _probe(**env):
 def test_freed_memory_is_reused_without_page_faults():
     got = _probe(LONGPATCH_KEEP_FREED_MEMORY="1")
     assert got["applied"] and got["again"] and "kept" in got["allocator"]
-    assert got["faults"] < 16384 // 4, got  # 64 MB is 16384 pages of 4 KB: nearly all reused
+    assert got["faults"] < 15360 // 4, got  # 60 MB is 15360 pages of 4 KB: nearly all reused
 
 
 def test_the_switch_leaves_the_allocator_alone():
