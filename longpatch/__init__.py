@@ -24,6 +24,5 @@ __version__ = "0.1.0"
 __all__ = [
     "ConfigError", "GrowingCache", "LoadSpec", "LongpatchError", "PatchConfig", "PatchReport", "Spec",
     "UnsupportedModelError", "demo_model_path", "from_pretrained", "keep_freed_memory", "load_config", "load_model",
-    "patch_model",
-    "patched", "patched_layers", "read_config", "redraw_buffers", "resolve", "timing", "unpatch_model",
+    "patch_model", "patched", "patched_layers", "read_config", "redraw_buffers", "resolve", "timing", "unpatch_model",
 ]

@@ -29,6 +29,8 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
 _KEEP = 2**31 - 1  # the largest trim threshold mallopt takes (an int): the heap is never trimmed
 
+KEPT = "glibc, freed memory kept (longpatch.memory)"  # ``allocator()`` once the setting is in effect
+
 _state: dict = {}
 
 
@@ -52,4 +54,4 @@ def keep_freed_memory() -> bool:
 
 def allocator() -> str:
     """How this process's allocator was set, for benchmark records."""
-    return "glibc, freed memory kept (longpatch.memory)" if _state.get("applied") else "as the process started"
+    return KEPT if _state.get("applied") else "as the process started"

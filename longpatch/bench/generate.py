@@ -47,6 +47,7 @@ from ..eval.sweep import (
     num_layers,
     say_if_exact,
 )
+from ..memory import KEPT
 from ..options import MAX_TOKENS, MAX_VALUES, parse_layer_counts
 from ..outdir import check_out, claim_out, write_csv, write_json
 from .common import figure, fmt, machine_meta, save_figure, show_table, synchronizer, wide_console
@@ -428,7 +429,7 @@ def print_table(results: dict, console=None) -> None:
                    "(speedups vs exact at the same context)")
     console = console or Console(width=wide_console(140).width, emoji=False, highlight=False)
     show_table(title, cols, cells, console, left=("config",))
-    if "kept" in str(meta.get("allocator")):
+    if meta.get("allocator") == KEPT:
         console.print("peak RSS: the process's high-water mark so far (freed memory is kept for reuse; "
                       "LONGPATCH_KEEP_FREED_MEMORY=0 measures each row's own)", markup=False)
 
