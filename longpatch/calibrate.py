@@ -131,15 +131,21 @@ class _Probe:
             st: dict = {}
             out = bound(q, k, v, causal=causal, scale=scale, backend=backend, state=st)
             work = st.get("work")
-            if not work:
-                raise LongpatchError(f"calibrate: layer {self.layer}: method '{self.cfg.method}' reported no work "
-                                     f"for {c or 'the config'} at {q.shape[2]} tokens (a call it runs exactly?); "
-                                     "use a longer --seq-len")
-            self.tallies.append(Tally(float(((out.float() - ref) ** 2).sum()), float((ref ** 2).sum()),
-                                      int(sum(work.values()))))
+            # a candidate the method runs exactly at this length (e.g. a topk that covers every chunk)
+            # reports no work: it costs dense attention's products, and its error is what it is
+            pairs = int(sum(work.values())) if work else dense_pairs(q.shape, k.shape[2], causal)
+            self.tallies.append(Tally(float(((out.float() - ref) ** 2).sum()), float((ref ** 2).sum()), pairs))
         if self.on_layer is not None:
             self.on_layer()
         return exact
+
+
+def dense_pairs(q_shape, kv_len: int, causal: bool) -> int:
+    """Query-key products of exact attention for queries of q_shape [b, hq, n, d] over kv_len keys
+    (causal: bottom-right aligned, as the methods count theirs)."""
+    b, hq, n, _ = q_shape
+    per_head = n * kv_len - n * (n - 1) // 2 if causal else n * kv_len
+    return b * hq * per_head
 
 
 def run_key(model_name: str, cfg: PatchConfig, cands: list[dict], seq_len: int) -> str:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass, field
 from importlib import resources
@@ -197,13 +198,21 @@ def load_config(path_or_alias: str | Path) -> PatchConfig:
 def read_config(path_or_alias: str | Path) -> ConfigFile:
     """Read a YAML file, a directory saved by `longpatch apply --save`, or a bundled alias."""
     path = Path(path_or_alias)
-    if path.is_dir():
+    alias = bundled_configs().get(str(path_or_alias))
+    if alias is not None and _bare_name(path_or_alias):
+        # a bare alias means the alias, whatever the working directory holds (`longpatch demo --out demo`
+        # writes a folder "demo"); a path written as one (./demo) means the path
+        if path.exists():
+            logging.getLogger("longpatch").warning(
+                "longpatch: %s is the bundled alias here; for the %s of that name write ./%s",
+                path_or_alias, "folder" if path.is_dir() else "file", path_or_alias)
+        path = alias
+    elif path.is_dir():
         path = path / CONFIG_FILE
         if not path.is_file():
             raise ConfigError(f"config: {path_or_alias} has no {CONFIG_FILE}; was it saved with "
                               "`longpatch apply --save`?")
     elif not path.is_file():
-        alias = bundled_configs().get(str(path_or_alias))
         if alias is None:
             raise ConfigError(f"config: {str(path_or_alias)!r} is neither a file nor a bundled alias; "
                               f"aliases: {', '.join(bundled_configs())}")
@@ -228,6 +237,12 @@ def read_config(path_or_alias: str | Path) -> ConfigFile:
         # PatchConfig's default method is exact: a file that forgot it would silently patch nothing useful
         raise ConfigError(f"config: {path} has no 'method' key; allowed methods: {', '.join(available_methods())}")
     return split_config(data)
+
+
+def _bare_name(name: str | Path) -> bool:
+    """Whether a name is written as a bare word (``demo``), not as a path (``./demo``, ``dir/demo``)."""
+    text = str(name)
+    return isinstance(name, str) and not text.startswith(".") and "/" not in text and os.sep not in text
 
 
 class _StrictLoader(yaml.SafeLoader):

@@ -11,7 +11,7 @@ import torch
 from .config import CONFIG_FILE, LoadSpec, PatchConfig, bundled_configs, check_runnable
 from .errors import ConfigError, LongpatchError, UnsupportedModelError
 from .patching import REPORT_ATTR, patch_model, unpatch_model
-from .specs import model_config, resolve
+from .specs import model_config, remote_code_consent, resolve
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 TINY_PREFIX = "tiny:"
@@ -27,8 +27,9 @@ def load_model(model: "str | LoadSpec | dict", **overrides):
     Returns (model in eval mode, its tokenizer or None: tiny models have none, and some remote-code
     tokenizers fail on current transformers). Patch it with patch_model(model, cfg) afterwards.
     """
-    if isinstance(model, str):
-        load = LoadSpec.from_dict(model_config(model).load)
+    if isinstance(model, str):  # a file's trust_remote_code is not consent: only the caller's is
+        load = LoadSpec.from_dict(remote_code_consent(model_config(model).load, model,
+                                                      overrides.get("trust_remote_code") is True))
     elif isinstance(model, dict):
         load = LoadSpec.from_dict(model)
     elif isinstance(model, LoadSpec):

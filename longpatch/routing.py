@@ -27,7 +27,8 @@ from .methods.common import warn_once
 from .methods.exact import exact_attention
 
 log = logging.getLogger("longpatch")
-BUFFER_PREFIX = "longpatch_"  # method buffers live on the patched module under this prefix
+BUFFER_PREFIX = "longpatch_"  # method buffers are named with this prefix ...
+HOLDER_ATTR = "longpatch_buffers"  # ... on a child of the patched module (MethodBuffers) under this name
 PHASES = ("prefill", "decode")
 PATHS = ("method", "method_exact", "exact", "original")
 
@@ -39,7 +40,7 @@ class LayerRoute:
     params: dict[str, Any] = field(default_factory=dict)
     min_seq_len: int = 0
     backend: str = "auto"
-    owner: torch.nn.Module | None = None  # the module holding this layer's method buffers
+    owner: torch.nn.Module | None = None  # the patched module; its child HOLDER_ATTR holds the method buffers
     bound: BoundMethod | None = None  # the method bound to params and head_dim (attach_buffers)
     buffer_names: tuple[str, ...] = ()
     state: dict = field(default_factory=dict)  # a stateful method's decode summaries
@@ -90,6 +91,10 @@ class LayerRoute:
         if sync:
             torch.cuda.synchronize(q.device)
         key = ("prefill" if prefill else "decode", self._recorded(path, q.shape[2], k.shape[2]))
+        if 1 < q.shape[2] < k.shape[2] and self.method is not None and key[1] in ("exact", "method_exact"):
+            warn_once(f"chunk:{self.method.name}", f"longpatch: '{self.method.name}' runs exact attention on calls of "
+                      "several queries against a longer cache (a chunked prefill, e.g. generate(prefill_chunk_size="
+                      "...), or a multi-token step): those calls get no speed-up; prefill the prompt in one call")
         self.calls[key] += 1
         for kind, n in state.pop("work", {}).items():
             self.work[(*key, kind)] += n
@@ -120,7 +125,7 @@ class LayerRoute:
         if self.bound is None:  # a route used without a module (tests): bind on first use
             self.bound = self.method.bind(self.params, q.shape[-1], self.layer_idx)
         # read through the owner so .to(device) and load_state_dict are always seen
-        bufs = {n: getattr(self.owner, BUFFER_PREFIX + n) for n in self.buffer_names} \
+        bufs = {n: getattr(_holder(self), BUFFER_PREFIX + n) for n in self.buffer_names} \
             if self.owner is not None else None
         return self.bound(q, k, v, causal=causal, scale=scale, backend=self.backend, state=state, buffers=bufs)
 
@@ -130,8 +135,33 @@ class LayerRoute:
         return "method_exact" if self.bound.exact_at(q_len, kv_len) else path
 
 
+class MethodBuffers(torch.nn.Module):
+    """The tensors a method draws for one patched layer (HyperAttention's LSH directions, Performer's
+    random features), as non-persistent buffers ``longpatch_<name>`` of this child of the patched module.
+
+    They move with the model (``.to(device)``, ``.cuda()``) and pickle with it, but a module cast
+    (``.to(torch.bfloat16)``, ``.half()``, ``.double()``) leaves their dtype as drawn: they are the
+    method's random draw, not weights of the model, and a bfloat16 copy of float32 directions is another
+    draw (other LSH buckets, other random features), so patching and then casting would not give what
+    casting and then patching gives (patching draws float32 whatever the model's dtype). The methods cast
+    them to their compute dtype at use. Buffers of a plain module cannot opt out of a cast, hence this
+    class: its ``_apply`` takes the device of what ``fn`` gives and keeps the dtype."""
+
+    def _apply(self, fn, recurse=True):
+        for name, buf in self._buffers.items():
+            if buf is not None:
+                moved = fn(buf)
+                self._buffers[name] = moved if moved.dtype == buf.dtype else buf.to(moved.device)
+        return self
+
+
+def _holder(route: LayerRoute) -> torch.nn.Module:
+    return getattr(route.owner, HOLDER_ATTR)
+
+
 def attach_buffers(route: LayerRoute, owner: torch.nn.Module, head_dim: int, device) -> None:
-    """Create the method's buffers (e.g. LSH directions) on `owner`: they move with ``.to()``, pickle
+    """Create the method's buffers (e.g. LSH directions) on `owner` (in its child ``longpatch_buffers``, a
+    ``MethodBuffers``): they move with ``.to()`` but keep their dtype through a cast of the model, pickle
     with the model and are redrawn in place, but are not persistent (not in the state_dict): they are
     drawn from the config (its seed and the layer index), so a plain ``save_pretrained`` of a patched
     model loads cleanly into the unpatched model, and re-patching draws them again."""
@@ -141,9 +171,12 @@ def attach_buffers(route: LayerRoute, owner: torch.nn.Module, head_dim: int, dev
     # the layer index: every layer draws its own random buffers (LSH directions, random features) from
     # the configured seed, as independently initialised layers would have
     route.bound = route.method.bind(route.params, head_dim, route.layer_idx)
-    for name, t in route.bound.buffers.items():
-        owner.register_buffer(BUFFER_PREFIX + name, t.to(device), persistent=False)
-        route.bound.buffers[name] = getattr(owner, BUFFER_PREFIX + name)  # one tensor, not a stale copy
+    if route.bound.buffers:
+        holder = MethodBuffers()
+        for name, t in route.bound.buffers.items():
+            holder.register_buffer(BUFFER_PREFIX + name, t.to(device), persistent=False)
+            route.bound.buffers[name] = getattr(holder, BUFFER_PREFIX + name)  # one tensor, not a stale copy
+        owner.add_module(HOLDER_ATTR, holder)
     route.buffer_names = tuple(route.bound.buffers)
 
 
@@ -157,15 +190,15 @@ def redraw_route(route: LayerRoute, seed: int) -> bool:
         return False
     with torch.no_grad():
         for name, t in new.items():
-            getattr(route.owner, BUFFER_PREFIX + name).copy_(t)
+            getattr(_holder(route), BUFFER_PREFIX + name).copy_(t)
     route.state.clear()
     route.row_states.clear()
     return True
 
 
 def detach_buffers(route: LayerRoute) -> None:
-    for name in route.buffer_names:
-        delattr(route.owner, BUFFER_PREFIX + name)
+    if route.buffer_names:
+        delattr(route.owner, HOLDER_ATTR)
     route.buffer_names = ()
 
 

@@ -10,6 +10,7 @@ the LoadSpec, every other key to each patch).
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -26,6 +27,8 @@ from .config import (
 )
 from .errors import ConfigError, LongpatchError
 from .options import parse_layers, parse_names, parse_set
+
+log = logging.getLogger("longpatch")
 
 # the weight files `apply --save` writes beside longpatch.yaml (any one of them)
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -73,6 +76,30 @@ def saved_config(path: str | Path) -> ConfigFile:
     return ConfigFile(dict(file.load, model=str(path)), file.patch)
 
 
+def remote_code_consent(file_load: dict[str, Any], source: str | None, consent: bool) -> dict[str, Any]:
+    """A config's loading keys with ``trust_remote_code`` as the person running longpatch decided it.
+
+    A model's own Python files (``auto_map`` in its config.json) run only with that person's consent
+    (``--trust-remote-code``, ``trust_remote_code=True`` in Python), as transformers itself asks its
+    caller: a config file or a saved directory that says ``trust_remote_code: true`` only says that its
+    model needs it, and is refused without consent, since a downloaded folder or a config copied from a
+    page would otherwise run code nobody chose to run. A bundled alias keeps its own setting (we ship
+    it and name the repository), and says so in the log."""
+    load = {k: v for k, v in file_load.items() if k != "trust_remote_code"}
+    if consent:
+        load["trust_remote_code"] = True
+    elif file_load.get("trust_remote_code") is True:
+        if source in bundled_configs():
+            log.warning("longpatch: the bundled alias %s runs the model repository's own code (%s, "
+                        "trust_remote_code: true in the alias)", source, file_load.get("model") or source)
+            load["trust_remote_code"] = True
+        else:
+            raise LongpatchError(f"trust_remote_code: {source} says its model runs its own Python code; longpatch "
+                                 "runs it only when you ask: pass --trust-remote-code (trust_remote_code=True in "
+                                 "Python) if you trust that model's files")
+    return load
+
+
 def split_sets(sets: Sequence) -> tuple[dict[str, Any], list[tuple[str, Any]]]:
     """--set pairs -> (loading keys, the patch's (key, value) pairs in order). The model is --model's."""
     load, patch = {}, []
@@ -98,7 +125,9 @@ def resolve(model: str | None, config=None, method: str | None = None, layers=No
     """
     base = model_config(model) if model is not None else ConfigFile({}, PatchConfig())
     load_sets, patch_sets = split_sets(sets)
-    load = dict(base.load)
+    # --set trust_remote_code=true is the person at the command line saying so: consent too
+    consent = trust_remote_code or load_sets.get("trust_remote_code") is True
+    load = remote_code_consent(base.load, model, consent)
     from_files: dict[str, tuple[Any, str]] = {}  # loading key -> (value, the config that set it)
     patches: list[tuple[str | None, PatchConfig]] = []
     for name in config_items(config):
@@ -111,7 +140,8 @@ def resolve(model: str | None, config=None, method: str | None = None, layers=No
             if key == "model":  # the config's model is where it was written for, not what this run loads
                 continue
             if key == "trust_remote_code":
-                load[key] = bool(load.get(key)) or value
+                if value and not load.get(key):
+                    load.update(remote_code_consent({key: value}, name, consent))
             elif key in from_files and from_files[key][0] != value and key not in load_sets:
                 raise ConfigError(f"--config: {name} has {key}: {value!r} but {from_files[key][1]} has "
                                   f"{from_files[key][0]!r}; one run loads the model once: choose with --set {key}=...")

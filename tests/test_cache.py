@@ -255,8 +255,8 @@ def test_generation_with_a_static_cache_equals_the_dynamic_cache(name, attn, one
 
 def test_generate_does_not_auto_compile_a_patched_models_static_cache_steps():
     """generate() compiles the steps of a static cache (on a GPU; here forced with the compile config's
-    all-devices switch): a patched step is not graph-safe yet, so patching switches that off and unpatching
-    restores the model's own setting."""
+    all-devices switch): a patched step is not graph-safe yet, so patching switches that off, on the model
+    and not in its generation config (which save_pretrained writes), and unpatching restores it."""
     from transformers.cache_utils import StaticCache
     from transformers.generation.configuration_utils import CompileConfig
 
@@ -276,6 +276,6 @@ def test_generate_does_not_auto_compile_a_patched_models_static_cache_steps():
 
     assert auto_compiles()
     patch_model(model, {"method": "moba", "params": {"chunk_size": 32, "topk": 2}, "layers": "all"})
-    assert model.generation_config.disable_compile is True and not auto_compiles()
+    assert model.generation_config.disable_compile == before and not auto_compiles()
     unpatch_model(model)
     assert model.generation_config.disable_compile == before and auto_compiles()

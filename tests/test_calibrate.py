@@ -24,7 +24,7 @@ from longpatch.calibrate import (
 )
 from longpatch.cli import app
 from longpatch.config import PatchConfig, read_config
-from longpatch.errors import ConfigError, LongpatchError
+from longpatch.errors import ConfigError
 from longpatch.eval.ppl.plan import digest
 from longpatch.eval.sweep import config_id, make_points
 from longpatch.methods import get_method
@@ -244,10 +244,16 @@ def test_relative_max_error():
     assert out.layer_params == {}  # nothing cheaper is as accurate as the config itself
 
 
-def test_a_candidate_run_exactly_is_refused():
+def test_a_candidate_run_exactly_costs_dense_attention():
+    """A candidate the method runs exactly (topk covering every chunk) is an exact call: its error is 0
+    and its cost dense attention's products, so the README's grid at a short length runs as written."""
     model = tiny_model("llama")
-    with pytest.raises(LongpatchError, match="reported no work"):
-        calibrate_documents(model, PatchConfig(**BASE), docs(1), [{"topk": 16}])  # 16 chunks: exact
+    d = docs(1)
+    totals = calibrate_documents(model, PatchConfig(**BASE), d, [{"topk": 2}, {"topk": 16}])  # 16 chunks: exact
+    n = len(d[0].ids)
+    for sparse, exact in totals.values():
+        assert exact.error < 1e-5 < sparse.error
+        assert exact.pairs == 4 * n * (n + 1) // 2 > sparse.pairs  # 4 query heads, causal
 
 
 def test_cli_end_to_end_and_resume(data, tmp_path):

@@ -20,7 +20,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .. import ragged
 from ..errors import UnsupportedModelError
-from ..methods.common import causal_mask
+from ..methods.common import causal_mask, warn_once
 from ..routing import LayerRoute, attach_buffers, detach_buffers
 from .base import AttentionCall, register_family
 
@@ -80,6 +80,8 @@ def _make_attention(base: str):
         route: LayerRoute | None = getattr(module, ROUTE_ATTR, None)
         if route is None:
             return original()
+        if route.method is not None and torch.compiler.is_compiling():
+            _say_compiled()
         why = _unsupported(module, None, dropout, key.shape[2], kwargs)
         segments = None
         if why is None and route.method is not None:  # (an unpatched layer keeps the model's attention)
@@ -95,6 +97,16 @@ def _make_attention(base: str):
 
     longpatch_attention.__name__ = f"{PREFIX}{base}"
     return longpatch_attention
+
+
+@torch.compiler.disable
+def _say_compiled() -> None:
+    # the routing reads lengths, masks and positions on the host and the methods choose blocks from data,
+    # so torch.compile breaks its graph at each patched layer: slower than eager, and fullgraph=True fails
+    warn_once("torch.compile", "longpatch: torch.compile of a patched model breaks its graph at every patched "
+              "attention layer (the methods' block choices are made on the host), so it runs slower than the "
+              "patched model uncompiled, and fullgraph=True cannot succeed; run the patched model without "
+              "torch.compile")
 
 
 def _segments(mask, query, key, causal: bool, kwargs) -> tuple[list | None, str | None]:
@@ -137,8 +149,11 @@ def _unsupported(module, attention_mask, dropout, kv_len: int, kwargs) -> str | 
     if kwargs.get("softcap") is not None:
         return "logit soft-capping"
     window = kwargs.get("sliding_window")
-    if window is not None and kv_len > window:
-        return "a sliding-window mask"
+    if window is not None:
+        # a sliding-window layer keeps the model's attention at every call, prefill and decode alike: at
+        # decode its cache holds only the window, so "kv_len <= window" would run the method there while
+        # the prefill (kv_len > window) ran the model's own: one layer, two different attentions
+        return f"a sliding window ({window} tokens)"
     if kwargs.get("output_attentions"):
         return "output_attentions=True"
     return None
@@ -174,6 +189,14 @@ def _register_wrapped() -> None:
         AttentionMaskInterface.register(WRAPPED_KEY, sdpa_mask)
 
 
+class _NoAutoCompile:
+    """generate()'s auto-compile test for a patched model, set on the instance: never. A class, not a
+    bound function, so that the patched model still pickles and deep-copies."""
+
+    def __call__(self, model_kwargs, generation_config) -> bool:
+        return False
+
+
 class HFAttentionInterfaceFamily:
     name = "hf"
     summary = ("transformers models dispatching through AttentionInterface "
@@ -193,6 +216,10 @@ class HFAttentionInterfaceFamily:
         base = model.config._attn_implementation or "eager"
         if base.startswith(PREFIX):
             raise UnsupportedModelError("model is already patched by longpatch; call unpatch_model first")
+        if base == "flex_attention":  # its masks are BlockMasks, which the routing (padding, packing) cannot read
+            raise UnsupportedModelError("attn_implementation 'flex_attention' cannot be patched; load the model with "
+                                        "attn_implementation='sdpa' (the methods run their own FlexAttention "
+                                        "kernels on a GPU)")
         if base not in ("sdpa", "eager") and base not in ALL_ATTENTION_FUNCTIONS:
             raise UnsupportedModelError(f"attn_implementation {base!r} cannot be wrapped; "
                                         "use sdpa, eager or flash_attention_2")
@@ -202,16 +229,15 @@ class HFAttentionInterfaceFamily:
             raise UnsupportedModelError(f"{type(model).__name__} does not let its attention implementation "
                                         "be switched at runtime")
         model._longpatch_base_impl = base
-        gen = getattr(model, "generation_config", None)
-        if gen is not None and hasattr(gen, "disable_compile"):
+        if hasattr(type(model), "_valid_auto_compile_criteria"):
             # generate() compiles the steps of a static cache on a GPU (mode reduce-overhead: CUDA graphs), and
             # a patched step is not graph-safe yet (it reads its mask on the host and keeps decode state across
-            # steps): kept eager, said in the log; unpatch_model restores the setting
-            model._longpatch_disable_compile = gen.disable_compile
-            gen.disable_compile = True
+            # steps): kept eager, said in the log. Decided on the instance, not in generation_config, so that
+            # save_pretrained writes the model's own generation config; unpatch_model removes it
+            model._valid_auto_compile_criteria = _NoAutoCompile()
             logging.getLogger("longpatch").info(
                 "longpatch: generate() will not auto-compile this patched model's static-cache steps (the patched "
-                "step is not graph-safe yet; docs/gpu.md); set model.generation_config.disable_compile = False to try")
+                "step is not graph-safe yet; docs/gpu.md)")
         for m in _attention_modules(model):
             route = routes[m.layer_idx]
             head_dim = getattr(m, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
@@ -227,8 +253,7 @@ class HFAttentionInterfaceFamily:
                 delattr(m, ROUTE_ATTR)
         model.set_attn_implementation(model._longpatch_base_impl)
         del model._longpatch_base_impl
-        if "_longpatch_disable_compile" in vars(model):
-            model.generation_config.disable_compile = vars(model).pop("_longpatch_disable_compile")
+        vars(model).pop("_valid_auto_compile_criteria", None)
 
     def wrap_attention(self, model, attend) -> None:
         if UNWRAPPED_ATTR in vars(model):

@@ -86,6 +86,11 @@ def one_of(doc: str, default: str, choices: tuple) -> Param:
     return Param(default, (str,), doc, OneOf(tuple(choices)), " or ".join(repr(c) for c in choices))
 
 
+def no_exact_params(n: int, params: dict) -> None:
+    """``Method.exact_params`` of a method that no setting makes exact (linear, performer): None."""
+    return None
+
+
 @dataclass
 class Method:
     """A registered attention method: its functions and what it declares about itself.
@@ -99,8 +104,9 @@ class Method:
     per-layer dict the method may use to keep decode-time summaries beside the KV cache;
     ``init_state(k, v, *, buffers, **params)`` builds it from an existing cache in one pass.
     ``make_buffers(head_dim=, layer_seed=, **params)`` (optional) returns tensors the patched layer
-    keeps as buffers that move with the model (e.g. HyperAttention's LSH directions; not persistent:
-    the params draw them again); ``layer_seed`` is the layer index (None for a lone call, as in the
+    keeps as buffers that move with the model's device but keep their dtype through a cast of the
+    model (``routing.MethodBuffers``; e.g. HyperAttention's LSH directions; not persistent: the params
+    draw them again); ``layer_seed`` is the layer index (None for a lone call, as in the
     benchmarks).
     """
 
@@ -117,9 +123,10 @@ class Method:
     # a length threshold), so stats can tell the approximation from exact work done by the method's code
     exact_when: Callable[[int, int, dict], bool] | None = None
     # exact_params(n, params) -> the params to change so that the method computes exact attention on
-    # sequences of up to n tokens (e.g. hyper's min_seq_len >= n); None: no setting makes it exact
-    # (linear, performer). The contract tests (tests/test_contract.py) hold every method to it.
-    exact_params: Callable[[int, dict], dict] | None = None
+    # sequences of up to n tokens (e.g. hyper's min_seq_len >= n), or None where no setting makes it exact
+    # (linear, performer: the default, ``no_exact_params``). Always callable: None given here is taken as
+    # the default. The contract tests (tests/test_contract.py) hold every method to it.
+    exact_params: Callable[[int, dict], dict | None] = no_exact_params
     # attended_pairs(q, k, causal, params) -> the query-key products a prefill call computes, selection
     # (gates, estimates) included, per query head summed: what `bench attention` divides exact's by for
     # the ideal speedup. None: not reported.
@@ -129,6 +136,10 @@ class Method:
     # own, random draws shared by all heads), or couples_heads(params) -> bool where it depends on the params.
     # Sequence parallelism keeps a coupled group's query heads on one rank (parallel/ulysses.py).
     couples_heads: bool | Callable[[dict], bool] = False
+
+    def __post_init__(self):
+        if self.exact_params is None:  # callers call it without a check: None means "no exact setting"
+            self.exact_params = no_exact_params
 
     def couples(self, params: dict[str, Any] | None) -> bool:
         """``couples_heads`` for these params (given or resolved; defaults filled and checked)."""

@@ -32,7 +32,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .base import Method, one_of, register_method
+from .base import Method, no_exact_params, one_of, register_method
 from .common import (
     acc_dtype,
     check_qkv,
@@ -330,4 +330,5 @@ LINEAR = register_method(Method(
     },
     stateful=True,
     init_state=init_state,
+    exact_params=no_exact_params,  # no feature map makes it softmax attention
 ))

@@ -38,7 +38,7 @@ import math
 import torch
 
 from ..errors import ConfigError, check_int
-from .base import Method, Param, one_of, optional_int, positive_int, register_method
+from .base import Method, Param, no_exact_params, one_of, optional_int, positive_int, register_method
 from .common import (
     acc_dtype,
     check_qkv,
@@ -297,4 +297,5 @@ PERFORMER = register_method(Method(
     make_buffers=_make_buffers,
     stateful=True,
     init_state=init_state,
+    exact_params=no_exact_params,  # random features estimate softmax: no finite number of them is exact
 ))

@@ -308,7 +308,9 @@ def _torch_backward(q, k, v, out, lse, dout, dlse, plan: Plan):
                         dqp[r0:r1] = gq
                         dk1[ks:ke] += gk
                         dv1[ks:ke] += gv
-                dqw += torch.zeros_like(qw).view(-1, plan.d).index_add_(0, row, dqp).view_as(qw)
+                # rows index qw [g, m, d] flattened in its logical order; qw may be a strided view (the
+                # [b, n, h, d] -> [b, h, n, d] transpose a model hands over), so a fresh tensor of its shape
+                dqw += dqp.new_zeros((qw.shape[0] * qw.shape[1], plan.d)).index_add_(0, row, dqp).view(qw.shape)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
