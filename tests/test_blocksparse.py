@@ -397,7 +397,8 @@ def _antidiagonal_reference(q, k, block, stride, scale):
             for c in range(a):
                 total = 0.0
                 for i in range(stride):
-                    r, col = a * stride + i, c * stride + stride - 1 - i
+                    # the antidiagonal; in odd query tiles its query rows rolled by one (every distance)
+                    r, col = a * stride + ((i + 1) % stride if a % 2 else i), c * stride + stride - 1 - i
                     if r < n and col < n:
                         total += float(q[0, h, r] @ k[0, h // g, col])
                 logits.append(total / stride * scale)

@@ -12,8 +12,12 @@ Two scorings of real q·k products give a block-score matrix [b, kv_heads, query
   of an early query block depends on the prompt's end (selection is a prefill-time decision).
   Cost: 2 m x n products per query head.
 - ``antidiagonal_scores`` (selection "antidiagonal"), as XAttention: every (query tile, past key
-  tile) of ``stride`` rows is scored by its antidiagonal, a softmax per query tile gives each
-  query block its own estimated mass per key block. Cost: about n² / (2 stride) products per head.
+  tile) of ``stride`` rows is scored by one product per query row and key row (its antidiagonal;
+  in odd query tiles, the antidiagonal with the query rows rolled by one, so that between them the
+  tiles of a query block sample every query-key distance: XAttention's antidiagonal alone samples
+  only odd ones for an even stride, and missed text copying from an even distance back), a softmax
+  per query tile gives each query block its own estimated mass per key block. Cost: about
+  n² / (2 stride) products per head.
 - ``hybrid_blocks`` (selection "hybrid"): both at once, because neither alone serves both kinds of
   text. The antidiagonal scores give every query block what *it* reads (text whose every position
   copies from far back: source code with repeated blocks, long documents; with the last-queries
@@ -278,13 +282,25 @@ def antidiagonal_scores(q, k, block: int, stride: int, scale: float) -> torch.Te
     """[b, hk, nb (query block), nb (key block)] float32: the estimated attention mass of each query
     block on each key block from antidiagonals of the score matrix (as XAttention scores blocks).
 
-    Cut queries and keys into tiles of ``stride`` rows. Tile a's score on tile c is the mean of the
-    stride products along the tile's antidiagonal, q[a s + i] · k[c s + s - 1 - i]: every query row
-    and every key row of the tile appears once, so a key that some query of the tile attends to moves
-    it, at 1/stride of the dense cost. Each query tile's softmax over its past tiles (c < a: the
-    diagonal tile holds keys after some of its queries, and the own block is attended anyway) is
-    summed per key block, over the tiles of each query block and the query heads of each KV group,
-    and each row is normalised to 1 (rows with no past tile stay 0). Above the diagonal: -inf."""
+    Cut queries and keys into tiles of ``stride`` rows. Tile a's score on tile c is the mean of
+    ``stride`` products, one per query row and key row of the tiles: q[a s + i] · k[c s + s - 1 - i]
+    (the antidiagonal) in even query tiles a, q[a s + (i + 1) mod s] · k[c s + s - 1 - i] (the query
+    rows rolled by one) in odd ones. A query that attends to some key of tile c moves the score, at
+    1/stride of the dense cost. Why two samplings: the distance query - key along the antidiagonal is
+    (a - c) s + 2 i - (s - 1), always odd for an even s, so text whose every query reads the key a
+    fixed even distance back (a copy) never reached the scores; with the roll, odd tiles sample the
+    even distances ((a - c) s + 2 i + 2 - s, and (a - c) s). (No one pairing of a tile's rows samples
+    every distance mod an even s: the differences of a permutation sum to 0 mod s, every residue once
+    sums to s / 2.) A query block of two tiles or more thus samples every distance; with one tile per
+    block (block == stride, even) a block samples one parity and the next block the other, so a copy
+    at a fixed distance is seen by every other block: keep stride <= block / 2. An odd stride
+    samples every distance in either tile. The roll stays causal: a query row of tile a still meets
+    keys of tiles c < a only.
+
+    Each query tile's softmax over its past tiles (c < a: the diagonal tile holds keys after some of
+    its queries, and the own block is attended anyway) is summed per key block, over the tiles of
+    each query block and the query heads of each KV group, and each row is normalised to 1 (rows with
+    no past tile stay 0). Above the diagonal: -inf."""
     b, hq, n, d = q.shape
     hk = k.shape[1]
     g = hq // hk
@@ -307,13 +323,8 @@ def antidiagonal_scores(q, k, block: int, stride: int, scale: float) -> torch.Te
     else:
         int8 = None
         # one copy each into zero-padded tiles (a model's q/k are strided views of its projections)
-        qt = torch.zeros(b, hq, nt * stride, d, dtype=acc, device=q.device)
-        if gpu:
-            qt[:, :, :n] = q
-        elif torch.compiler.is_compiling():  # a compiled region takes no out= view; the same product
-            qt[:, :, :n] = q * (scale / stride)
-        else:
-            torch.mul(q, scale / stride, out=qt[:, :, :n])
+        qt = torch.empty(b, hq, nt * stride, d, dtype=acc, device=q.device)
+        _query_tiles(qt, q, 0, stride, None if gpu else scale / stride)  # every row written, padding zeroed
         qt = qt.view(b, hq, nt, stride * d)
     for a0 in range(0, nt, rows):
         a = torch.arange(a0, min(nt, a0 + rows), device=q.device)
@@ -340,6 +351,41 @@ def antidiagonal_scores(q, k, block: int, stride: int, scale: float) -> torch.Te
     out = out / out.sum(-1, keepdim=True).clamp(min=1e-30)
     i = torch.arange(nb, device=q.device)
     return out.masked_fill(i.view(1, -1) > i.view(-1, 1), float("-inf"))
+
+
+def _query_tiles(dst: torch.Tensor, src: torch.Tensor, tile0: int, stride: int, mul: float | None = None) -> None:
+    """Writes the query rows ``src`` [b, h, m, d] (positions from tile ``tile0`` on) into ``dst`` [b, h, R, d]
+    (R >= m, a multiple of ``stride``) as ``antidiagonal_scores`` pairs them with the reversed key tiles:
+    even tiles as they are, odd tiles rolled by one row (row i of odd tile a holds q[a s + (i + 1) mod s]),
+    times ``mul`` where given; rows that no query fills (a partial last tile, whole tiles past m) are
+    zeros. Strided views and at most five copies, each of a part of ``src``: no index tensor, no copy of q."""
+    def put(out: torch.Tensor, x: torch.Tensor) -> None:
+        if mul is None:
+            out.copy_(x)
+        elif torch.compiler.is_compiling():  # a compiled region takes no out= view; the same product
+            out.copy_(x * mul)
+        else:
+            torch.mul(x, mul, out=out)
+
+    m, s = src.shape[2], stride
+    full = m // s
+    if full:
+        dt, st = dst[:, :, :full * s].unflatten(2, (full, s)), src[:, :, :full * s].unflatten(2, (full, s))
+        ev, od = tile0 % 2, 1 - tile0 % 2  # the first even and odd tile of this part
+        put(dt[:, :, ev::2], st[:, :, ev::2])
+        put(dt[:, :, od::2, :-1], st[:, :, od::2, 1:])
+        put(dt[:, :, od::2, -1], st[:, :, od::2, 0])
+    t0 = full * s  # a partial last tile: its rows, the roll's gap and the padding zeroed
+    if t0 < m:
+        if (tile0 + full) % 2 == 0:
+            put(dst[:, :, t0:m], src[:, :, t0:m])
+            dst[:, :, m:t0 + s].zero_()
+        else:
+            put(dst[:, :, t0:m - 1], src[:, :, t0 + 1:m])
+            dst[:, :, m - 1:t0 + s - 1].zero_()
+            put(dst[:, :, t0 + s - 1], src[:, :, t0])
+        t0 += s
+    dst[:, :, t0:].zero_()
 
 
 # The antidiagonal's products on a CPU in int8 (``_Int8Products``); False: in float32, as before
@@ -399,8 +445,7 @@ class _Int8Products:
         qf, qi = (x[:b * hk * g * r * e].view(b, hk, g, r, e) for x in (self.qf, self.qi))
         rows = qf.view(b, hq, r * st, d)
         m = max(0, min(n, seen * st) - a0 * st)  # the step's positions in q; past them, zeros
-        rows[:, :, :m].copy_(q[:, :, a0 * st:a0 * st + m])
-        rows[:, :, m:].zero_()
+        _query_tiles(rows, q[:, :, a0 * st:a0 * st + m], a0, st)
         qscale = _int8_rows(qf, qf, qi).view(b, hk, g * r, 1)
         i32 = self.i32[:b * hk * g * r * seen].view(b, hk, g * r, seen)
         for bi in range(b):
