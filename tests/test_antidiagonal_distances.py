@@ -102,6 +102,7 @@ def test_int8_scores_are_within_their_rounding_of_the_dense_definition(n, block,
     calls = []
     int_mm = torch._int_mm
     monkeypatch.setattr(torch, "_int_mm", lambda *a, **kw: calls.append(1) or int_mm(*a, **kw))
+    monkeypatch.setattr(selection, "INT8_PRODUCTS", True)  # whatever this CPU would choose
     if steps:
         monkeypatch.setitem(selection._ANTI_ELEMS, "cpu", 1)
     g = torch.Generator().manual_seed(n)

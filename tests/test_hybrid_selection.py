@@ -207,6 +207,7 @@ def _both_products(monkeypatch, fn):
     calls = []
     int_mm = torch._int_mm
     monkeypatch.setattr(torch, "_int_mm", lambda *a, **kw: calls.append(1) or int_mm(*a, **kw))
+    monkeypatch.setattr(selection, "INT8_PRODUCTS", True)  # whatever this CPU would choose
     got = fn()
     monkeypatch.setattr(selection, "INT8_PRODUCTS", False)
     want = fn()
@@ -249,10 +250,31 @@ def test_int8_antidiagonal_scores_are_causal(monkeypatch):
     were, bit for bit (each key tile row has its own scale: no key moves another's rounding)."""
     from longpatch.methods import selection
 
+    monkeypatch.setattr(selection, "INT8_PRODUCTS", True)
     q, k, _ = qkv(256, 4, 2, dtype=torch.float32, seed=5)
     before = antidiagonal_scores(q, k, 32, 4, 0.25)
     k2 = k.clone()
     k2[:, :, 192:] = torch.randn(1, 2, 64, 16) * 5
     after = antidiagonal_scores(q, k2, 32, 4, 0.25)
-    assert selection.INT8_PRODUCTS and torch.equal(before[:, :, :6], after[:, :, :6])
+    assert torch.equal(before[:, :, :6], after[:, :, :6])
     assert not torch.equal(before[:, :, 7], after[:, :, 7])  # the changed keys are read after them
+
+
+@pytest.mark.parametrize("flags, fast", [("fpu avx2 fma", False), ("fpu avx2 avx512f avx512_vnni", True),
+                                         ("fpu avx2 avx_vnni", True), (None, False)])
+def test_int8_products_only_where_the_cpu_multiplies_int8_fast(flags, fast, monkeypatch, tmp_path):
+    """By default the int8 products run only on a CPU with VNNI/AMX (without, torch's _int_mm is tens
+    of times slower than float32's products); INT8_PRODUCTS True/False overrides the CPU's flags."""
+    from longpatch.methods import selection
+
+    info = tmp_path / "cpuinfo"
+    if flags is not None:  # None: no such file (not Linux)
+        info.write_text(f"processor\t: 0\nflags\t\t: {flags}\nbugs\t\t: x\n")
+    monkeypatch.setattr(selection, "CPUINFO", info)
+    assert selection.cpu_int8_fast.__wrapped__() is fast
+    monkeypatch.setattr(selection, "cpu_int8_fast", lambda: fast)
+    x = torch.zeros(2, 2)
+    assert selection._int8_applies(x) is fast
+    for forced in (True, False):
+        monkeypatch.setattr(selection, "INT8_PRODUCTS", forced)
+        assert selection._int8_applies(x) is forced
