@@ -24,6 +24,8 @@
 # query-aware selections' GPU form against the CPU code (gpu_flex_check.py without the demo logits), the flex
 # table (gpu_flex.py), a decode step's profile (gpu_decode_profile.py), issue 41's needles (TRIALS, default
 # 2; their agreements, not their records) and Llama-3.1-8B's architecture at 128k only.
+# `bash scripts/gpu_check.sh scoring` (about 3 minutes on an H200): `bench attention` of the hybrid selections at
+# demo-moba-32k's and demo-nsa-32k's params, 32k and 131k, beside SDPA (scoring_moba.json, scoring_nsa.json).
 set -u
 OUT=${OUT:-runs/gpu}
 SUITE=${1:-issue40}
@@ -95,6 +97,22 @@ selection() {
     --contexts 131072 --new-tokens 8 --no-plots --no-progress --out "$TMP/e2e"
   [ "${DRY_RUN:-0}" = 1 ] || cp "$TMP/e2e/results.json" "$OUT/e2e_llama8b.json"
 }
+scoring() {
+  # the hybrid selections at the shipped 32k configs' params (MoBA, NSA) against SDPA, with the error on
+  # inputs whose dominant key sits n/3 back (an even distance at 32k and 131k); about 3 minutes on an H200
+  local M="--device cuda --dtype bfloat16 --heads 32 --kv-heads 8 --head-dim 128 --mode causal --repeats 5 --no-memory"
+  local L=32768,131072
+  if [ "${DRY_RUN:-0}" = 1 ]; then M="--heads 4 --kv-heads 2 --head-dim 64 --mode causal --repeats 1 --no-memory"; L=4096; fi
+  local H="--set selection=hybrid --set mass=0.9 --set estimate_queries=64 --set score_stride=16"
+  step ${SCORING_LIMIT:-150} $LP bench attention $M --seq-lens $L --methods moba $H --set chunk_size=256 --set topk=16 \
+    --set local_blocks=1 --out "$TMP/moba"
+  cp "$TMP/moba/attention_bench.json" "$OUT/scoring_moba.json"
+  step ${SCORING_LIMIT:-150} $LP bench attention $M --seq-lens $L --methods nsa $H --set compress_block=32 \
+    --set compress_stride=16 --set select_block=256 --set num_selected=16 --set window=256 --set init_blocks=1 \
+    --set local_blocks=2 --set 'gates=[0.0, 0.9, 0.1]' --out "$TMP/nsa"
+  cp "$TMP/nsa/attention_bench.json" "$OUT/scoring_nsa.json"
+}
+if [ "$SUITE" = scoring ]; then scoring 2>&1 | tee "$OUT/log.txt"; exit; fi
 if [ "$SUITE" = selection ]; then selection 2>&1 | tee "$OUT/log.txt"; exit; fi
 if [ "$SUITE" = issue40 ]; then issue40 2>&1 | tee "$OUT/log.txt"; exit; fi
 if [ "$SUITE" = issue41 ]; then issue41 2>&1 | tee "$OUT/log.txt"; exit; fi
