@@ -155,7 +155,9 @@ def test_estimates_of_scores_far_below_their_row_max_equal_their_definitions(mon
     assert bool((first_row[..., 1:] == 0).all()) and torch.allclose(first_row[..., 0], torch.ones(1, 2, 2))
 
 
-def _select_reference(scores, max_blocks, mass, local, sink=1, rank=None):
+def _select_reference(scores, max_blocks, mass, local, sink=1, rank=None, share=None):
+    """Per query block i, from the definition: forced blocks, then by rank; at most max_blocks or, with
+    share, the larger of max_blocks and ceil(share x i); with mass, the fewest reaching it."""
     b, hk, nb, _ = scores.shape
     rank = scores if rank is None else rank
     out = []
@@ -164,7 +166,8 @@ def _select_reference(scores, max_blocks, mass, local, sink=1, rank=None):
         by = rank[0, 0, i].clamp(min=0)
         forced = [j for j in range(i) if j < sink or j >= i - local]
         rest = sorted((j for j in range(i) if j not in forced), key=lambda j: (-float(by[j]), j))
-        order = (forced + rest)[:max_blocks]
+        cap = max_blocks if share is None else max(max_blocks, math.ceil(share * i))
+        order = (forced + rest)[:cap]
         if mass is not None:
             total, got, keep = float(row[:i].sum() + row[i]), float(row[i]), []
             for j in order:
@@ -795,3 +798,37 @@ def test_row_form_cuts_partial_pairs_key_by_key(monkeypatch, strategy, causal):
     ref, ref_lse = dense_attention(q[:, :, n - m:], k, v, causal=False, mask=mask.unsqueeze(0))
     torch.testing.assert_close(out[~empty].double(), ref[0][~empty], atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(lse[~empty].double(), ref_lse[0][~empty], atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mass", [0.5, 0.9, 0.99])
+@pytest.mark.parametrize("share", [0.25, 0.5, 1.0])
+@pytest.mark.parametrize("ranked", [False, True])
+def test_select_blocks_under_a_ceiling_equals_its_definition(mass, share, ranked):
+    """With max_share the cap of query block i is max(max_blocks, ceil(share x i)): the mass decides
+    how many blocks a row takes under it."""
+    g = torch.Generator().manual_seed(2)
+    nb = 13
+    scores = block_scores(torch.rand(1, 1, nb, generator=g), torch.rand(1, 1, nb, generator=g))
+    rank = block_scores(torch.rand(1, 1, nb, generator=g), torch.rand(1, 1, nb, generator=g)) if ranked else None
+    got = select_blocks(scores, 2, mass, 1, rank=rank, max_share=share)
+    assert got.shape == (1, 1, nb, max(2, math.ceil(share * (nb - 1))))
+    rows = [sorted(j for j in got[0, 0, i].tolist() if j >= 0) for i in range(nb)]
+    assert rows == _select_reference(scores, 2, mass, 1, rank=rank, share=share)
+
+
+def test_a_spread_row_takes_more_blocks_than_topk_and_a_sharp_one_fewer():
+    """The budget follows the mass: a query block whose mass spreads evenly over 15 past blocks takes
+    the ceiling's share of them, one whose mass sits on one block takes the forced blocks and that one."""
+    nb = 16
+    scores = torch.full((1, 2, nb, nb), float("-inf"))
+    for i in range(nb):
+        scores[0, 0, i, :i + 1] = 1.0  # head 0: spread
+        scores[0, 1, i, :i + 1] = 0.001  # head 1: sharp, on block 3
+        if i > 3:
+            scores[0, 1, i, 3] = 1.0
+    fixed = select_blocks(scores, 4, 0.9, 1)
+    got = select_blocks(scores, 4, 0.9, 1, max_share=0.75)
+    count = (got[0, :, -1] >= 0).sum(-1).tolist()
+    assert (fixed[0, :, -1] >= 0).sum(-1).tolist() == [4, 3]  # the cap binds on the spread head
+    assert count == [math.ceil(0.75 * 15), 3]  # 0, 14 (forced) and 3
+    assert sorted(got[0, 1, -1][got[0, 1, -1] >= 0].tolist()) == [0, 3, 14]

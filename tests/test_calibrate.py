@@ -32,8 +32,8 @@ from longpatch.methods.exact import exact_attention
 from longpatch.testing.tiny import tiny_model
 
 SEQ = 256
-# chunks of 16 at 256 tokens: 16 chunks, so topk 2 and 4 are sparse; stride 4 divides the chunk
-BASE = dict(method="moba", params={"chunk_size": 16, "topk": 4, "selection": "hybrid", "mass": None,
+# chunks of 16 at 256 tokens: 16 chunks, so topk 3 and 4 are sparse; stride 4 divides the chunk
+BASE = dict(method="moba", params={"chunk_size": 16, "topk": 4, "selection": "hybrid", "mass": None, "local_blocks": 0,
                                    "estimate_queries": 8, "score_stride": 4}, layers="all")
 runner = CliRunner()
 
@@ -67,25 +67,25 @@ def docs(n=2, seed=0):
 
 
 def test_layer_params_reach_their_layers():
-    cfg = PatchConfig(**BASE, layer_params={1: {"topk": 2}, 3: {"topk": 8, "mass": 0.9}})
+    cfg = PatchConfig(**BASE, layer_params={1: {"topk": 3}, 3: {"topk": 8, "mass": 0.9}})
     model = tiny_model("llama")
     patch_model(model, cfg)
     params = {r["layer"]: r["params"] for r in model.longpatch.rows()}
     unpatch_model(model)
     assert params[0]["topk"] == 4 and params[2]["topk"] == 4
-    assert params[1]["topk"] == 2 and params[3]["topk"] == 8 and params[3]["mass"] == 0.9
-    assert cfg.params_of(1)["topk"] == 2 and cfg.params_of(None) == cfg.params
+    assert params[1]["topk"] == 3 and params[3]["topk"] == 8 and params[3]["mass"] == 0.9
+    assert cfg.params_of(1)["topk"] == 3 and cfg.params_of(None) == cfg.params
 
 
 def test_layer_params_same_as_the_whole_config():
-    """Every layer changed to topk 2 by layer_params gives the logits of the config with topk 2."""
+    """Every layer changed to topk 3 by layer_params gives the logits of the config with topk 3."""
     ids = docs(1)[0].ids.view(1, -1)
     model = tiny_model("llama")
     with torch.no_grad():
-        patch_model(model, PatchConfig(**BASE, layer_params={i: {"topk": 2} for i in range(4)}))
+        patch_model(model, PatchConfig(**BASE, layer_params={i: {"topk": 3} for i in range(4)}))
         a = model(ids).logits
         unpatch_model(model)
-        patch_model(model, PatchConfig(**{**BASE, "params": {**BASE["params"], "topk": 2}}))
+        patch_model(model, PatchConfig(**{**BASE, "params": {**BASE["params"], "topk": 3}}))
         b = model(ids).logits
         unpatch_model(model)
         patch_model(model, PatchConfig(**BASE))
@@ -115,7 +115,7 @@ def test_layer_params_of_layers_not_replaced(caplog):
     said and unused; an index past the model's layers is an error."""
     model = tiny_model("llama")
     with caplog.at_level("WARNING", logger="longpatch"):
-        patch_model(model, PatchConfig(**{**BASE, "layers": 2}, layer_params={0: {"topk": 2}, 3: {"topk": 8}}))
+        patch_model(model, PatchConfig(**{**BASE, "layers": 2}, layer_params={0: {"topk": 3}, 3: {"topk": 8}}))
     params = {r["layer"]: r["params"]["topk"] for r in model.longpatch.rows()}
     unpatch_model(model)
     assert params == {2: 4, 3: 8}
@@ -145,9 +145,9 @@ def test_layer_params_in_yaml_and_sweeps(tmp_path):
 
 def test_grid_and_candidates():
     cfg = PatchConfig(**BASE)
-    grid = parse_grid(["topk=2,4", "mass=[0.9, null]"], "moba")
-    assert grid == {"topk": [2, 4], "mass": [0.9, None]}
-    assert candidates(cfg, grid) == [{"topk": 2, "mass": 0.9}, {"topk": 2, "mass": None},
+    grid = parse_grid(["topk=3,4", "mass=[0.9, null]"], "moba")
+    assert grid == {"topk": [3, 4], "mass": [0.9, None]}
+    assert candidates(cfg, grid) == [{"topk": 3, "mass": 0.9}, {"topk": 3, "mass": None},
                                      {"topk": 4, "mass": 0.9}, {"topk": 4, "mass": None}]
     assert candidates(cfg, {}) == [{}]
 
@@ -260,7 +260,7 @@ def test_cli_end_to_end_and_resume(data, tmp_path):
     out = tmp_path / "cal"
     args = ["calibrate", "--model", "tiny:llama", "--tokenizer", "bytes", "--data", data, "--seq-len", str(SEQ),
             "--set", "chunk_size=16", "--set", "selection=hybrid", "--set", "estimate_queries=8",
-            "--set", "score_stride=4", "--set", "mass=null", "--method", "moba", "--grid", "topk=2,4,8",
+            "--set", "score_stride=4", "--set", "mass=null", "--method", "moba", "--grid", "topk=3,4,8",
             "--out", str(out), "--no-progress"]
     r = runner.invoke(app, [*args, "--max-error", "0.3"])
     assert r.exit_code == 0, r.output
@@ -282,7 +282,7 @@ def test_cli_end_to_end_and_resume(data, tmp_path):
     assert r.exit_code == 0, r.output
     assert (out / "records.jsonl").read_text().splitlines() == lines
     cheapest = read_config(str(out / "calibrated.yaml")).patch
-    assert cheapest.layer_params == {i: {"topk": 2} for i in range(4)}
+    assert cheapest.layer_params == {i: {"topk": 3} for i in range(4)}
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -290,7 +290,7 @@ def test_cli_end_to_end_and_resume(data, tmp_path):
     (["--max-error", "0"], "--max-error: got '0'"),
     (["--max-error", "1.2y"], "--max-error: got '1.2y'"),
     (["--max-error", "-1x"], "--max-error: got '-1x'"),
-    (["--max-error", "1.2x", "--grid", "topk=2,3"], "--max-error 1.2x: relative to the config's own error, but "
+    (["--max-error", "1.2x", "--grid", "topk=3,5"], "--max-error 1.2x: relative to the config's own error, but "
                                                     "--grid does not hold the config's own values"),
     (["--grid", "topk"], "--grid 'topk': expected key=v1,v2"),
     (["--max-docs", "0"], "--max-docs: got 0"),
@@ -352,6 +352,6 @@ def test_max_docs_is_per_subset(tmp_path):
                                                    for i, t in enumerate(texts)))
     res = run_calibrate("tiny:llama", method="moba", sets=["chunk_size=16", "selection=hybrid", "score_stride=4",
                                                            "estimate_queries=8"],
-                        grid=["topk=2,4"], data=str(d), out=str(tmp_path / "out"), seq_len=SEQ, max_docs=1,
+                        grid=["topk=3,4"], data=str(d), out=str(tmp_path / "out"), seq_len=SEQ, max_docs=1,
                         tokenizer="bytes", progress=False)
     assert sorted(x["subset"] for x in res["docs"]) == ["lcc", "narrativeqa"]

@@ -36,7 +36,7 @@ def _greedy(order, value, total, mass, forced, cap):
     return out
 
 
-def _hybrid_reference(q, k, block, cap, mass, m, stride, local, scale, sink=1):
+def _hybrid_reference(q, k, block, cap, mass, m, stride, local, scale, sink=1, share=None):
     """{(head, query block): set of past blocks} from the definition: the vertical from the dense
     causal attention matrix's last m rows (pooled per key block, mean and peak over the group's rows),
     the own list from the antidiagonal scores (tested against their own definition in
@@ -57,8 +57,9 @@ def _hybrid_reference(q, k, block, cap, mass, m, stride, local, scale, sink=1):
         for i in range(1, nb):
             forced = {j for j in range(i) if j < sink or j >= i - local}
             a = anti[h, i]
+            row_cap = cap if share is None else max(cap, math.ceil(share * i))  # the ceiling of max_share
             own = _greedy(sorted(forced, key=lambda j: -a[j]) + sorted(set(range(i)) - forced, key=lambda j: -a[j]),
-                          a.tolist(), float(a[:i].sum()), mass, forced, cap)
+                          a.tolist(), float(a[:i].sum()), mass, forced, row_cap)
             # the end's list: the fewest blocks in (mean + peak) / 2 order reaching mass of the whole
             # vertical (it sums to 1), those before block i
             vorder = sorted(range(nb), key=lambda j: -float(mean[j] + peak[j]))
@@ -70,7 +71,7 @@ def _hybrid_reference(q, k, block, cap, mass, m, stride, local, scale, sink=1):
                     place[j] = min(place.get(j, t), t)
             for j in forced:
                 place[j] = -1
-            merged = sorted(place, key=lambda j: (place[j], -a[j]))[:min(cap, nb - 1)]
+            merged = sorted(place, key=lambda j: (place[j], -a[j]))[:min(row_cap, nb - 1)]
             out[(h, i)] = set(merged)
     return out
 
@@ -278,3 +279,52 @@ def test_int8_products_only_where_the_cpu_multiplies_int8_fast(flags, fast, monk
     for forced in (True, False):
         monkeypatch.setattr(selection, "INT8_PRODUCTS", forced)
         assert selection._int8_applies(x) is forced
+
+
+@pytest.mark.parametrize("n,mass,share", [(160, 0.8, 0.5), (150, 0.95, 1.0), (160, 0.6, 0.25)])
+def test_hybrid_blocks_under_a_ceiling_equal_their_definition(n, mass, share):
+    q, k, _ = qkv(n, 4, 2, seed=n + 1)
+    block, cap, m, stride = 16, 3, 8, 4
+    got = hybrid_blocks(q, k, block, cap, mass, m, stride, 1, 0.25, max_share=share)
+    ref = _hybrid_reference(q, k, block, cap, mass, m, stride, 1, 0.25, share=share)
+    nb = math.ceil(n / block)
+    assert got.shape == (1, 2, nb, max(cap, math.ceil(share * (nb - 1))))
+    for (h, i), want in ref.items():
+        row = [j for j in got[0, h, i].tolist() if j >= 0]
+        assert len(row) == len(set(row)) and set(row) == want, (h, i, row, want)
+
+
+def test_the_moba_op_attends_the_lists_under_its_ceiling():
+    """moba_attention with max_share attends exactly the lists ``estimated_blocks`` gives under the
+    ceiling (past blocks only), and they hold more blocks than the fixed cap where the mass spreads."""
+    from test_blocksparse import masked_reference
+
+    n, block = 640, 64
+    q, k, v = qkv(n, 4, 2, seed=7)
+    kw = dict(chunk_size=block, topk=3, selection="hybrid", mass=0.99, estimate_queries=8, score_stride=8,
+              decode_topk=2)
+    out = moba_attention(q, k, v, max_share=0.75, **kw)
+    blocks = estimated_blocks(q, k, block, 2, 0.99, ("hybrid", 8, 8), 1, 0.25, final_topk=2, max_share=0.75)
+    fixed = estimated_blocks(q, k, block, 2, 0.99, ("hybrid", 8, 8), 1, 0.25, final_topk=2)
+    torch.testing.assert_close(out, masked_reference(q, k, v, blocks, block)[0], atol=1e-12, rtol=1e-10)
+    i = torch.arange(blocks.shape[2]).view(-1, 1)
+    assert bool(((blocks < i) | (blocks == -1)).all())  # past blocks only
+    assert int((blocks >= 0).sum()) > int((fixed >= 0).sum())
+
+
+@pytest.mark.parametrize("params, needle", [
+    ({"selection": "hybrid", "max_share": 0.5}, "needs mass"),
+    ({"selection": "hybrid", "mass": 0.9, "max_share": 0.0}, "max_share"),
+    ({"selection": "hybrid", "mass": 0.9, "max_share": 1.5}, "max_share"),
+    ({"selection": "gate", "max_share": 0.5}, "no effect with selection 'gate'"),
+    ({"selection": "hybrid", "topk": 2, "local_blocks": 1}, "topk >= 3"),
+])
+def test_bad_ceilings_get_one_line_errors(params, needle):
+    from longpatch.config import PatchConfig
+
+    with pytest.raises(ConfigError, match=needle) as e:
+        PatchConfig(method="moba", params=params)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="max_share needs mass"):
+        q, k, v = qkv(64, 2, 2)
+        moba_attention(q, k, v, chunk_size=16, topk=3, selection="hybrid", max_share=0.5)

@@ -287,7 +287,7 @@ def test_registered_in_ops_and_methods():
     assert longpatch.ops.moba_attention is moba_attention
     assert MOBA.stateful and MOBA.decode is not None and MOBA.init_state is not None
     assert MOBA.resolve_params({}) == {"chunk_size": moba_mod.DEFAULT_CHUNK_SIZE, "topk": moba_mod.DEFAULT_TOPK,
-                                       "shared_selection": False, "selection": "gate", "mass": None,
+                                       "shared_selection": False, "selection": "gate", "mass": None, "max_share": None,
                                        "estimate_queries": 64, "score_stride": 16, "local_blocks": 1,
                                        "decode_topk": 8, "decode_page": None}
 

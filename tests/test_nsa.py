@@ -417,7 +417,8 @@ def test_chatglm2_incremental_decode_equals_prefill():
 def test_registered_method():
     assert NSA.stateful and NSA.decode is not None and NSA.init_state is not None
     assert NSA.resolve_params({}) == {**nsa_mod.DEFAULTS, "gates": list(nsa_mod.TRAINING_FREE_GATES),
-                                      "selection": "compressed", "mass": None, "estimate_queries": 64,
+                                      "selection": "compressed", "mass": None, "max_share": None,
+                                      "estimate_queries": 64,
                                       "score_stride": 16, "decode_topk": 8, "decode_page": None}
 
 

@@ -63,6 +63,11 @@ def estimate_params(unit: str, budget: str) -> dict[str, Param]:
                       f"estimated attention mass reaches this share (hybrid: of each of its two estimates; null: "
                       f"always {budget})",
                       Between(1e-9, 1.0, optional=True), "a number in (0, 1] or null"),
+        "max_share": Param(None, (float, type(None)), f"with mass only: the ceiling on a query {unit}'s past {unit}s "
+                           f"becomes the larger of {budget} (less the own {unit}) and this share of the past {unit}s "
+                           f"it can see, so that where the estimated mass spreads the mass takes more {unit}s and "
+                           f"where it is sharp fewer; null: {budget} caps",
+                           Between(1e-9, 1.0, optional=True), "a number in (0, 1] or null"),
         "estimate_queries": positive_int(f"estimate/hybrid only: how many last queries score the {unit}s", 64),
         "decode_topk": nonneg_int(f"estimate/antidiagonal/hybrid only: per one-token step, this many more {unit}s "
                                   f"beside the prefill's, ranked by the step's own query (Quest's bound from the key "
@@ -77,7 +82,7 @@ def estimate_params(unit: str, budget: str) -> dict[str, Param]:
 
 
 # The selections each query-aware param takes effect under (estimate_params' "... only")
-APPLIES = {"mass": SCORINGS, "estimate_queries": ("estimate", "hybrid"), "decode_topk": SCORINGS,
+APPLIES = {"mass": SCORINGS, "max_share": SCORINGS, "estimate_queries": ("estimate", "hybrid"), "decode_topk": SCORINGS,
            "decode_page": SCORINGS, "score_stride": STRIDED}
 
 
@@ -95,7 +100,10 @@ def check_applicable(method, params: dict, applies: dict | None = None) -> None:
 
 def check_stride_config(method: str, params: dict, block_param: str) -> None:
     """The config-time checks that the antidiagonal scoring's tiles and the decode step's pages fit the
-    method's blocks."""
+    method's blocks, and that a ceiling (max_share) comes with the mass it bounds."""
+    if params["selection"] in SCORINGS and params.get("max_share") is not None and params["mass"] is None:
+        raise ConfigError(f"params.max_share of method '{method}': got {params['max_share']}, which needs mass (the "
+                          "fewest blocks reaching it, under the ceiling); allowed: null, or set mass too")
     for name, selections in (("score_stride", STRIDED), ("decode_page", SCORINGS)):
         if params["selection"] in selections and params[name] is not None and params[block_param] % params[name]:
             raise ConfigError(f"params.{name} of method '{method}': got {params[name]}; allowed: a "
@@ -123,10 +131,15 @@ def page_size(decode_page: int | None, block: int) -> int:
     return math.gcd(decode_page or QUEST_PAGE, block)
 
 
-def check_estimate_args(op: str, mass, scoring: tuple, block: int) -> None:
+def check_estimate_args(op: str, mass, scoring: tuple, block: int, max_share=None) -> None:
     """The ops' checks of a query-aware selection's arguments (as strict as the config's)."""
-    if mass is not None and not (isinstance(mass, (int, float)) and not isinstance(mass, bool) and 0 < mass <= 1):
-        raise ValueError(f"{op}: mass must be a number in (0, 1] or None; got {mass!r}")
+    for name, value in (("mass", mass), ("max_share", max_share)):
+        if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                      and 0 < value <= 1):
+            raise ValueError(f"{op}: {name} must be a number in (0, 1] or None; got {value!r}")
+    if max_share is not None and mass is None:
+        raise ValueError(f"{op}: max_share needs mass (it is the ceiling of the fewest blocks reaching it); got "
+                         f"max_share={max_share!r} with mass=None")
     kind = scoring[0]
     if kind not in SCORINGS:
         raise ValueError(f"{op}: selection must be one of {', '.join(SCORINGS)}; got {kind!r}")
@@ -241,15 +254,28 @@ def block_scores(vertical: torch.Tensor, slash: torch.Tensor) -> torch.Tensor:
     return sc.masked_fill(off < 0, float("-inf"))
 
 
+def ceilings(nb: int, max_blocks: int, max_share: float | None, device=None) -> tuple[int, torch.Tensor | None]:
+    """(S, caps): the width of the block lists of ``nb`` query blocks and, with ``max_share``, each
+    query block's ceiling [nb]: the larger of ``max_blocks`` and ceil(max_share x i) for query block i
+    (which sees i past blocks); None: ``max_blocks`` for every block. A ceiling is a bound for safety,
+    not the working budget: the mass decides how many blocks a row takes under it."""
+    if max_share is None:
+        return min(max_blocks, max(nb - 1, 0)), None
+    # in float64 on the host, a hair under the product: 0.3 x 10 is 3 blocks, not 4 (3.0000000000000004)
+    caps = [min(i, max(max_blocks, math.ceil(i * max_share - 1e-9))) for i in range(nb)]
+    return max(caps, default=0), torch.tensor(caps, device=device)
+
+
 def select_blocks(scores: torch.Tensor, max_blocks: int, mass: float | None, local_blocks: int = 1,
-                  sink_blocks: int = 1, rank: torch.Tensor | None = None) -> torch.Tensor:
-    """Block lists [b, hk, nb, S] (int64, -1 pads, S <= max_blocks) of past blocks j < i per query
-    block i, from ``block_scores``: forced blocks first (j < sink_blocks; i - local_blocks <= j < i),
-    then by ``rank`` (same shape; default: the scores); ``mass`` None: up to ``max_blocks``; else the
-    fewest blocks in that order (forced ones included) whose score, with the own block's, reaches
-    ``mass`` of the row's visible total."""
+                  sink_blocks: int = 1, rank: torch.Tensor | None = None,
+                  max_share: float | None = None) -> torch.Tensor:
+    """Block lists [b, hk, nb, S] (int64, -1 pads) of past blocks j < i per query block i, from
+    ``block_scores``: forced blocks first (j < sink_blocks; i - local_blocks <= j < i), then by ``rank``
+    (same shape; default: the scores); ``mass`` None: up to ``max_blocks``; else the fewest blocks in that
+    order (forced ones included) whose score, with the own block's, reaches ``mass`` of the row's visible
+    total, at most ``max_blocks`` or, with ``max_share``, the row's ceiling (``ceilings``)."""
     b, hk, nb, _ = scores.shape
-    S = min(max_blocks, max(nb - 1, 0))
+    S, caps = ceilings(nb, max_blocks, max_share, scores.device)
     if S == 0:
         return torch.full((b, hk, nb, 0), -1, dtype=torch.long, device=scores.device)
     i = torch.arange(nb, device=scores.device).view(-1, 1)
@@ -270,6 +296,8 @@ def select_blocks(scores: torch.Tensor, max_blocks: int, mass: float | None, loc
         before = own.unsqueeze(-1) + torch.cumsum(raw, -1) - raw
         need = before < mass * total.unsqueeze(-1)
         valid = valid & (need | forced.expand_as(sc).gather(-1, idx))
+    if caps is not None:  # forced blocks come first, so a ceiling of at least max_blocks keeps them
+        valid = valid & (torch.arange(S, device=scores.device) < caps.view(-1, 1))
     return torch.where(valid, idx, torch.full_like(idx, -1))
 
 
@@ -415,9 +443,9 @@ def _int8_applies(x: torch.Tensor) -> bool:
     """Whether the antidiagonal products take int8: float32 on a CPU, where this torch has ``_int_mm``
     (and the CPU multiplies int8 fast, unless ``INT8_PRODUCTS`` says otherwise), outside a compiled
     region (its buffers are written through out= views)."""
-    wanted = cpu_int8_fast() if INT8_PRODUCTS is None else INT8_PRODUCTS
-    return (wanted and x.device.type == "cpu" and x.dtype == torch.float32 and hasattr(torch, "_int_mm")
-            and not torch.compiler.is_compiling())
+    if torch.compiler.is_compiling() or x.device.type != "cpu" or x.dtype != torch.float32:
+        return False  # (first: a compiled region must not trace the cpuinfo read)
+    return hasattr(torch, "_int_mm") and (cpu_int8_fast() if INT8_PRODUCTS is None else INT8_PRODUCTS)
 
 
 def _int8_rows(x: torch.Tensor, out_f: torch.Tensor, out_i: torch.Tensor) -> torch.Tensor:
@@ -476,7 +504,7 @@ class _Int8Products:
 
 
 def hybrid_blocks(q, k, block: int, max_blocks: int, mass: float | None, m: int, stride: int, local_blocks: int,
-                  scale: float, sink_blocks: int = 1) -> torch.Tensor:
+                  scale: float, sink_blocks: int = 1, max_share: float | None = None) -> torch.Tensor:
     """Block lists [b, hk, nb, S] (as ``select_blocks``) of selection "hybrid": per query block i,
     the forced blocks, then in turn the next block of each of two lists until ``max_blocks``:
 
@@ -489,10 +517,10 @@ def hybrid_blocks(q, k, block: int, max_blocks: int, mass: float | None, m: int,
     Taking the two lists in turn under the cap keeps the head of each: a needle block (first on the
     end list) is not pushed out by the tail of a long own list, nor the reverse."""
     anti = antidiagonal_scores(q, k, block, stride, scale)  # [b, hk, nb, nb], -inf above the diagonal
-    own = select_blocks(anti, max_blocks, mass, local_blocks, sink_blocks)
+    own = select_blocks(anti, max_blocks, mass, local_blocks, sink_blocks, max_share=max_share)
     vertical, peak = last_queries_vertical(q, k, block, m, scale)
     b, hk, nb, _ = anti.shape
-    S = own.shape[-1]
+    S, caps = ceilings(nb, max_blocks, max_share, q.device)
     if S == 0:
         return own
     # the end's list, one for the whole prompt: the fewest blocks (ranked by (mean + peak) / 2) whose
@@ -519,7 +547,10 @@ def hybrid_blocks(q, k, block: int, max_blocks: int, mass: float | None, m: int,
     # ties between the lists' equal places: the higher own score first
     key = -turn + anti.clamp(min=0).nan_to_num(0.0) * 1e-3
     top, idx = torch.topk(key, S, dim=-1)
-    return torch.where(top > 0.5 - never, idx, torch.full_like(idx, -1))
+    valid = top > 0.5 - never
+    if caps is not None:  # each row's own ceiling (S is the widest)
+        valid = valid & (torch.arange(S, device=q.device) < caps.view(-1, 1))
+    return torch.where(valid, idx, torch.full_like(idx, -1))
 
 
 def score_blocks(q, k, block: int, scoring: tuple[str, int], scale: float):
@@ -539,16 +570,17 @@ def score_blocks(q, k, block: int, scoring: tuple[str, int], scale: float):
 
 
 def estimated_blocks(q, k, block: int, max_blocks: int, mass: float | None, scoring: tuple[str, int],
-                     local_blocks: int, scale: float, sink_blocks: int = 1, final_topk: int = 0) -> torch.Tensor:
+                     local_blocks: int, scale: float, sink_blocks: int = 1, final_topk: int = 0,
+                     max_share: float | None = None) -> torch.Tensor:
     """The block lists of a causal prefill (q_len == kv_len) by a query-aware ``scoring``; with
     ``final_topk`` > 0, the last query block's list joined by ``final_row_blocks`` (the lists get
     ``final_topk`` more columns, -1 but in that row)."""
     if scoring[0] == "hybrid":
         blocks = hybrid_blocks(q, k, block, max_blocks, mass, scoring[1], scoring[2], local_blocks, scale,
-                               sink_blocks)
+                               sink_blocks, max_share)
     else:
         scores, rank = score_blocks(q, k, block, scoring, scale)
-        blocks = select_blocks(scores, max_blocks, mass, local_blocks, sink_blocks, rank)
+        blocks = select_blocks(scores, max_blocks, mass, local_blocks, sink_blocks, rank, max_share)
     if final_topk <= 0 or blocks.shape[2] < 2:
         return blocks
     extra = final_row_blocks(q, k, block, final_topk, scale)
@@ -587,13 +619,13 @@ def _joined(lists: torch.Tensor, more: torch.Tensor) -> torch.Tensor:
 
 def prefill_blocks(state: dict | None, q, k, block: int, max_blocks: int, mass: float | None,
                    scoring: tuple[str, int], local_blocks: int, scale: float, sink_blocks: int = 1,
-                   final_topk: int = 0) -> torch.Tensor:
+                   final_topk: int = 0, max_share: float | None = None) -> torch.Tensor:
     """``estimated_blocks`` of a prefill, recording in a layer's ``state`` the last query block's list
     (``state["kept"]``: what its decode steps keep) and the work (``state["work"]``, counted by the
     route)."""
     with torch.no_grad():
         blocks = estimated_blocks(q.detach(), k.detach(), block, max_blocks, mass, scoring, local_blocks, scale,
-                                  sink_blocks, final_topk)
+                                  sink_blocks, final_topk, max_share)
     if state is not None:
         b, hq, n, _ = q.shape
         state["kept"] = blocks[:, :, -1]
@@ -704,9 +736,11 @@ def attended_cost(blocks: torch.Tensor, hq: int, n: int, block: int) -> torch.Te
 
 
 def estimated_pairs(q, k, block: int, max_blocks: int, mass: float | None, scoring: tuple[str, int],
-                    local_blocks: int, scale: float, sink_blocks: int = 1, final_topk: int = 0) -> int:
+                    local_blocks: int, scale: float, sink_blocks: int = 1, final_topk: int = 0,
+                    max_share: float | None = None) -> int:
     """All query-key products of an estimated prefill (``estimate_cost`` + ``attended_cost``)."""
-    blocks = estimated_blocks(q, k, block, max_blocks, mass, scoring, local_blocks, scale, sink_blocks, final_topk)
+    blocks = estimated_blocks(q, k, block, max_blocks, mass, scoring, local_blocks, scale, sink_blocks, final_topk,
+                              max_share)
     n = q.shape[2]
     return int(estimate_cost(q.shape[0], q.shape[1], n, scoring, final_topk > 0)
                + attended_cost(blocks, q.shape[1], n, block))

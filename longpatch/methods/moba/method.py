@@ -5,6 +5,7 @@ import math
 
 import torch
 
+from ...errors import ConfigError
 from ..base import Method, Param, nonneg_int, one_of, positive_int, register_method
 from ..common import default_scale, window_summaries
 from ..selection import SCORINGS, check_applicable, check_stride_config, estimate_params, estimated_pairs, scoring_of
@@ -28,12 +29,12 @@ def init_state(k, v, *, chunk_size: int = DEFAULT_CHUNK_SIZE, **_) -> dict:
 
 def _run(q, k, v, *, causal=True, scale=None, backend="auto", buffers=None, state=None,
          chunk_size=DEFAULT_CHUNK_SIZE, topk=DEFAULT_TOPK, shared_selection=False, selection="gate", mass=None,
-         estimate_queries=64, score_stride=16, local_blocks=1, decode_topk=8, decode_page=None, **_):
+         estimate_queries=64, score_stride=16, local_blocks=1, decode_topk=8, decode_page=None, max_share=None, **_):
     if selection != "gate":  # its decode state is the prefill's chunk list, not chunk means
         return moba_attention(q, k, v, causal=causal, scale=scale, chunk_size=chunk_size, topk=topk,
                               selection=selection, mass=mass, estimate_queries=estimate_queries,
                               score_stride=score_stride, local_blocks=local_blocks, decode_topk=decode_topk,
-                              decode_page=decode_page,
+                              decode_page=decode_page, max_share=max_share,
                               state=state, backend=backend)
     means = None
     if state is not None and causal:
@@ -66,7 +67,8 @@ def _pairs(q, k, causal: bool, params: dict) -> int | None:
     if params["selection"] != "gate":
         scoring = scoring_of(params["selection"], params["estimate_queries"], params["score_stride"])
         return estimated_pairs(q, k, C, topk - 1, params["mass"], scoring, params["local_blocks"],
-                               default_scale(None, q.shape[-1]), final_topk=params["decode_topk"])
+                               default_scale(None, q.shape[-1]), final_topk=params["decode_topk"],
+                               max_share=params["max_share"])
     t = torch.arange(n)
     past = t // C
     return heads * int((t % C + 1 + past + torch.clamp(past, max=topk - 1) * C).sum())
@@ -85,6 +87,12 @@ class _MoBAMethod(Method):
         params = super().resolve_params(given)
         check_stride_config("moba", params, "chunk_size")
         check_applicable(self, params, {"local_blocks": SCORINGS})
+        need = 2 + params["local_blocks"]  # the first chunk, the local ones and the own chunk
+        if params["selection"] in SCORINGS and params["topk"] < need:
+            raise ConfigError(f"params.topk of method 'moba': got {params['topk']}; with selection "
+                              f"'{params['selection']}' every chunk's list holds the first chunk and the "
+                              f"{params['local_blocks']} before its own (local_blocks), which with the own chunk need "
+                              f"topk >= {need}; allowed: topk >= {need}, or fewer local_blocks")
         return params
 
 

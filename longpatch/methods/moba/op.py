@@ -113,11 +113,11 @@ SELECTIONS = ("gate", *SCORINGS)
 
 
 def _estimated(q, k, v, causal, scale, C, topk, mass, scoring, local_blocks, kept, decode_topk, decode_page, state,
-               return_lse, backend):
+               return_lse, backend, max_share=None):
     """moba_attention with a query-aware selection: the block-sparse executor on estimated chunks."""
     if not causal:
         raise ValueError(f"moba_attention: selection={scoring[0]!r} supports causal attention only")
-    check_estimate_args("moba_attention", mass, scoring, C)
+    check_estimate_args("moba_attention", mass, scoring, C, max_share)
     check_int("moba_attention: local_blocks", local_blocks, 0)
     check_decode_args("moba_attention", decode_topk, decode_page)
     b, hq, nq, d = q.shape
@@ -134,7 +134,7 @@ def _estimated(q, k, v, causal, scale, C, topk, mass, scoring, local_blocks, kep
         out, lse = block_sparse_decode(q, k, v, kept, C, local_blocks, scale, backend, need_lse=return_lse)
     else:
         blocks = prefill_blocks(state, q, k, C, topk - 1, mass, scoring, local_blocks, scale,
-                                final_topk=decode_topk)
+                                final_topk=decode_topk, max_share=max_share)
         out, lse = block_sparse_prefill(q, k, v, blocks, C, scale, backend, need_lse=return_lse)
     return (out, lse.float()) if return_lse else out
 
@@ -145,7 +145,8 @@ def moba_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
                    chunk_means: torch.Tensor | None = None, return_lse: bool = False, backend: str = "auto",
                    selection: str = "gate", mass: float | None = None, estimate_queries: int = 64,
                    score_stride: int = 16, local_blocks: int = 1, kept: torch.Tensor | None = None,
-                   decode_topk: int = 8, decode_page: int | None = None, state: dict | None = None):
+                   decode_topk: int = 8, decode_page: int | None = None, state: dict | None = None,
+                   max_share: float | None = None):
     """MoBA attention on the shared layout (q [b, hq, nq, d], k/v [b, hk, nk, d]).
 
     chunk_size: keys per chunk. topk: chunks per query, own chunk included (1 = own chunk only).
@@ -161,7 +162,8 @@ def moba_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
     chunk and per chunk offset) or "antidiagonal" (antidiagonals of ``score_stride`` x
     ``score_stride`` score tiles, per query chunk); per KV head and query chunk, the first chunk, the
     ``local_blocks`` chunks before the own one, then the best-scoring past chunks, up to topk - 1 of
-    them, or the fewest reaching ``mass`` of the estimated total when mass is set, run by the
+    them, or the fewest reaching ``mass`` of the estimated total when mass is set (with ``max_share``,
+    capped at the larger of topk - 1 and that share of the chunk's past chunks), run by the
     block-sparse executor (``blocksparse.py``). With a query-aware selection, a one-token step
     attends to ``kept`` [b, kv_heads, S] (the prefill's list for its last chunk; ``state`` carries it
     between calls; without either it estimates from its own query once), the ``decode_topk`` full
@@ -182,7 +184,7 @@ def moba_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
     if selection != "gate":
         return _estimated(q, k, v, causal, scale, chunk_size, topk, mass,
                           scoring_of(selection, estimate_queries, score_stride), local_blocks, kept, decode_topk,
-                          decode_page, state, return_lse, backend)
+                          decode_page, state, return_lse, backend, max_share)
     if chunk_means is not None:
         if chunk_means.dim() != 4 or chunk_means.shape[:2] != k.shape[:2] or chunk_means.shape[-1] != k.shape[-1]:
             raise ValueError(f"chunk_means must be [b, kv_heads, n_chunks, d] = [{k.shape[0]}, {k.shape[1]}, *, "

@@ -29,7 +29,7 @@ SELECTIONS = ("compressed", *SCORINGS)
 
 
 def _estimated(q, k, v, scale, sb, num_selected, window, init_blocks, local_blocks, gates, mass, scoring,
-               decode_topk, decode_page, state, return_lse, backend):
+               decode_topk, decode_page, state, return_lse, backend, max_share=None):
     """nsa_attention with a query-aware selection: g_slc * (own block + estimated blocks, on the
     block-sparse executor) + g_win * (sliding window)."""
     from ..sparse import band_attention
@@ -38,7 +38,7 @@ def _estimated(q, k, v, scale, sb, num_selected, window, init_blocks, local_bloc
         got = "a tensor" if isinstance(gates, torch.Tensor) else repr(gates)
         raise ValueError(f"nsa_attention: selection={scoring[0]!r} has no compressed branch; gates must be 3 fixed "
                          f"numbers with g_cmp = 0 (e.g. (0, 0.75, 0.25)); got {got}")
-    check_estimate_args("nsa_attention", mass, scoring, sb)
+    check_estimate_args("nsa_attention", mass, scoring, sb, max_share)
     check_decode_args("nsa_attention", decode_topk, decode_page)
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
@@ -55,7 +55,7 @@ def _estimated(q, k, v, scale, sb, num_selected, window, init_blocks, local_bloc
         o_s, l_s = block_sparse_decode(q, k, v, kept, sb, past, scale, backend, need_lse=return_lse)
     else:
         blocks = prefill_blocks(state, q, k, sb, num_selected - 1, mass, scoring, past, scale, init_blocks,
-                                decode_topk)
+                                decode_topk, max_share)
         o_s, l_s = block_sparse_prefill(q, k, v, blocks, sb, scale, backend, need_lse=return_lse)
     if window_off:
         o_w = torch.zeros_like(o_s)
@@ -129,7 +129,8 @@ def nsa_attention(q, k, v, *, causal: bool = True, scale: float | None = None, c
                   init_blocks: int = 1, local_blocks: int = 2, gates=TRAINING_FREE_GATES, compress="mean",
                   compressed=None, return_lse: bool = False, backend: str = "auto", selection: str = "compressed",
                   mass: float | None = None, estimate_queries: int = 64, score_stride: int = 16,
-                  decode_topk: int = 8, decode_page: int | None = None, state: dict | None = None):
+                  decode_topk: int = 8, decode_page: int | None = None, state: dict | None = None,
+                  max_share: float | None = None):
     """NSA attention on the shared layout (q [b, hq, nq, d], k/v [b, hk, nk, d]); causal only.
 
     gates: (g_cmp, g_slc, g_win) floats, or a tensor [b, hq, nq, 3] (e.g. sigmoid of a projection
@@ -145,7 +146,8 @@ def nsa_attention(q, k, v, *, causal: bool = True, scale: float | None = None, c
     ``score_stride`` x ``score_stride`` score tiles, per query block); per KV head and query block,
     the ``init_blocks`` first blocks, the ``local_blocks`` - 1 blocks before the own one, then the
     best, up to num_selected blocks with the own one, or the fewest reaching ``mass`` of the
-    estimated total. A query-aware selection runs the selected branch on the block-sparse executor
+    estimated total (with ``max_share``, capped at the larger of num_selected - 1 and that share of
+    the block's past blocks). A query-aware selection runs the selected branch on the block-sparse executor
     (``blocksparse.py``) and has no compressed branch: fixed gates with g_cmp = 0. A one-token step
     keeps the prefill's blocks (``state``) and adds the ``decode_topk`` full blocks with the largest
     bound of its own q·k (Quest's, from the key min/max of pages of ``decode_page`` keys, None: 16,
@@ -171,7 +173,7 @@ def nsa_attention(q, k, v, *, causal: bool = True, scale: float | None = None, c
     if selection != "compressed":
         return _estimated(q, k, v, scale, select_block, num_selected, window, init_blocks, local_blocks, gates,
                           mass, scoring_of(selection, estimate_queries, score_stride), decode_topk, decode_page, state,
-                          return_lse, backend)
+                          return_lse, backend, max_share)
     b, hq, nq, d = q.shape
     nk = k.shape[2]
     if nq == 0 or nk == 0:
