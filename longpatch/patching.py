@@ -74,6 +74,28 @@ class PatchReport:
     def reset_stats(self) -> None:
         reset_stats(self.routes)
 
+    def layer_work(self) -> dict[int, dict[str, int]]:
+        """Per patched layer whose method counts its work, summed over its causal prefills:
+        {layer: {"attended_pairs", "estimate_pairs", "dense_pairs"}} (query-key products summed over
+        query heads; dense: what exact attention computes). ``attended_share`` divides them."""
+        out: dict[int, dict[str, int]] = {}
+        for r in self.routes:
+            if r.method is None:
+                continue
+            sums: dict[str, int] = {}
+            for (phase, _path, kind), n in r.work.items():
+                if phase == "prefill":
+                    sums[kind] = sums.get(kind, 0) + int(n)
+            if sums.get("dense_pairs"):
+                out[r.layer_idx] = sums
+        return out
+
+    def attended_share(self) -> dict[int, float]:
+        """{layer: attended query-key products / exact attention's} over the prefills since the last
+        reset, for the layers whose method counts its work (a query-aware selection's cost follows
+        the text: where attention spreads the mass takes more blocks)."""
+        return {i: w.get("attended_pairs", 0) / w["dense_pairs"] for i, w in self.layer_work().items()}
+
     def rows(self) -> list[dict]:
         return [{"layer": r.layer_idx, "method": r.method.name, "params": dict(r.params)}
                 for r in self.routes if r.method is not None]

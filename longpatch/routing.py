@@ -96,8 +96,12 @@ class LayerRoute:
                       "several queries against a longer cache (a chunked prefill, e.g. generate(prefill_chunk_size="
                       "...), or a multi-token step): those calls get no speed-up; prefill the prompt in one call")
         self.calls[key] += 1
-        for kind, n in state.pop("work", {}).items():
+        work = state.pop("work", {})
+        for kind, n in work.items():
             self.work[(*key, kind)] += n
+        if prefill and "attended_pairs" in work and causal:  # what exact attention would have computed
+            b, hq, n = q.shape[:3]
+            self.work[(*key, "dense_pairs")] += b * hq * n * (n + 1) // 2
         if self.timed:
             self.seconds[key] += time.perf_counter() - t0
         return out

@@ -328,3 +328,28 @@ def test_bad_ceilings_get_one_line_errors(params, needle):
     with pytest.raises(ValueError, match="max_share needs mass"):
         q, k, v = qkv(64, 2, 2)
         moba_attention(q, k, v, chunk_size=16, topk=3, selection="hybrid", max_share=0.5)
+
+
+def test_attended_share_per_layer_follows_the_selection():
+    """model.longpatch.attended_share(): per patched layer, the products its executor attended over
+    exact attention's (a causal prefill's n (n + 1) / 2 per query head); a ceiling lets more in."""
+    from longpatch import patch_model, unpatch_model
+    from longpatch.testing.tiny import tiny_model
+
+    model = tiny_model("llama")
+    ids = torch.randint(0, 256, (1, 512))
+    params = {"chunk_size": 32, "topk": 3, "selection": "hybrid", "mass": 0.99, "estimate_queries": 8,
+              "score_stride": 8}
+    shares = []
+    for extra in ({}, {"max_share": 1.0}):
+        patch_model(model, {"method": "moba", "params": {**params, **extra}, "layers": 2})
+        with torch.no_grad():
+            model(ids)
+        work, share = model.longpatch.layer_work(), model.longpatch.attended_share()
+        unpatch_model(model)
+        assert sorted(share) == [2, 3]  # the patched layers
+        for i, w in work.items():
+            assert w["dense_pairs"] == 4 * 512 * 513 // 2  # 4 query heads
+            assert share[i] == w["attended_pairs"] / w["dense_pairs"] and 0 < share[i] <= 1
+        shares.append(share)
+    assert all(shares[1][i] >= shares[0][i] for i in (2, 3)) and shares[1] != shares[0]

@@ -354,6 +354,7 @@ def _run(model, points, ids: list[int], contexts: list[int], new_tokens: int, re
                             model.longpatch.reset_stats()
                         run = generate_once(model, prompt, new_tokens, cache)
                         run["paths"] = _paths(model) if point is not None else None
+                        run["attended"] = model.longpatch.attended_share() if point is not None else None
                         runs[i].append(run)
                     finally:
                         if point is not None:
@@ -362,6 +363,8 @@ def _run(model, points, ids: list[int], contexts: list[int], new_tokens: int, re
             for i, (label, point) in enumerate(points):
                 records.append(((i, n), _record(label, point, n, new_tokens, summarize(runs[i]), base,
                                                    _summed_paths(runs[i]) if point is not None else None)))
+                # the prompt's prefill is the same each repeat: its attended share per layer, from the last
+                records[-1][1]["attended_share"] = runs[i][-1]["attended"] or None
                 records[-1][1]["warmup_s"] = warm_s.get(i)
     finally:
         bar.close()
@@ -417,18 +420,25 @@ def print_table(results: dict, console=None) -> None:
             "tokens/s", "peak RSS MiB", "same tokens"]
     cuda = any(r.get("peak_cuda_mib") is not None for r in results["records"])
     cols += ["peak CUDA MiB"] if cuda else []
+    shares = any(r.get("attended_share") for r in results["records"])
+    cols += ["attended per layer"] if shares else []
     cells = []
     for r in results["records"]:
         same = "–" if r["tokens_match_exact"] is None else f"{r['tokens_match_exact']}/{r['new_tokens']}"
         c = [escape(r["config"]), str(r["layers"]), str(r["context"]), fmt(r["ttft_s"], ".3f"),
              fmt(r["ttft_speedup"], ".2f") + "×", fmt(r["decode_ms_per_token"], ".2f"),
              fmt(r["decode_speedup"], ".2f") + "×", fmt(r["tokens_per_s"], ".1f"), fmt(r["peak_rss_mib"], ".0f"), same]
-        cells.append(c + ([fmt(r.get("peak_cuda_mib"), ".0f")] if cuda else []))
+        c += [fmt(r.get("peak_cuda_mib"), ".0f")] if cuda else []
+        c += [" ".join(f"{k}:{v:.2f}" for k, v in (r.get("attended_share") or {}).items()) or "–"] if shares else []
+        cells.append(c)
     meta = results["meta"]
     title = escape(f"{meta['model']}: greedy generation of {meta['new_tokens']} tokens, exact (no patch) vs patched "
                    "(speedups vs exact at the same context)")
     console = console or Console(width=wide_console(140).width, emoji=False, highlight=False)
     show_table(title, cols, cells, console, left=("config",))
+    if shares:
+        console.print("attended per layer: the prompt's query-key products each patched layer attended over exact "
+                      "attention's (layer:share; a query-aware selection's cost follows the text)", markup=False)
     if meta.get("allocator") == KEPT:
         console.print("peak RSS: the process's high-water mark so far (freed memory is kept for reuse; "
                       "LONGPATCH_KEEP_FREED_MEMORY=0 measures each row's own)", markup=False)

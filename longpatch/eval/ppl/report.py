@@ -64,6 +64,8 @@ def summarize(out: "str | Path", plots: bool = True) -> dict:
                                  "configuration's attention_seconds / this configuration's, the two timed side by "
                                  "side (the run interleaves configurations per document); forward_speedup: same "
                                  "with forward_seconds",
+            "attended_share": "the query-key products the patched layers attended (a query-aware selection's "
+                              "executor) over exact attention's, all layers and per layer, summed over documents",
             "attention_seconds_by_path": "{side: {phase: {path: seconds}}}; side patched/unpatched layers, phase "
                                          "prefill/decode, path method / method_exact (the method's code, exact at "
                                          "that length) / exact (fallback) / original (the model's own attention)",
@@ -116,9 +118,26 @@ def _group_stats(recs: list[dict], planned: int, base: dict) -> dict:
         "attention_seconds": attention,
         "attention_seconds_by_path": by_path,
         "attention_speedup": _median_speedup(common, base, "attention_seconds"),
+        "attended_share": _attended_share(recs),
         "forward_speedup": _median_speedup(common, base, "forward_seconds"),
         "speedup_docs": len(common),
     }
+
+
+def _attended_share(recs: list[dict]) -> dict | None:
+    """{"all": share, "layers": {layer: share}}: the query-key products the patched layers attended over
+    exact attention's, summed over the documents (None where no layer counts its work)."""
+    sums: dict[str, list[int]] = {}
+    for r in recs:
+        for layer, w in (r.get("layer_work") or {}).items():
+            s = sums.setdefault(layer, [0, 0])
+            s[0] += w.get("attended_pairs", 0)
+            s[1] += w.get("dense_pairs", 0)
+    sums = {k: v for k, v in sums.items() if v[1]}
+    if not sums:
+        return None
+    layers = {k: a / d for k, (a, d) in sorted(sums.items(), key=lambda kv: int(kv[0]))}
+    return {"all": sum(a for a, _ in sums.values()) / sum(d for _, d in sums.values()), "layers": layers}
 
 
 def _median_speedup(recs: list[dict], base: dict, key: str) -> float | None:
@@ -132,7 +151,7 @@ def _median_speedup(recs: list[dict], base: dict, key: str) -> float | None:
 _CSV_COLUMNS = ("config_id", "label", "method", "layers", "scope", "name", "docs", "docs_planned", "scored_tokens",
                 "ppl", "ppl_doc_mean", "nll_mean", "forward_seconds", "attention_seconds", "patched_attention_seconds",
                 "unpatched_attention_seconds", "tokens_per_second", "attention_speedup", "forward_speedup",
-                "nonfinite_docs", "refcode_metric")
+                "nonfinite_docs", "refcode_metric", "attended_share")
 
 
 def _csv_rows(results: dict):
@@ -144,7 +163,8 @@ def _csv_rows(results: dict):
             yield {**s, "config_id": c["config_id"], "label": c["label"], "method": c["method"] or "exact",
                    "layers": c["layers"], "scope": scope, "name": name,
                    "patched_attention_seconds": total_seconds(by_path.get("patched", {})),
-                   "unpatched_attention_seconds": total_seconds(by_path.get("unpatched", {}))}
+                   "unpatched_attention_seconds": total_seconds(by_path.get("unpatched", {})),
+                   "attended_share": (s.get("attended_share") or {}).get("all")}
 
 
 def _plots(results: dict, out: Path) -> list[str]:
@@ -235,23 +255,37 @@ def print_results(results: dict, out: "str | Path") -> None:
                     f"tokens, {docs['kept']} document{'' if docs['kept'] == 1 else 's'} "
                     f"({sum(docs['skipped'].values())} skipped)",
               title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
-    for col in ("config", "layers", "docs", "ppl", "doc-mean", "fwd s", "attn s", "speedup", "tok/s"):
-        t.add_column(col, justify="left" if col == "config" else "right")
+    shares = any(c["all"].get("attended_share") for c in results["configs"])
+    cols = ("config", "layers", "docs", "ppl", "doc-mean", "fwd s", "attn s", "speedup", "tok/s")
+    for col in cols + (("attended per layer",) if shares else ()):
+        t.add_column(col, justify="left" if col in ("config", "attended per layer") else "right")
     for c in results["configs"]:
         a = c["all"]
         speedup = "-" if a["attention_speedup"] is None else f"{a['attention_speedup']:.2f}x"
-        t.add_row(c["label"], str(c["layers"]), f"{a['docs']}/{a['docs_planned']}", _fmt(a["ppl"]),
-                  _fmt(a["ppl_doc_mean"]), _fmt(a["forward_seconds"], 2), _fmt(a["attention_seconds"], 2), speedup,
-                  _fmt(a["tokens_per_second"], 0))
+        row = [c["label"], str(c["layers"]), f"{a['docs']}/{a['docs_planned']}", _fmt(a["ppl"]),
+               _fmt(a["ppl_doc_mean"]), _fmt(a["forward_seconds"], 2), _fmt(a["attention_seconds"], 2), speedup,
+               _fmt(a["tokens_per_second"], 0)]
+        if shares:
+            row.append(_shares(a.get("attended_share")))
+        t.add_row(*row)
     console = Console(emoji=False, highlight=False)
     console.print(t, markup=False)
     if results["data_problems"]:
         console.print(f"{len(results['data_problems'])} malformed LongBench record(s) skipped; see results.json",
                       style="yellow", markup=False)
+    if shares:
+        console.print("attended per layer: the query-key products each patched layer's executor attended over "
+                      "exact attention's (layer: share), summed over the documents", markup=False)
     console.print("ppl = exp(pooled token NLL); doc-mean = mean of per-document perplexities; speedup = "
                   "median over the documents of attention seconds at 0 layers / attention seconds, timed side by "
                   "side. Written to "
                   f"{out}: {', '.join([RESULTS_FILE, CSV_FILE, *results['files'].get('plots', [])])}", markup=False)
+
+
+def _shares(share: dict | None) -> str:
+    if not share:
+        return "-"
+    return f"{share['all']:.2f} (" + " ".join(f"{k}:{v:.2f}" for k, v in share["layers"].items()) + ")"
 
 
 def _fmt(x, digits: int = 3) -> str:

@@ -222,7 +222,8 @@ def _run(model, points: list[Point], docs: list[Doc], out: Path, dist: Dist, war
         result = evaluate(model, doc.ids[None].to(device), chunk)
         nll = result["nll_mean"]
         bar.set_postfix(ppl=f"{math.exp(nll):.3f}" if math.isfinite(nll) else "nan")
-        return _record(point, doc, result, model.longpatch.breakdown(), dist.rank, run_id)
+        return _record(point, doc, result, model.longpatch.breakdown(), dist.rank, run_id,
+                       model.longpatch.layer_work())
 
     # every document is one prefill of its seq_len tokens (the sequence-parallel ones too, per head group);
     # interleaved, each document's configurations run side by side, so their speedups share the load
@@ -262,8 +263,10 @@ def _evaluate_document_sp(model, input_ids, chunk: int = 1024) -> dict:
             "forward_seconds": float(secs[0]), "loss_seconds": float(secs[1])}
 
 
-def _record(point: Point, doc: Doc, result: dict, breakdown: dict, rank: int, run_id: str) -> dict:
+def _record(point: Point, doc: Doc, result: dict, breakdown: dict, rank: int, run_id: str,
+            layer_work: dict | None = None) -> dict:
     return {"config_id": point.config_id, "label": point.label, "layers": point.layers,
+            "layer_work": {str(i): w for i, w in (layer_work or {}).items()},
             "subset": doc.subset, "category": doc.category, "doc_id": doc.doc_id, "digest": doc.digest,
             "tokens": int(doc.ids.numel()), **result,
             "attention": breakdown, "attention_seconds": total_seconds(breakdown), "run_id": run_id,
