@@ -69,7 +69,7 @@ def test_bench_generate_on_a_shrunken_llama(tmp_path, monkeypatch, one_thread):
     monkeypatch.setenv(ARCH_OVERRIDES, json.dumps(SMALL))
     res = run_generate_bench("llama-3.1-8b", method="moba", layers="all", contexts="256", new_tokens=3,
                              out=tmp_path / "o", random_weights=True, progress=False, plots=False,
-                             sets=["selection=estimate", "chunk_size=64", "topk=2", "dtype=float32"])
+                             sets=["selection=estimate", "chunk_size=64", "topk=3", "dtype=float32"])
     recs = res["records"]
     assert [r["config"] for r in recs] == ["exact", "moba"]
     assert res["meta"]["random_weights"] and "whatever the weights" in res["meta"]["note"]
@@ -83,7 +83,7 @@ def test_a_patched_model_on_flex_generates_like_the_torch_path(tmp_path, monkeyp
     """`backend: flex` through a patched model's route on the CPU (compiled flex: prefill and
     one-token steps) against `backend: torch`: the same greedy tokens on the shrunken llama."""
     monkeypatch.setenv(ARCH_OVERRIDES, json.dumps(SMALL))
-    sets = ["selection=estimate", "chunk_size=64", "topk=2", "dtype=float32"]
+    sets = ["selection=estimate", "chunk_size=64", "topk=3", "dtype=float32"]
     toks = {}
     for backend in ("torch", "flex"):
         res = run_generate_bench("llama-3.1-8b", method="moba", layers="all", contexts="300", new_tokens=4,
