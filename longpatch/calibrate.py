@@ -30,6 +30,7 @@ import yaml
 from .config import PatchConfig
 from .errors import ConfigError, LongpatchError
 from .methods import get_method
+from .methods.common import dense_pairs
 from .methods.exact import exact_attention
 from .methods.selection import SCORINGS
 
@@ -138,14 +139,6 @@ class _Probe:
         if self.on_layer is not None:
             self.on_layer()
         return exact
-
-
-def dense_pairs(q_shape, kv_len: int, causal: bool) -> int:
-    """Query-key products of exact attention for queries of q_shape [b, hq, n, d] over kv_len keys
-    (causal: bottom-right aligned, as the methods count theirs)."""
-    b, hq, n, _ = q_shape
-    per_head = n * kv_len - n * (n - 1) // 2 if causal else n * kv_len
-    return b * hq * per_head
 
 
 def run_key(model_name: str, cfg: PatchConfig, cands: list[dict], seq_len: int) -> str:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from .methods import BoundMethod, Method
-from .methods.common import warn_once
+from .methods.common import dense_pairs, warn_once
 from .methods.exact import exact_attention
 
 log = logging.getLogger("longpatch")
@@ -100,8 +100,7 @@ class LayerRoute:
         for kind, n in work.items():
             self.work[(*key, kind)] += n
         if prefill and "attended_pairs" in work and causal:  # what exact attention would have computed
-            b, hq, n = q.shape[:3]
-            self.work[(*key, "dense_pairs")] += b * hq * n * (n + 1) // 2
+            self.work[(*key, "dense_pairs")] += dense_pairs(q.shape, k.shape[2], True)
         if self.timed:
             self.seconds[key] += time.perf_counter() - t0
         return out

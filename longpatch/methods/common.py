@@ -480,3 +480,11 @@ def flex_available() -> bool:
     except ImportError:
         return False
     return tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 11)
+
+
+def dense_pairs(q_shape, kv_len: int, causal: bool) -> int:
+    """Query-key products of exact attention for queries of q_shape [b, hq, n, d] over kv_len keys
+    (causal: bottom-right aligned, as the methods count theirs)."""
+    b, hq, n, _ = q_shape
+    per_head = n * kv_len - n * (n - 1) // 2 if causal else n * kv_len
+    return b * hq * per_head

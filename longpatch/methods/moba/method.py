@@ -7,7 +7,7 @@ import torch
 
 from ...errors import ConfigError
 from ..base import Method, Param, nonneg_int, one_of, positive_int, register_method
-from ..common import default_scale, window_summaries
+from ..common import default_scale, dense_pairs, window_summaries
 from ..selection import SCORINGS, check_applicable, check_stride_config, estimate_params, estimated_pairs, scoring_of
 from .cpu import DEFAULT_CHUNK_SIZE, DEFAULT_TOPK, moba_chunk_means
 from .op import SELECTIONS, moba_attention
@@ -63,7 +63,7 @@ def _pairs(q, k, causal: bool, params: dict) -> int | None:
     if not causal or k.shape[2] != n:
         return None
     if topk >= math.ceil(n / C):
-        return heads * n * (n + 1) // 2
+        return dense_pairs(q.shape, n, True)
     if params["selection"] != "gate":
         scoring = scoring_of(params["selection"], params["estimate_queries"], params["score_stride"])
         return estimated_pairs(q, k, C, topk - 1, params["mass"], scoring, params["local_blocks"],
