@@ -10,6 +10,17 @@ is at most ``max_error`` (or, given as "1.2x", at most 1.2 times the error of th
 in that layer); when none is, the most accurate one, said in the log. The result is the
 config with ``layer_params``, which apply / eval / patch_model take as any config.
 
+With a held-out text (``--holdout``, best of another kind than the calibration text), every
+candidate also runs on its documents, and a candidate qualifies in a layer only when it is within
+the limit on both texts (a relative limit: R times the config's own error on each). A budget that
+is cheap on focused text (code) but drops what spread-out text (prose) reads is then refused,
+which is how one text alone misleads (docs/configs.md).
+
+Exact attention is a choice too (unless ``exact_layers`` is off): a layer where it costs fewer products
+than every candidate within the limits, or where no candidate is within them, keeps the model's own
+attention (it leaves the config's ``layers``). A layer whose attention spreads over most of the prompt
+costs about as much sparse as dense, and loses quality sparse.
+
 Only methods that count their work can be calibrated: MoBA and NSA under a query-aware selection
 (estimate, antidiagonal, hybrid). Errors are accumulated per document in records.jsonl, so a rerun
 with the same settings resumes where the last one stopped.
@@ -202,13 +213,27 @@ def calibrate_documents(model, cfg: PatchConfig, docs: list, cands: list[dict], 
     return dict(sorted(totals.items()))
 
 
-def choose(tallies: list[Tally], max_error: float) -> tuple[int, bool]:
-    """(index of the chosen candidate, whether it meets max_error): the fewest pairs among those within
-    max_error (ties: the smaller error), else the smallest error."""
-    within = [i for i, t in enumerate(tallies) if t.error <= max_error]
+def _over(error: float, limit: float) -> float:
+    """How far an error is over its limit, as a ratio (<= 1: within)."""
+    if limit > 0:
+        return error / limit
+    return 0.0 if error <= 0 else math.inf
+
+
+def choose(tallies: list[Tally], max_error: float, held: list[Tally] | None = None,
+           held_limit: float | None = None) -> tuple[int, bool]:
+    """(index of the chosen candidate, whether it meets the limits): the fewest pairs (on the calibration
+    text) among those within max_error, and within held_limit on the held-out tallies ``held`` when given
+    (ties: the smaller error), else the one least over its limits (on one text: the smallest error)."""
+    def over(i: int) -> float:
+        worst = _over(tallies[i].error, max_error)
+        if held is not None:
+            worst = max(worst, _over(held[i].error, max_error if held_limit is None else held_limit))
+        return worst
+    within = [i for i in range(len(tallies)) if over(i) <= 1]
     if within:
         return min(within, key=lambda i: (tallies[i].pairs, tallies[i].error)), True
-    return min(range(len(tallies)), key=lambda i: tallies[i].error), False
+    return min(range(len(tallies)), key=lambda i: (over(i), tallies[i].error)), False
 
 
 def parse_max_error(value) -> tuple[float, bool]:
@@ -241,36 +266,71 @@ def check_relative(cfg: PatchConfig, cands: list[dict], max_error: float, relati
     return own
 
 
+EXACT = "exact"  # a layer's choice of keeping exact attention (the layer is not replaced)
+
+
 def calibrated_config(cfg: PatchConfig, cands: list[dict], totals: dict[int, list[Tally]],
-                      max_error: float, relative: bool = False) -> tuple[PatchConfig, list[dict]]:
+                      max_error: float, relative: bool = False,
+                      held: dict[int, list[Tally]] | None = None,
+                      exact_pairs: tuple[int, int] | None = None) -> tuple[PatchConfig, list[dict]]:
     """The config with each layer's chosen changes as layer_params (only those that differ from params),
     and one row per layer for the report. relative: each layer's limit is max_error times the error of
-    the config's own params there (they must be a candidate)."""
+    the config's own params there (they must be a candidate). held: the same tallies on a held-out text,
+    whose own limit a chosen candidate must meet too (the row's "held_out"). exact_pairs: (on the
+    calibration text, on the held-out one) the products of exact attention in one layer; given, exact
+    attention is one more choice (error 0 at that cost): a layer where it is the cheapest within the
+    limits, or where no candidate is within them, is left out of the config's ``layers``."""
     own = check_relative(cfg, cands, max_error, relative)
-    layer_params, rows = {}, []
+    layer_params, rows, kept = {}, [], []
+    options = cands + ([EXACT] if exact_pairs else [])
     for layer, tallies in totals.items():
         limit = max_error * tallies[own].error if relative else max_error
-        i, ok = choose(tallies, limit)
-        changes = {k: v for k, v in cands[i].items() if cfg.params.get(k) != v}
-        if changes:
-            layer_params[layer] = changes
+        other = None if held is None else held[layer]
+        other_limit = None if other is None else (max_error * other[own].error if relative else max_error)
+        if exact_pairs:
+            tallies = [*tallies, Tally(0.0, 1.0, exact_pairs[0])]
+            other = None if other is None else [*other, Tally(0.0, 1.0, exact_pairs[1])]
+        i, ok = choose(tallies, limit, other, other_limit)
+        if options[i] == EXACT:
+            ok = True  # exact attention is within any limit
+        else:
+            kept.append(layer)
+            changes = {k: v for k, v in cands[i].items() if cfg.params.get(k) != v}
+            if changes:
+                layer_params[layer] = changes
         if not ok:
-            log.warning("longpatch: calibrate: layer %d: no candidate reaches an error of %.4g; the most accurate "
-                        "(error %.4f) is chosen", layer, limit, tallies[i].error)
-        rows.append({"layer": layer, "chosen": cands[i], "limit": limit, "meets_max_error": ok,
-                     "error": tallies[i].error, "pairs": tallies[i].pairs,
-                     "own": None if own is None else {"error": tallies[own].error, "pairs": tallies[own].pairs},
-                     "candidates": [{"params": c, "error": t.error, "pairs": t.pairs} for c, t in zip(cands, tallies)]})
-    return cfg.replace(layer_params=layer_params), rows
+            texts = "the calibration text" if other is None else "both texts"
+            log.warning("longpatch: calibrate: layer %d: no candidate is within the error limit on %s; the one "
+                        "least over it (error %.4f) is chosen", layer, texts, tallies[i].error)
+        row = {"layer": layer, "chosen": options[i], "limit": limit, "meets_max_error": ok,
+               "error": tallies[i].error, "pairs": tallies[i].pairs,
+               "own": None if own is None else {"error": tallies[own].error, "pairs": tallies[own].pairs},
+               "candidates": [{"params": c, "error": t.error, "pairs": t.pairs} for c, t in zip(cands, tallies)]}
+        if other is not None:
+            row["held_out"] = {
+                "limit": other_limit, "error": other[i].error, "pairs": other[i].pairs,
+                "own": None if own is None else {"error": other[own].error, "pairs": other[own].pairs},
+                "candidates": [{"params": c, "error": t.error, "pairs": t.pairs} for c, t in zip(cands, other)]}
+        rows.append(row)
+    changes = {"layer_params": layer_params}
+    if len(kept) < len(totals):
+        changes["layers"] = kept
+        log.warning("longpatch: calibrate: layer(s) %s keep exact attention (not replaced): cheaper than, or the "
+                    "only choice within, the error limit", ", ".join(str(r["layer"]) for r in rows
+                                                                     if r["chosen"] == EXACT))
+    return cfg.replace(**changes), rows
 
 
 def run_calibrate(model: str, *, config=None, method=None, layers=None, sets=(), grid=(), max_error="0.1",
                   data=None, subsets: str = "all", seq_len: int = 32768, max_docs: int = 2,
+                  holdout=None, holdout_subsets: str = "all", exact_layers: bool = True,
                   out: str = "runs/calibrate", tokenizer=None, trust_remote_code: bool = False,
                   progress: bool = True) -> dict:
     """`longpatch calibrate`: choose the patched layers' params on a calibration text (the module doc) and
     write ``calibrated.yaml`` (a config) and ``calibration.json`` (every candidate's error and cost per
-    layer) to ``out``; returns the calibration.json content."""
+    layer) to ``out``; returns the calibration.json content. holdout: a second text (read as ``data``,
+    its subsets ``holdout_subsets``, the same --max-docs) on which each chosen candidate must hold too.
+    exact_layers: a layer may keep exact attention (``calibrated_config``'s exact_pairs)."""
     from .errors import check_int
     from .eval.longbench.data import load_longbench
     from .eval.ppl.plan import nothing_to_evaluate, plan_documents
@@ -293,6 +353,7 @@ def run_calibrate(model: str, *, config=None, method=None, layers=None, sets=(),
         raise ConfigError(f"--seq-len: got {seq_len}, below the config's min_seq_len {cfg.min_seq_len} (the patched "
                           "layers would run exact attention); allowed: at least min_seq_len")
     lb = load_longbench(data, subsets)
+    held_lb = None if holdout is None else load_longbench(holdout, holdout_subsets)
     loaded, loaded_tok = load_model(spec.load)
     name = spec.load.model
     vocab = vocab_size(loaded)
@@ -303,17 +364,35 @@ def run_calibrate(model: str, *, config=None, method=None, layers=None, sets=(),
     if not docs:
         raise LongpatchError("calibrate: the calibration text is too short: " +
                              nothing_to_evaluate(lb, counts, skipped, seq_len))
+    held_docs = []
+    if held_lb is not None:
+        held_docs, counts, skipped = plan_documents(held_lb, encode, seq_len, vocab, max_docs, progress)
+        if not held_docs:
+            raise LongpatchError("calibrate: the held-out text (--holdout) is too short: " +
+                                 nothing_to_evaluate(held_lb, counts, skipped, seq_len))
+        shared = {d.digest for d in docs} & {d.digest for d in held_docs}
+        if shared:
+            raise ConfigError(f"--holdout: {len(shared)} of its documents are calibration documents too; allowed: "
+                              "a text the calibration does not read (best of another kind)")
     claim_out(out_dir, "calibrate")
     key = run_key(f"{name}|{tok_id}", cfg, cands, seq_len)
     totals = calibrate_documents(loaded, cfg, docs, cands, out_dir / RECORDS, key, progress)
-    chosen, rows = calibrated_config(cfg, cands, totals, limit, relative)
-    exact_pairs = len(docs) * _heads(loaded) * seq_len * (seq_len + 1) // 2
+    held = None
+    if held_docs:  # records are per document, so both texts share the records file
+        held = calibrate_documents(loaded, cfg, held_docs, cands, out_dir / RECORDS, key, progress)
+    dense = _heads(loaded) * seq_len * (seq_len + 1) // 2  # one causal layer, one document
+    exact_pairs = len(docs) * dense
+    chosen, rows = calibrated_config(cfg, cands, totals, limit, relative, held,
+                                     (exact_pairs, len(held_docs) * dense) if exact_layers else None)
     result = {"model": name, "tokenizer": tok_id, "seq_len": seq_len,
               "max_error": f"{limit:g}x" if relative else limit,
               "data": lb.source, "docs": [{"subset": d.subset, "doc_id": d.doc_id, "digest": d.digest} for d in docs],
               "config": cfg.to_dict(), "candidates": cands, "exact_pairs_per_layer": exact_pairs,
               "base_pairs": None if rows[0]["own"] is None else sum(r["own"]["pairs"] for r in rows),
               "chosen_pairs": sum(r["pairs"] for r in rows), "layers": rows, "calibrated": chosen.to_dict()}
+    if held is not None:
+        result["held_out"] = {"data": held_lb.source,
+                              "docs": [{"subset": d.subset, "doc_id": d.doc_id, "digest": d.digest} for d in held_docs]}
     write_json(out_dir / RESULT, result)
     _write_config(out_dir / CONFIG_OUT, spec.load, chosen, result)
     return result

@@ -356,6 +356,14 @@ def calibrate(
                                 help="tokens per calibration document (shorter ones are skipped)"),
     max_docs: int = typer.Option(2, "--max-docs", metavar="N",
                                  help="calibration documents per subset (the first N long enough)"),
+    holdout: Optional[str] = typer.Option(None, "--holdout", metavar="DATA",
+                                          help="a held-out text (as --data; best of another kind): a layer's "
+                                               "choice must be within --max-error on it too"),
+    holdout_subsets: str = typer.Option("all", "--holdout-subsets", metavar="SUBSETS",
+                                        help="--holdout's subsets: all, or comma-separated subsets/categories"),
+    exact_layers: bool = typer.Option(True, "--exact-layers/--no-exact-layers",
+                                      help="a layer keeps exact attention (is not replaced) where that is cheaper "
+                                           "than every candidate within --max-error, or none is within it"),
     out: str = out_option("runs/calibrate", "calibrated.yaml, calibration.json, records; rerun to resume"),
     tokenizer: Optional[str] = tokenizer_option(),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code"),
@@ -366,14 +374,22 @@ def calibrate(
 
     res = run_calibrate(model, config=config, method=method, layers=layers, sets=set_, grid=grid,
                         max_error=max_error, data=data, subsets=subsets, seq_len=seq_len, max_docs=max_docs,
-                        out=out, tokenizer=tokenizer, trust_remote_code=trust_remote_code, progress=progress)
-    t = Table(title=escape(f"{res['model']}: {len(res['docs'])} document(s) of {res['seq_len']} tokens, "
-                           f"max error {res['max_error']}"), title_justify="left")
-    for col in ("layer", "chosen", "error", "query-key products", "meets max error"):
+                        holdout=holdout, holdout_subsets=holdout_subsets, exact_layers=exact_layers, out=out,
+                        tokenizer=tokenizer, trust_remote_code=trust_remote_code, progress=progress)
+    held = res.get("held_out")
+    texts = f"{len(res['docs'])} document(s)" + (f" + {len(held['docs'])} held out" if held else "")
+    t = Table(title=escape(f"{res['model']}: {texts} of {res['seq_len']} tokens, max error {res['max_error']}"),
+              title_justify="left")
+    cols = ["layer", "chosen", "error", *(["error held out"] if held else []), "query-key products", "meets max error"]
+    for col in cols:
         t.add_column(col, justify="left" if col == "chosen" else "right")
     for row in res["layers"]:
-        chosen = ", ".join(f"{k}={v}" for k, v in row["chosen"].items()) or "the config's params"
-        t.add_row(str(row["layer"]), escape(chosen), f"{row['error']:.4f}", f"{row['pairs']:.3g}",
+        if row["chosen"] == "exact":
+            chosen = "exact attention (not replaced)"
+        else:
+            chosen = ", ".join(f"{k}={v}" for k, v in row["chosen"].items()) or "the config's params"
+        other = [f"{row['held_out']['error']:.4f}"] if held else []
+        t.add_row(str(row["layer"]), escape(chosen), f"{row['error']:.4f}", *other, f"{row['pairs']:.3g}",
                   "yes" if row["meets_max_error"] else "no")
     console.print(t)
     base = res["base_pairs"]

@@ -266,15 +266,19 @@ def test_cli_end_to_end_and_resume(data, tmp_path):
     assert r.exit_code == 0, r.output
     res = json.loads((out / "calibration.json").read_text())
     assert len(res["docs"]) == 2 and len(res["layers"]) == 4
+    exact = res["exact_pairs_per_layer"]
     for row in res["layers"]:
         errs = [c["error"] for c in row["candidates"]]
         pairs = [c["pairs"] for c in row["candidates"]]
-        assert pairs == sorted(pairs) and pairs[0] > 0
-        i, ok = choose([Tally(e * e, 1.0, p) for e, p in zip(errs, pairs)], 0.3)
-        assert row["chosen"] == res["candidates"][i] and row["meets_max_error"] == ok
+        assert pairs == sorted(pairs) and 0 < pairs[0] < exact
+        # exact attention is one more choice: error 0 at dense attention's products
+        i, ok = choose([Tally(e * e, 1.0, p) for e, p in zip(errs, pairs)] + [Tally(0.0, 1.0, exact)], 0.3)
+        assert row["chosen"] == [*res["candidates"], "exact"][i] and ok and row["meets_max_error"]
     cfg = read_config(str(out / "calibrated.yaml"))
     assert cfg.patch.method == "moba" and cfg.load["model"] == "tiny:llama"
     assert all(set(v) == {"topk"} for v in cfg.patch.layer_params.values())
+    kept = [r["layer"] for r in res["layers"] if r["chosen"] != "exact"]
+    assert cfg.patch.layers == (kept if len(kept) < 4 else "all")
     lines = (out / "records.jsonl").read_text().splitlines()
     assert len(lines) == 2
     # a rerun with another --max-error resumes: no new records, a config from the same tallies
@@ -355,3 +359,92 @@ def test_max_docs_is_per_subset(tmp_path):
                         grid=["topk=3,4"], data=str(d), out=str(tmp_path / "out"), seq_len=SEQ, max_docs=1,
                         tokenizer="bytes", progress=False)
     assert sorted(x["subset"] for x in res["docs"]) == ["lcc", "narrativeqa"]
+
+
+# --------------------------------------------------------------------------- the held-out text
+
+
+def test_choose_with_a_held_out_text():
+    """A candidate qualifies only within both limits; none within: the one least over them."""
+    cal = [Tally(1, 100, 10), Tally(0.25, 100, 20), Tally(0.01, 100, 40)]  # errors 0.1, 0.05, 0.01
+    held = [Tally(9, 100, 12), Tally(1, 100, 22), Tally(0.04, 100, 44)]  # 0.3, 0.1, 0.02
+    assert choose(cal, 0.15) == (0, True)  # the calibration text alone takes the cheapest
+    assert choose(cal, 0.15, held, 0.15) == (1, True)  # the held-out text refuses it
+    assert choose(cal, 0.15, held, 0.05) == (2, True)
+    assert choose(cal, 0.15, held, 0.01) == (2, False)  # none within: least over (0.02 / 0.01)
+    assert choose(cal, 0.15, held, 0.0) == (2, False)  # a zero limit: no division by it
+
+
+def test_calibrated_config_with_a_held_out_text():
+    """Each text's relative limit is R times the config's own error on that text; the rows report both."""
+    cfg = PatchConfig(**BASE)  # topk 4
+    cands = [{"topk": 2}, {"topk": 4}, {"topk": 8}]
+    totals = {0: [Tally(1.0, 100, 10), Tally(1, 100, 20), Tally(0.5, 100, 40)],  # 0.1, 0.1, ~0.07
+              1: [Tally(1.0, 100, 10), Tally(1, 100, 20), Tally(0.5, 100, 40)]}
+    held = {0: [Tally(1.0, 100, 11), Tally(1, 100, 21), Tally(0.5, 100, 41)],  # topk 2 holds on the other text
+            1: [Tally(16, 100, 11), Tally(1, 100, 21), Tally(0.5, 100, 41)]}  # topk 2: 4x its own error
+    out, rows = calibrated_config(cfg, cands, totals, 1.0, relative=True)
+    assert out.layer_params == {0: {"topk": 2}, 1: {"topk": 2}}
+    out, rows = calibrated_config(cfg, cands, totals, 1.0, relative=True, held=held)
+    assert out.layer_params == {0: {"topk": 2}}  # layer 1 keeps topk 4: topk 2 lost on the held-out text
+    h = rows[1]["held_out"]
+    assert h["limit"] == pytest.approx(0.1) and h["error"] == pytest.approx(0.1) and h["own"]["pairs"] == 21
+    assert [c["error"] for c in h["candidates"]] == pytest.approx([0.4, 0.1, 0.5 ** 0.5 / 10])
+
+
+def test_a_layer_may_keep_exact_attention():
+    """With exact_pairs, exact attention is a choice: where no candidate is within the limits, or where it is
+    cheaper than those that are, the layer leaves the config's layers (and its layer_params)."""
+    cfg = PatchConfig(**BASE)  # layers all, topk 4
+    cands = [{"topk": 2}, {"topk": 4}]
+    totals = {0: [Tally(1, 100, 10), Tally(0.25, 100, 20)],  # 0.1, 0.05: topk 2 within 0.15
+              1: [Tally(16, 100, 10), Tally(9, 100, 20)],  # 0.4, 0.3: none within
+              2: [Tally(1, 100, 10), Tally(0.25, 100, 90)]}  # topk 2 within, cheaper than exact (50)
+    out, rows = calibrated_config(cfg, cands, totals, 0.15)
+    assert out.layers == "all" and out.layer_params == {0: {"topk": 2}, 2: {"topk": 2}}  # 1: the most accurate
+    out, rows = calibrated_config(cfg, cands, totals, 0.15, exact_pairs=(50, 50))
+    assert out.layers == [0, 2] and out.layer_params == {0: {"topk": 2}, 2: {"topk": 2}}
+    assert rows[1]["chosen"] == "exact" and rows[1]["error"] == 0 and rows[1]["pairs"] == 50
+    assert rows[1]["meets_max_error"]
+    out, rows = calibrated_config(cfg, cands, totals, 0.15, exact_pairs=(5, 5))  # dense cheaper than all
+    assert out.layers == [] and out.layer_params == {}
+
+
+def test_cli_holdout(data, tmp_path):
+    """--holdout runs every candidate on a second text; a layer's choice holds on both, the report and
+    calibration.json show both; a held-out text that is too short, or is the calibration text, is refused
+    in one line with nothing written."""
+    held = tmp_path / "held"
+    held.mkdir()
+    rng = random.Random(5)
+    text = "".join(rng.choice("the quick brown fox jumps over a lazy dog.\n") for _ in range(320))
+    (held / "gov_report.jsonl").write_text(json.dumps(record("gov_report", "h0", text)) + "\n")
+    out = tmp_path / "cal"
+    args = ["calibrate", "--model", "tiny:llama", "--tokenizer", "bytes", "--data", data, "--seq-len", str(SEQ),
+            "--set", "chunk_size=16", "--set", "selection=hybrid", "--set", "estimate_queries=8",
+            "--set", "score_stride=4", "--set", "mass=null", "--method", "moba", "--grid", "topk=3,4,8",
+            "--max-error", "1.0x", "--no-exact-layers", "--no-progress"]
+    r = runner.invoke(app, [*args, "--holdout", str(held), "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "error held out" in r.output
+    res = json.loads((out / "calibration.json").read_text())
+    assert res["held_out"]["data"].endswith("held") and len(res["held_out"]["docs"]) == 1
+    for row in res["layers"]:
+        h = row["held_out"]
+        cal = [Tally(c["error"] ** 2, 1.0, c["pairs"]) for c in row["candidates"]]
+        other = [Tally(c["error"] ** 2, 1.0, c["pairs"]) for c in h["candidates"]]
+        i, ok = choose(cal, row["limit"], other, h["limit"])
+        assert row["chosen"] == res["candidates"][i] and row["meets_max_error"] == ok
+        if ok:
+            assert row["error"] <= row["limit"] * (1 + 1e-9) and h["error"] <= h["limit"] * (1 + 1e-9)
+    assert len((out / "records.jsonl").read_text().splitlines()) == 3  # two calibration documents, one held out
+    short = tmp_path / "short"
+    short.mkdir()
+    (short / "gov_report.jsonl").write_text(json.dumps(record("gov_report", "s0", text[:100])) + "\n")
+    for extra, message in ((["--holdout", data], "--holdout: 2 of its documents are calibration documents too"),
+                           (["--holdout", str(short)], "the held-out text (--holdout) is too short")):
+        bad = tmp_path / "bad"
+        r = runner.invoke(app, [*args, "--out", str(bad), *extra])
+        assert r.exit_code == 2, r.output
+        assert message in r.output and "Traceback" not in r.output
+        assert not bad.exists()
