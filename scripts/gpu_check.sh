@@ -25,7 +25,8 @@
 # table (gpu_flex.py), a decode step's profile (gpu_decode_profile.py), issue 41's needles (TRIALS, default
 # 2; their agreements, not their records) and Llama-3.1-8B's architecture at 128k only.
 # `bash scripts/gpu_check.sh scoring` (about 3 minutes on an H200): `bench attention` of the hybrid selections at
-# demo-moba-32k's and demo-nsa-32k's params, 32k and 131k, beside SDPA (scoring_moba.json, scoring_nsa.json).
+# demo-moba-32k's and demo-nsa-32k's params, 32k and 131k, beside SDPA (scoring_moba.json, scoring_nsa.json), and
+# the antidiagonal scoring alone, its Triton kernel against the torch form, 32k to 262k (scoring_kernel.json).
 set -u
 OUT=${OUT:-runs/gpu}
 SUITE=${1:-issue40}
@@ -111,6 +112,31 @@ scoring() {
     --set compress_stride=16 --set select_block=256 --set num_selected=16 --set window=256 --set init_blocks=1 \
     --set local_blocks=2 --set 'gates=[0.0, 0.9, 0.1]' --out "$TMP/nsa"
   cp "$TMP/nsa/attention_bench.json" "$OUT/scoring_nsa.json"
+  # the antidiagonal scoring alone: its Triton kernel against the torch form's score rows (median ms)
+  local DEV=cuda DT=bfloat16 H=32 HK=8 D=128 NS=32768,131072,262144
+  if [ "${DRY_RUN:-0}" = 1 ]; then DEV=cpu DT=float32 H=2 HK=1 D=16 NS=512; export TRITON_INTERPRET=1; fi
+  step ${SCORING_LIMIT:-150} $PY -c "
+import json, time, torch
+from longpatch.methods import selection
+dev, dt = torch.device('$DEV'), getattr(torch, '$DT')
+rows = []
+for n in [int(x) for x in '$NS'.split(',')]:
+    q = torch.randn(1, $H, n, $D, device=dev, dtype=dt); k = torch.randn(1, $HK, n, $D, device=dev, dtype=dt)
+    row = {'n': n}
+    for name, flag in (('torch_form_ms', False), ('kernel_ms', None)):
+        selection.FUSED_SCORES = flag
+        f = (lambda: selection.antidiagonal_scores(q, k, 256, 16, $D ** -0.5)) if dev.type == 'cuda' else \
+            (lambda: (selection.antidiagonal_scores_fused if flag is None else selection.antidiagonal_scores)(q, k, 256, 16, $D ** -0.5))
+        f(); ts = []
+        for _ in range(5):
+            if dev.type == 'cuda': torch.cuda.synchronize()
+            t = time.perf_counter(); f()
+            if dev.type == 'cuda': torch.cuda.synchronize()
+            ts.append((time.perf_counter() - t) * 1e3)
+        row[name] = sorted(ts)[2]
+    print(row, flush=True); rows.append(row)
+json.dump(rows, open('$OUT/scoring_kernel.json', 'w'), indent=1)
+"
 }
 if [ "$SUITE" = scoring ]; then scoring 2>&1 | tee "$OUT/log.txt"; exit; fi
 if [ "$SUITE" = selection ]; then selection 2>&1 | tee "$OUT/log.txt"; exit; fi

@@ -339,11 +339,9 @@ def antidiagonal_scores(q, k, block: int, stride: int, scale: float) -> torch.Te
     nt = nb * per
     gpu = gpu_scores.applies(q)  # half-precision tiles, scaled after their products (gpu_scores.py)
     acc = q.dtype if gpu else acc_dtype(q.dtype)
-    # each key tile's rows reversed, so a row of q tiles times a row of k tiles sums an antidiagonal
-    j = torch.arange(n, device=q.device)
-    kt = torch.zeros(b, hk, nt * stride, d, dtype=acc, device=q.device)
-    kt.index_copy_(2, j - j % stride + stride - 1 - j % stride, k.to(acc))
-    kt = kt.view(b, hk, nt, stride * d)
+    kt = _key_tiles(k, nt, stride, acc)
+    if gpu and fused_scores_available():
+        return _normalised(_fused_block_scores(q, kt, nt, stride, per, scale))
     out = torch.zeros(b, hk, nb, nb, dtype=torch.float32, device=q.device)
     c = torch.arange(nt, device=q.device)
     budget = _ANTI_ELEMS["cpu" if q.device.type == "cpu" else "gpu"]
@@ -378,9 +376,64 @@ def antidiagonal_scores(q, k, block: int, stride: int, scale: float) -> torch.Te
         p = sc.div_(sc.sum(-1, keepdim=True).clamp(min=1e-30)).sum(2)
         pb = p.view(b, hk, len(a) // per, per, seen // per, per).sum((3, 5))  # [b, hk, query blocks, key blocks]
         out[:, :, a0 // per: a0 // per + pb.shape[2], :seen // per] = pb.float()
+    return _normalised(out)
+
+
+def _key_tiles(k: torch.Tensor, nt: int, stride: int, dtype: torch.dtype) -> torch.Tensor:
+    """[b, hk, nt, stride * d]: the keys in tiles of ``stride`` rows, each tile's rows reversed (so that a
+    row of query tiles times a row of key tiles sums an antidiagonal), zeros past the last key."""
+    b, hk, n, d = k.shape
+    j = torch.arange(n, device=k.device)
+    kt = torch.zeros(b, hk, nt * stride, d, dtype=dtype, device=k.device)
+    kt.index_copy_(2, j - j % stride + stride - 1 - j % stride, k.to(dtype))
+    return kt.view(b, hk, nt, stride * d)
+
+
+def _normalised(out: torch.Tensor) -> torch.Tensor:
+    """Block scores [b, hk, nb, nb] with each query block's row normalised to 1 and the future at -inf."""
+    nb = out.shape[-1]
     out = out / out.sum(-1, keepdim=True).clamp(min=1e-30)
-    i = torch.arange(nb, device=q.device)
+    i = torch.arange(nb, device=out.device)
     return out.masked_fill(i.view(1, -1) > i.view(-1, 1), float("-inf"))
+
+
+# The antidiagonal scoring of CUDA half-precision inputs: None, the Triton kernel where triton imports;
+# False: the torch form (score rows; the GPU benchmark's before/after switch)
+FUSED_SCORES: bool | None = None
+
+
+def fused_scores_available() -> bool:
+    """Whether the antidiagonal scoring's Triton kernel (``longpatch.kernels.scores``) runs: triton
+    importable and ``FUSED_SCORES`` not False. The CUDA path takes it; the CPU keeps the torch form
+    above (its twin)."""
+    if FUSED_SCORES is False:
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _fused_block_scores(q, kt: torch.Tensor, nt: int, stride: int, per: int, scale: float) -> torch.Tensor:
+    """The unnormalised block scores of ``antidiagonal_scores`` from its Triton kernel, on the same
+    prepared tiles: no [n / stride, n / stride] score rows are written."""
+    from ..kernels.scores import block_scores  # lazily: triton is optional
+
+    b, hq, n, d = q.shape
+    qt = torch.empty(b, hq, nt * stride, d, dtype=kt.dtype, device=q.device)
+    _query_tiles(qt, q, 0, stride)
+    return block_scores(qt.view(b, hq, nt, stride * d), kt, per, scale / stride)
+
+
+def antidiagonal_scores_fused(q, k, block: int, stride: int, scale: float) -> torch.Tensor:
+    """``antidiagonal_scores`` from the Triton kernel on any device (the CPU under TRITON_INTERPRET=1:
+    the tests' twin check); what CUDA half-precision inputs run."""
+    b, hq, n, d = q.shape
+    per = block // stride
+    nt = math.ceil(n / block) * per
+    acc = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else acc_dtype(q.dtype)
+    return _normalised(_fused_block_scores(q, _key_tiles(k, nt, stride, acc), nt, stride, per, scale))
 
 
 def _query_tiles(dst: torch.Tensor, src: torch.Tensor, tile0: int, stride: int, mul: float | None = None) -> None:
