@@ -9,7 +9,8 @@ ten times: at 131k tokens most of the selection's time is that memory traffic, n
 
 Here one program takes one (batch row, KV head, query block): its rows are the g query heads x the
 ``per`` query tiles of the block (the whole group in one tile), and it walks the key blocks up to its
-own, each ``per`` key tiles wide, twice:
+own, several blocks of ``per`` key tiles per step (64 columns, a product tile the tensor cores take),
+twice:
 
 1. the products and an online row maximum and row sum (the softmax's normaliser, in float32);
 2. the products again, each row's probabilities exp(s - max) / sum, summed over the key block's
@@ -48,9 +49,11 @@ except AttributeError:  # pragma: no cover - a Triton that renamed them: same re
 
 @triton.jit
 def _block_scores_kernel(QT, KT, Out, sqb, sqh, sqt, skb, skh, skt, sob, soh, soq,
-                         HK, G, PER, E, qk_scale, floor2,
-                         CDT: tl.constexpr, DOT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-                         BLOCK_E: tl.constexpr):
+                         HK, G, PER, NB, E, qk_scale, floor2,
+                         CDT: tl.constexpr, DOT: tl.constexpr, BLOCK_R: tl.constexpr, KB: tl.constexpr,
+                         BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr):
+    # KB key blocks of PER tiles per step (BLOCK_C = KB * PER columns when KB > 1; KB = 1: one block,
+    # BLOCK_C >= PER), so that each product tile is wide enough for the tensor cores
     qb = tl.program_id(0).to(tl.int64)  # query block
     pid_bh = tl.program_id(1).to(tl.int64)
     b = pid_bh // HK
@@ -60,23 +63,22 @@ def _block_scores_kernel(QT, KT, Out, sqb, sqh, sqt, skb, skh, skt, sob, soh, so
     h = hk * G + r // PER  # row r: query head h, query tile a
     a = qb * PER + r % PER
     cc = tl.arange(0, BLOCK_C)
-    c_ok = cc < PER
     e = tl.arange(0, BLOCK_E)
     q_rows = QT + b * sqb + h[:, None] * sqh + a[:, None] * sqt
     k_base = KT + b * skb + hk * skh
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_R], 0.0, tl.float32)
     # pass 1: each row's maximum and sum of exp over its past key tiles (c < a)
-    for kb in range(0, qb + 1):
-        c = kb * PER + cc
+    for kb0 in range(0, qb + 1, KB):
+        c = kb0 * PER + cc
+        c_ok = (cc < KB * PER) & (c < NB * PER)
         s = tl.full([BLOCK_R, BLOCK_C], 0.0, tl.float32)
         for e0 in range(0, E, BLOCK_E):
             q = tl.load(q_rows + e0 + e[None, :], mask=r_ok[:, None], other=0.0).to(CDT)
             k = tl.load(k_base + c[:, None] * skt + e0 + e[None, :], mask=c_ok[:, None], other=0.0).to(CDT)
             s += tl.dot(q, tl.trans(k), input_precision=DOT)
-        s = s * qk_scale  # log2 domain
         visible = r_ok[:, None] & c_ok[None, :] & (c[None, :] < a[:, None])
-        s = tl.where(visible, s, float("-inf"))
+        s = tl.where(visible, s * qk_scale, float("-inf"))  # log2 domain
         m_new = tl.maximum(m_i, tl.reduce(s, 1, _max_combine))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing yet: no NaN
         p = tl.where(visible, tl.math.exp2(tl.maximum(s - m_safe[:, None], floor2)), 0.0)
@@ -85,8 +87,9 @@ def _block_scores_kernel(QT, KT, Out, sqb, sqh, sqt, skb, skh, skt, sob, soh, so
     # pass 2: the normalised probabilities, summed per key block over every row of the tile
     m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
     inv = tl.where(l_i > 0.0, 1.0 / tl.where(l_i > 0.0, l_i, 1.0), 0.0)  # a row with no past tile adds 0
-    for kb in range(0, qb + 1):
-        c = kb * PER + cc
+    for kb0 in range(0, qb + 1, KB):
+        c = kb0 * PER + cc
+        c_ok = (cc < KB * PER) & (c < NB * PER)
         s = tl.full([BLOCK_R, BLOCK_C], 0.0, tl.float32)
         for e0 in range(0, E, BLOCK_E):
             q = tl.load(q_rows + e0 + e[None, :], mask=r_ok[:, None], other=0.0).to(CDT)
@@ -94,8 +97,13 @@ def _block_scores_kernel(QT, KT, Out, sqb, sqh, sqt, skb, skh, skt, sob, soh, so
             s += tl.dot(q, tl.trans(k), input_precision=DOT)
         visible = r_ok[:, None] & c_ok[None, :] & (c[None, :] < a[:, None])
         p = tl.where(visible, tl.math.exp2(tl.maximum(s * qk_scale - m_safe[:, None], floor2)), 0.0)
-        total = tl.reduce(tl.reduce(p * inv[:, None], 1, _sum_combine), 0, _sum_combine)
-        tl.store(Out + b * sob + hk * soh + qb * soq + kb, total)
+        cols = tl.reduce(p * inv[:, None], 0, _sum_combine)  # [BLOCK_C]: summed over the rows
+        if KB == 1:
+            tl.store(Out + b * sob + hk * soh + qb * soq + kb0, tl.reduce(cols, 0, _sum_combine))
+        else:
+            kbs = kb0 + tl.arange(0, KB)
+            tl.store(Out + b * sob + hk * soh + qb * soq + kbs, tl.reduce(tl.reshape(cols, [KB, BLOCK_C // KB]), 1,
+                                                                          _sum_combine), mask=kbs <= qb)
 
 
 def _pow2(x: int, least: int = 16) -> int:
@@ -122,8 +130,11 @@ def block_scores(qt: torch.Tensor, kt: torch.Tensor, per: int, scale: float) -> 
     block_e = 64 if E % 64 == 0 else _pow2(E, 16)
     if E % block_e:
         raise ValueError(f"block_scores: stride x head_dim = {E} is not a multiple of {block_e}")
+    # several key blocks per step when a block's tiles are a power of two under 64 (64 columns), else one
+    kb = max(1, 64 // per) if per == triton.next_power_of_2(per) and per < 64 else 1
     _block_scores_kernel[(nb, b * hk)](
         qt, kt, out, qt.stride(0), qt.stride(1), qt.stride(2), kt.stride(0), kt.stride(1), kt.stride(2),
-        out.stride(0), out.stride(1), out.stride(2), hk, g, per, E, scale * LOG2E, _EXP_FLOOR * LOG2E,
-        CDT=cdt, DOT="ieee" if exact else None, BLOCK_R=_pow2(g * per), BLOCK_C=_pow2(per), BLOCK_E=block_e)
+        out.stride(0), out.stride(1), out.stride(2), hk, g, per, nb, E, scale * LOG2E, _EXP_FLOOR * LOG2E,
+        CDT=cdt, DOT="ieee" if exact else None, BLOCK_R=_pow2(g * per), KB=kb,
+        BLOCK_C=kb * per if kb > 1 else _pow2(per), BLOCK_E=block_e)
     return out

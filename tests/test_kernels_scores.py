@@ -29,6 +29,8 @@ def _close(a, b, atol):
     (96, 3, 1, 8, 32, 8),  # a group of 3 (rows padded to the tile)
     (64, 2, 1, 16, 16, 16),  # one tile per block
     (77, 4, 4, 16, 16, 2),  # no GQA, ragged, 8 tiles per block
+    (72, 2, 1, 16, 24, 4),  # 6 tiles per block (not a power of two: one block per step)
+    (300, 2, 1, 8, 8, 2),  # 38 blocks of 4 tiles, 16 blocks per step: steps that end past the diagonal
 ])
 def test_kernel_equals_the_torch_form(n, hq, hk, d, block, stride):
     q, k = _qkv(n, hq, hk, d)
