@@ -27,6 +27,9 @@
 # `bash scripts/gpu_check.sh scoring` (about 3 minutes on an H200): `bench attention` of the hybrid selections at
 # demo-moba-32k's and demo-nsa-32k's params, 32k and 131k, beside SDPA (scoring_moba.json, scoring_nsa.json), and
 # the antidiagonal scoring alone, its Triton kernel against the torch form, 32k to 262k (scoring_kernel.json).
+# `bash scripts/gpu_check.sh prefill` (about 7 minutes): the same at 32k, 131k and 262k (prefill_moba.json,
+# prefill_nsa.json, scoring_kernel.json) and Llama-3.1-8B's architecture with llama-3.1-8b-moba-hybrid, TTFT at
+# 128k and 256k beside the unpatched model (prefill_llama8b.json).
 set -u
 OUT=${OUT:-runs/gpu}
 SUITE=${1:-issue40}
@@ -98,20 +101,22 @@ selection() {
     --contexts 131072 --new-tokens 8 --no-plots --no-progress --out "$TMP/e2e"
   [ "${DRY_RUN:-0}" = 1 ] || cp "$TMP/e2e/results.json" "$OUT/e2e_llama8b.json"
 }
-scoring() {
-  # the hybrid selections at the shipped 32k configs' params (MoBA, NSA) against SDPA, with the error on
-  # inputs whose dominant key sits n/3 back (an even distance at 32k and 131k); about 3 minutes on an H200
+hybrid_attention() {
+  # bench attention of the hybrid selections at the shipped configs' params (MoBA, NSA) against SDPA at lengths
+  # $1, with the error on inputs whose dominant key sits n/3 back; $2: the files' prefix
   local M="--device cuda --dtype bfloat16 --heads 32 --kv-heads 8 --head-dim 128 --mode causal --repeats 5 --no-memory"
-  local L=32768,131072
+  local L=$1
   if [ "${DRY_RUN:-0}" = 1 ]; then M="--heads 4 --kv-heads 2 --head-dim 64 --mode causal --repeats 1 --no-memory"; L=4096; fi
   local H="--set selection=hybrid --set mass=0.9 --set estimate_queries=64 --set score_stride=16"
   step ${SCORING_LIMIT:-150} $LP bench attention $M --seq-lens $L --methods moba $H --set chunk_size=256 --set topk=16 \
     --set local_blocks=1 --out "$TMP/moba"
-  cp "$TMP/moba/attention_bench.json" "$OUT/scoring_moba.json"
+  cp "$TMP/moba/attention_bench.json" "$OUT/$2_moba.json"
   step ${SCORING_LIMIT:-150} $LP bench attention $M --seq-lens $L --methods nsa $H --set compress_block=32 \
     --set compress_stride=16 --set select_block=256 --set num_selected=16 --set window=256 --set init_blocks=1 \
     --set local_blocks=2 --set 'gates=[0.0, 0.9, 0.1]' --out "$TMP/nsa"
-  cp "$TMP/nsa/attention_bench.json" "$OUT/scoring_nsa.json"
+  cp "$TMP/nsa/attention_bench.json" "$OUT/$2_nsa.json"
+}
+scoring_kernel() {
   # the antidiagonal scoring alone: its Triton kernel against the torch form's score rows (median ms)
   local DEV=cuda DT=bfloat16 H=32 HK=8 D=128 NS=32768,131072,262144
   if [ "${DRY_RUN:-0}" = 1 ]; then DEV=cpu DT=float32 H=2 HK=1 D=16 NS=512; export TRITON_INTERPRET=1; fi
@@ -125,7 +130,7 @@ for n in [int(x) for x in '$NS'.split(',')]:
     row = {'n': n}
     for name, flag in (('torch_form_ms', False), ('kernel_ms', None)):
         selection.FUSED_SCORES = flag
-        f = (lambda: selection.antidiagonal_scores(q, k, 256, 16, $D ** -0.5)) if dev.type == 'cuda' else \
+        f = (lambda: selection.antidiagonal_scores(q, k, 256, 16, $D ** -0.5)) if dev.type == 'cuda' else \\
             (lambda: (selection.antidiagonal_scores_fused if flag is None else selection.antidiagonal_scores)(q, k, 256, 16, $D ** -0.5))
         f(); ts = []
         for _ in range(5):
@@ -138,7 +143,27 @@ for n in [int(x) for x in '$NS'.split(',')]:
 json.dump(rows, open('$OUT/scoring_kernel.json', 'w'), indent=1)
 "
 }
+scoring() {
+  hybrid_attention 32768,131072 scoring
+  scoring_kernel
+}
+prefill() {
+  # the prefill figures: the hybrid selections at 32k-262k beside SDPA, the scoring kernel, and Llama-3.1-8B's
+  # architecture (random weights) with llama-3.1-8b-moba-hybrid at 128k and 256k beside the unpatched model
+  hybrid_attention 32768,131072,262144 prefill
+  scoring_kernel
+  local CTX=131072,262144 SEL=""
+  if [ "${DRY_RUN:-0}" = 1 ]; then
+    export LONGPATCH_ARCH_OVERRIDES='{"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512,
+      "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}'
+    CTX=512,1024; SEL="--set chunk_size=64 --set topk=4"
+  fi
+  step ${E2E_LIMIT:-200} $LP bench generate --model llama-3.1-8b --random-weights --config llama-3.1-8b-moba-hybrid \
+    $SEL --contexts $CTX --new-tokens 2 --repeats 1 --no-plots --no-progress --out "$TMP/e2e"
+  cp "$TMP/e2e/results.json" "$OUT/prefill_llama8b.json"
+}
 if [ "$SUITE" = scoring ]; then scoring 2>&1 | tee "$OUT/log.txt"; exit; fi
+if [ "$SUITE" = prefill ]; then prefill 2>&1 | tee "$OUT/log.txt"; exit; fi
 if [ "$SUITE" = selection ]; then selection 2>&1 | tee "$OUT/log.txt"; exit; fi
 if [ "$SUITE" = issue40 ]; then issue40 2>&1 | tee "$OUT/log.txt"; exit; fi
 if [ "$SUITE" = issue41 ]; then issue41 2>&1 | tee "$OUT/log.txt"; exit; fi
