@@ -220,6 +220,67 @@ def _over(error: float, limit: float) -> float:
     return 0.0 if error <= 0 else math.inf
 
 
+def layer_ppl(model, cfg: PatchConfig, docs: list, cands: list[dict], layers: list[int],
+              records: Path | None = None, key: str = "", progress: bool = False) -> dict[int, list[float]]:
+    """{layer: [relative perplexity increase per candidate]} over docs (pooled token NLL): each patched
+    layer alone replaced by each candidate, every other layer exact, against the model with no layer
+    replaced. Per-document NLL sums go to ``records`` (JSONL, key "ppl|<key>") and are resumed."""
+    from tqdm.auto import tqdm
+
+    from .eval.ppl.scoring import final_hidden_states, token_nll
+    from .patching import patch_model, unpatch_model
+
+    done: dict[str, dict] = {}
+    tag = f"ppl|{key}"
+    if records is not None and records.exists():
+        for line in records.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if rec.get("key") == tag:
+                done[rec["digest"]] = rec
+    device = next(model.parameters()).device
+    todo = [d for d in docs if d.digest not in done]
+    bar = tqdm(total=len(todo) * (1 + len(layers) * len(cands)), desc="perplexity", unit="forward",
+               disable=not progress)
+
+    def nll(ids) -> float:
+        with torch.no_grad():
+            hidden = final_hidden_states(model, ids)
+            value = float(token_nll(model, hidden, ids).double().sum())
+        bar.update(1)
+        return value
+
+    for d in todo:
+        ids = d.ids.view(1, -1).to(device)
+        rec = {"key": tag, "digest": d.digest, "tokens": int(ids.shape[1] - 1), "base": nll(ids), "layers": {}}
+        for layer in layers:
+            rec["layers"][str(layer)] = []
+            for c in cands:
+                patch_model(model, cfg.replace(layers=[layer], params={**cfg.params, **c}, layer_params={}))
+                try:
+                    rec["layers"][str(layer)].append(nll(ids))
+                finally:
+                    unpatch_model(model)
+        done[d.digest] = rec
+        if records is not None:
+            with records.open("a") as f:
+                f.write(json.dumps(rec) + "\n")
+    bar.close()
+    tokens = sum(done[d.digest]["tokens"] for d in docs)
+    base = sum(done[d.digest]["base"] for d in docs)
+    return {layer: [math.exp((sum(done[d.digest]["layers"][str(layer)][i] for d in docs) - base) / tokens) - 1
+                    for i in range(len(cands))] for layer in layers}
+
+
+def ppl_tallies(totals: dict[int, list[Tally]], increases: dict[int, list[float]]) -> dict[int, list[Tally]]:
+    """Tallies whose error is a layer's perplexity increase (a decrease counts as 0) at the products of
+    ``totals``: what ``choose`` and ``calibrated_config`` judge under --max-ppl-increase."""
+    return {layer: [Tally(max(inc, 0.0) ** 2, 1.0, t.pairs) for inc, t in zip(increases[layer], totals[layer])]
+            for layer in totals}
+
+
 def choose(tallies: list[Tally], max_error: float, held: list[Tally] | None = None,
            held_limit: float | None = None) -> tuple[int, bool]:
     """(index of the chosen candidate, whether it meets the limits): the fewest pairs (on the calibration
@@ -321,7 +382,8 @@ def calibrated_config(cfg: PatchConfig, cands: list[dict], totals: dict[int, lis
     return cfg.replace(**changes), rows
 
 
-def run_calibrate(model: str, *, config=None, method=None, layers=None, sets=(), grid=(), max_error="0.1",
+def run_calibrate(model: str, *, config=None, method=None, layers=None, sets=(), grid=(), max_error=None,
+                  max_ppl_increase: float | None = None,
                   data=None, subsets: str = "all", seq_len: int = 32768, max_docs: int = 2,
                   holdout=None, holdout_subsets: str = "all", exact_layers: bool = True,
                   out: str = "runs/calibrate", tokenizer=None, trust_remote_code: bool = False,
@@ -330,7 +392,10 @@ def run_calibrate(model: str, *, config=None, method=None, layers=None, sets=(),
     write ``calibrated.yaml`` (a config) and ``calibration.json`` (every candidate's error and cost per
     layer) to ``out``; returns the calibration.json content. holdout: a second text (read as ``data``,
     its subsets ``holdout_subsets``, the same --max-docs) on which each chosen candidate must hold too.
-    exact_layers: a layer may keep exact attention (``calibrated_config``'s exact_pairs)."""
+    exact_layers: a layer may keep exact attention (``calibrated_config``'s exact_pairs).
+    max_ppl_increase: instead of ``max_error`` (default 0.1), the most a layer may raise perplexity, in
+    percent, when it alone is replaced by the candidate (``layer_ppl``: one more forward pass per layer,
+    candidate and document); a candidate's cost is still its query-key products."""
     from .errors import check_int
     from .eval.longbench.data import load_longbench
     from .eval.ppl.plan import nothing_to_evaluate, plan_documents
@@ -341,7 +406,16 @@ def run_calibrate(model: str, *, config=None, method=None, layers=None, sets=(),
     from .outdir import check_out, claim_out, write_json
     from .specs import resolve
 
-    limit, relative = parse_max_error(max_error)
+    if max_ppl_increase is not None:
+        if max_error is not None:
+            raise ConfigError("--max-error and --max-ppl-increase: both given; allowed: one of them (the target of "
+                              "each layer: its output error, or the perplexity increase it causes alone)")
+        if isinstance(max_ppl_increase, bool) or not 0 < float(max_ppl_increase) < math.inf:
+            raise ConfigError(f"--max-ppl-increase: got {max_ppl_increase!r}; allowed: a number > 0 (percent: 1 is "
+                              "+1% perplexity per layer)")
+        limit, relative = float(max_ppl_increase) / 100, False
+    else:
+        limit, relative = parse_max_error("0.1" if max_error is None else max_error)
     check_int("--seq-len", seq_len, 2, MAX_TOKENS)
     check_int("--max-docs", max_docs, 1, MAX_VALUES)
     out_dir = check_out(out, "calibrate")
@@ -380,11 +454,19 @@ def run_calibrate(model: str, *, config=None, method=None, layers=None, sets=(),
     held = None
     if held_docs:  # records are per document, so both texts share the records file
         held = calibrate_documents(loaded, cfg, held_docs, cands, out_dir / RECORDS, key, progress)
+    if max_ppl_increase is not None:  # judged by perplexity; the error tallies give the products
+        layers_run = sorted(totals)
+        totals = ppl_tallies(totals, layer_ppl(loaded, cfg, docs, cands, layers_run, out_dir / RECORDS, key,
+                                               progress))
+        if held is not None:
+            held = ppl_tallies(held, layer_ppl(loaded, cfg, held_docs, cands, layers_run, out_dir / RECORDS, key,
+                                               progress))
     dense = _heads(loaded) * seq_len * (seq_len + 1) // 2  # one causal layer, one document
     exact_pairs = len(docs) * dense
     chosen, rows = calibrated_config(cfg, cands, totals, limit, relative, held,
                                      (exact_pairs, len(held_docs) * dense) if exact_layers else None)
     result = {"model": name, "tokenizer": tok_id, "seq_len": seq_len,
+              "metric": "error" if max_ppl_increase is None else "ppl_increase",
               "max_error": f"{limit:g}x" if relative else limit,
               "data": lb.source, "docs": [{"subset": d.subset, "doc_id": d.doc_id, "digest": d.digest} for d in docs],
               "config": cfg.to_dict(), "candidates": cands, "exact_pairs_per_layer": exact_pairs,
@@ -411,7 +493,9 @@ def _write_config(path: Path, load, cfg: PatchConfig, result: dict) -> None:
     from .loading import saved_keys
 
     head = (f"# written by `longpatch calibrate`: {result['model']}, {len(result['docs'])} document(s) of "
-            f"{result['seq_len']} tokens from {result['data']}, --max-error {result['max_error']}\n"
+            f"{result['seq_len']} tokens from {result['data']}, "
+            + (f"--max-error {result['max_error']}" if result["metric"] == "error"
+               else f"--max-ppl-increase {100 * result['max_error']:g}") + "\n"
             "# each layer's error and query-key products per candidate: calibration.json beside this file\n")
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     tmp.write_text(head + yaml.safe_dump(saved_keys(load, cfg), sort_keys=False))

@@ -346,10 +346,15 @@ def calibrate(
     grid: list[str] = typer.Option([], "--grid", metavar="KEY=V1,V2",
                                    help="candidate values of a method param, repeatable (every combination is "
                                         "tried in every layer), e.g. --grid topk=8,12,16; none: the config's own"),
-    max_error: str = typer.Option("0.1", "--max-error", metavar="E|Rx",
-                                  help="per layer: the cheapest candidate whose relative output error "
-                                       "||o - o_exact|| / ||o_exact|| is at most E, or at most R times the "
-                                       "config's own error there (e.g. 1.0x; none: the most accurate)"),
+    max_error: Optional[str] = typer.Option(None, "--max-error", metavar="E|Rx",
+                                            help="per layer: the cheapest candidate whose relative output error "
+                                                 "||o - o_exact|| / ||o_exact|| is at most E, or at most R times "
+                                                 "the config's own error there (e.g. 1.0x) [default: 0.1]"),
+    max_ppl_increase: Optional[float] = typer.Option(None, "--max-ppl-increase", metavar="PCT",
+                                                     help="instead of --max-error: per layer, the cheapest candidate "
+                                                          "that raises perplexity by at most PCT percent when that "
+                                                          "layer alone is replaced (one forward per layer, "
+                                                          "candidate and document)"),
     data: Optional[str] = longbench_data_option("the calibration text: "),
     subsets: str = subsets_option(),
     seq_len: int = typer.Option(32768, "--seq-len", metavar="N",
@@ -373,14 +378,17 @@ def calibrate(
     from .calibrate import CONFIG_OUT, run_calibrate
 
     res = run_calibrate(model, config=config, method=method, layers=layers, sets=set_, grid=grid,
-                        max_error=max_error, data=data, subsets=subsets, seq_len=seq_len, max_docs=max_docs,
+                        max_error=max_error, max_ppl_increase=max_ppl_increase, data=data, subsets=subsets,
+                        seq_len=seq_len, max_docs=max_docs,
                         holdout=holdout, holdout_subsets=holdout_subsets, exact_layers=exact_layers, out=out,
                         tokenizer=tokenizer, trust_remote_code=trust_remote_code, progress=progress)
     held = res.get("held_out")
     texts = f"{len(res['docs'])} document(s)" + (f" + {len(held['docs'])} held out" if held else "")
-    t = Table(title=escape(f"{res['model']}: {texts} of {res['seq_len']} tokens, max error {res['max_error']}"),
-              title_justify="left")
-    cols = ["layer", "chosen", "error", *(["error held out"] if held else []), "query-key products", "meets max error"]
+    ppl = res["metric"] == "ppl_increase"
+    target = f"perplexity +{100 * res['max_error']:g}% per layer" if ppl else f"max error {res['max_error']}"
+    t = Table(title=escape(f"{res['model']}: {texts} of {res['seq_len']} tokens, {target}"), title_justify="left")
+    what = "ppl increase" if ppl else "error"
+    cols = ["layer", "chosen", what, *([f"{what} held out"] if held else []), "query-key products", "meets target"]
     for col in cols:
         t.add_column(col, justify="left" if col == "chosen" else "right")
     for row in res["layers"]:

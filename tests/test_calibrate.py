@@ -4,6 +4,7 @@ Tiny random-weight llama (4 layers, head_dim 16), the byte tokenizer and 256-tok
 calibration to about a second.
 """
 import json
+import math
 import random
 
 import pytest
@@ -445,6 +446,70 @@ def test_cli_holdout(data, tmp_path):
                            (["--holdout", str(short)], "the held-out text (--holdout) is too short")):
         bad = tmp_path / "bad"
         r = runner.invoke(app, [*args, "--out", str(bad), *extra])
+        assert r.exit_code == 2, r.output
+        assert message in r.output and "Traceback" not in r.output
+        assert not bad.exists()
+
+
+# --------------------------------------------------------------------------- the perplexity target
+
+
+def test_layer_ppl_is_each_layer_alone_against_exact():
+    """layer_ppl: the perplexity ratio of the model with one layer replaced by a candidate (the others
+    exact) over the unpatched model's, minus 1, pooled over the documents' tokens."""
+    from longpatch.calibrate import layer_ppl
+    from longpatch.eval.ppl.scoring import final_hidden_states, token_nll
+
+    model = tiny_model("llama")
+    cfg = PatchConfig(**BASE)
+    d = docs(2, seed=4)
+    cands = [{"topk": 2}, {"topk": 4}]
+    got = layer_ppl(model, cfg, d, cands, [1, 3])
+
+    def nll():
+        with torch.no_grad():
+            return sum(float(token_nll(model, final_hidden_states(model, x.ids.view(1, -1)), x.ids.view(1, -1))
+                             .double().sum()) for x in d)
+    base = nll()
+    tokens = sum(len(x.ids) - 1 for x in d)
+    for layer in (1, 3):
+        for i, c in enumerate(cands):
+            patch_model(model, cfg.replace(layers=[layer], params={**cfg.params, **c}))
+            want = math.exp((nll() - base) / tokens) - 1
+            unpatch_model(model)
+            assert got[layer][i] == pytest.approx(want, abs=1e-9)
+    assert any(abs(v) > 1e-6 for vs in got.values() for v in vs)  # the candidates do change the model
+
+
+def test_cli_max_ppl_increase(data, tmp_path):
+    """--max-ppl-increase judges each layer by the perplexity increase it causes alone (a decrease counts
+    as 0), cheapest within; the records resume; it and --max-error together, or a value <= 0, are refused."""
+    out = tmp_path / "cal"
+    args = ["calibrate", "--model", "tiny:llama", "--tokenizer", "bytes", "--data", data, "--seq-len", str(SEQ),
+            "--set", "chunk_size=16", "--set", "selection=hybrid", "--set", "estimate_queries=8",
+            "--set", "score_stride=4", "--set", "mass=null", "--method", "moba", "--grid", "topk=3,8",
+            "--no-progress", "--out", str(out)]
+    r = runner.invoke(app, [*args, "--max-ppl-increase", "0.5"])
+    assert r.exit_code == 0, r.output
+    assert "ppl increase" in r.output
+    res = json.loads((out / "calibration.json").read_text())
+    assert res["metric"] == "ppl_increase" and res["max_error"] == pytest.approx(0.005)
+    exact = res["exact_pairs_per_layer"]
+    for row in res["layers"]:
+        tallies = [Tally(c["error"] ** 2, 1.0, c["pairs"]) for c in row["candidates"]] + [Tally(0.0, 1.0, exact)]
+        i, _ = choose(tallies, 0.005)
+        assert row["chosen"] == [*res["candidates"], "exact"][i]
+        assert all(c["error"] >= 0 for c in row["candidates"])
+    lines = (out / "records.jsonl").read_text().splitlines()
+    assert sum('"key": "ppl|' in line for line in lines) == 2  # one perplexity record per document
+    r = runner.invoke(app, [*args, "--max-ppl-increase", "1e6"])  # resumed: no new records
+    assert r.exit_code == 0, r.output
+    assert (out / "records.jsonl").read_text().splitlines() == lines
+    assert read_config(str(out / "calibrated.yaml")).patch.layer_params == {i: {"topk": 3} for i in range(4)}
+    for extra, message in ((["--max-ppl-increase", "1", "--max-error", "0.2"], "both given; allowed: one of them"),
+                           (["--max-ppl-increase", "0"], "--max-ppl-increase: got 0.0")):
+        bad = tmp_path / "bad"
+        r = runner.invoke(app, [*args[:-1], str(bad), *extra])
         assert r.exit_code == 2, r.output
         assert message in r.output and "Traceback" not in r.output
         assert not bad.exists()
