@@ -54,6 +54,14 @@ def test_records_files_and_greedy_tokens(tmp_path, configs, one_thread):
     for r in recs:
         if r["config"] == exact:
             assert r["tokens"] == base[r["context"]]["tokens"] and r["tokens_match_exact"] == NEW
+    # the dense memory floor: every weight and the whole cache once at the measured copy bandwidth
+    meta = res["meta"]
+    assert meta["copy_bandwidth_gbs"] > 0 and meta["weight_bytes"] > 0 and meta["kv_bytes_per_token"] > 0
+    for r in recs:
+        kv = meta["kv_bytes_per_token"] * (r["context"] + NEW / 2)
+        want = (meta["weight_bytes"] + kv) / (meta["copy_bandwidth_gbs"] * 1e9) * 1e3
+        assert r["dense_floor_ms"] == pytest.approx(want)
+        assert r["of_floor"] == pytest.approx(r["dense_floor_ms"] / r["decode_ms_per_token"])
     saved = json.loads((out / "results.json").read_text())
     assert saved["records"] == recs and saved["meta"]["contexts"] == list(CONTEXTS)
     with open(out / "results.csv") as f:
@@ -162,3 +170,26 @@ def test_the_table_says_when_peak_rss_is_the_processs_high_water_mark(allocator,
     console = Console(record=True, width=200)
     print_table({"meta": {"model": "tiny", "new_tokens": 4, "allocator": allocator}, "records": [row]}, console)
     assert ("high-water mark" in console.export_text()) == noted
+
+
+def test_memory_floor_parts():
+    """weight_bytes counts each storage once (tied embeddings once); kv_bytes_per_token is K and V of every
+    layer's KV heads; the floor grows with the context and the batch."""
+    from longpatch.bench.generate import dense_floor_ms, kv_bytes_per_token, weight_bytes
+    from longpatch.testing.tiny import tiny_model
+
+    model = tiny_model("llama")
+    c = model.config
+    dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    assert kv_bytes_per_token(model) == 2 * c.num_hidden_layers * c.num_key_value_heads * dim * 4
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in [*model.parameters(), *model.buffers()]}
+    assert weight_bytes(model) == sum(storages.values())
+    before, head = weight_bytes(model), model.lm_head.weight
+    if head.untyped_storage().data_ptr() != model.model.embed_tokens.weight.untyped_storage().data_ptr():
+        model.lm_head.weight = model.model.embed_tokens.weight  # tied: counted once
+        assert weight_bytes(model) == before - head.untyped_storage().nbytes()
+    one = dense_floor_ms(1000, 10, 100, 4, 1, 1e6)
+    assert one == pytest.approx((1000 + 10 * 102) / 1e6 * 1e3)
+    assert dense_floor_ms(1000, 10, 200, 4, 1, 1e6) > one and dense_floor_ms(1000, 10, 100, 4, 2, 1e6) > one
+    assert dense_floor_ms(1000, None, 100, 4, 1, 1e6) is None

@@ -64,7 +64,58 @@ COMMAND = "bench generate"  # marks its --out (outdir.claim_out)
 CACHES = ("growing", "dynamic", "static")
 CSV_COLUMNS = ["config", "method", "layers", "context", "batch", "new_tokens", "ttft_s", "decode_ms_per_token",
                "decode_tokens_per_s", "tokens_per_s", "total_s", "ttft_speedup", "decode_speedup", "peak_rss_mib",
-               "rss_increase_mib", "peak_cuda_mib", "tokens_match_exact", "warmup_s"]
+               "rss_increase_mib", "peak_cuda_mib", "tokens_match_exact", "warmup_s", "dense_floor_ms", "of_floor"]
+
+
+def copy_bandwidth(device: torch.device, mib: int = 256, repeats: int = 5) -> float:
+    """Bytes per second of a large copy on ``device`` (read + write, the median of ``repeats``): the rate
+    a decode step can read its weights and KV cache at, at best."""
+    src = torch.empty(mib << 18, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    sync = synchronizer(device)
+    times = []
+    for _ in range(repeats + 1):  # the first copy touches the pages: not timed
+        sync()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync()
+        times.append(time.perf_counter() - t0)
+    return 2 * src.numel() * src.element_size() / statistics.median(times[1:])
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the model's parameters and buffers, each storage once (tied embeddings count once)."""
+    seen, total = set(), 0
+    for t in [*model.parameters(), *model.buffers()]:
+        key = (t.device, t.untyped_storage().data_ptr())
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def kv_bytes_per_token(model) -> int | None:
+    """Bytes of K and V that one cached position holds over every layer (None: a layout not known here)."""
+    c = getattr(model, "config", None)
+    layers = getattr(c, "num_hidden_layers", None) or getattr(c, "num_layers", None)
+    heads = getattr(c, "num_attention_heads", None)
+    kv = getattr(c, "num_key_value_heads", None) or getattr(c, "multi_query_group_num", None) or heads
+    dim = getattr(c, "head_dim", None) or getattr(c, "kv_channels", None) or (
+        getattr(c, "hidden_size", 0) // heads if heads else None)
+    if not (layers and kv and dim):
+        return None
+    return 2 * layers * kv * dim * next(model.parameters()).element_size()
+
+
+def dense_floor_ms(weights: int, kv_per_token: int | None, context: int, new_tokens: int, batch: int,
+                   bandwidth: float) -> float | None:
+    """The least time of a dense decode step, in ms: reading every weight once and each row's whole KV
+    cache (the prompt and half the new tokens, the steps' mean) at ``bandwidth`` bytes per second. A
+    sparse step reads less of the cache, so it can come under this floor."""
+    if kv_per_token is None or bandwidth <= 0:
+        return None
+    kv = kv_per_token * batch * (context + new_tokens / 2)
+    return (weights + kv) / bandwidth * 1e3
 
 
 def parse_contexts(spec: "str | Sequence[int]") -> list[int]:
@@ -283,15 +334,23 @@ def run_generate_bench(model: str, config=None, layer_counts=None, contexts="819
                     "does not apply, the model's own cache is timed", type(loaded).__name__, cache)
         cache = "model's own"
     records = _run(loaded, points, ids, ctx, new_tokens, repeats, warmup, device, progress, cache, batch_size)
+    bandwidth = copy_bandwidth(device)
+    weights, per_token = weight_bytes(loaded), kv_bytes_per_token(loaded)
+    for rec in records:  # how close each row's step comes to the dense step's memory floor
+        rec["dense_floor_ms"] = dense_floor_ms(weights, per_token, rec["context"], new_tokens, batch_size, bandwidth)
+        rec["of_floor"] = None if rec["dense_floor_ms"] is None else rec["dense_floor_ms"] / rec["decode_ms_per_token"]
     meta = machine_meta(model=str(model), filler=None if random_weights else filler, contexts=ctx,
                         new_tokens=new_tokens, repeats=repeats, warmup=warmup, cache=cache, batch_size=batch_size,
                         random_weights=random_weights, dtype=str(next(loaded.parameters()).dtype),
+                        copy_bandwidth_gbs=bandwidth / 1e9, weight_bytes=weights, kv_bytes_per_token=per_token,
                         note="greedy, batch_size copies of the prompt in one batch; ttft_s: the prompt's forward pass "
                              "(it yields the first token); "
                              "decode_ms_per_token: median of the per-token forward passes with the KV cache; "
                              "tokens_per_s: new_tokens / (ttft + decode time); cache: the KV cache of the decode steps "
                              "(growing: longpatch.cache.GrowingCache; dynamic: transformers' DynamicCache; "
-                             "static: transformers' StaticCache); warmup_s: "
+                             "static: transformers' StaticCache); dense_floor_ms: the least time of a dense decode "
+                             "step, reading every weight and the whole KV cache once at the measured copy bandwidth "
+                             "(of_floor: dense_floor_ms / decode_ms_per_token; a sparse step can exceed 1); warmup_s: "
                              "the untimed warm-up generations before a row's first timed one (compiles included)"
                              + ("; random weights and random prompt ids: the costs are the architecture's (a "
                                 "fixed-budget selection costs the same whatever the weights), the tokens mean "
@@ -420,6 +479,8 @@ def print_table(results: dict, console=None) -> None:
             "tokens/s", "peak RSS MiB", "same tokens"]
     cuda = any(r.get("peak_cuda_mib") is not None for r in results["records"])
     cols += ["peak CUDA MiB"] if cuda else []
+    floors = any(r.get("dense_floor_ms") is not None for r in results["records"])
+    cols += ["of floor"] if floors else []
     shares = any(r.get("attended_share") for r in results["records"])
     cols += ["attended per layer"] if shares else []
     cells = []
@@ -429,6 +490,8 @@ def print_table(results: dict, console=None) -> None:
              fmt(r["ttft_speedup"], ".2f") + "×", fmt(r["decode_ms_per_token"], ".2f"),
              fmt(r["decode_speedup"], ".2f") + "×", fmt(r["tokens_per_s"], ".1f"), fmt(r["peak_rss_mib"], ".0f"), same]
         c += [fmt(r.get("peak_cuda_mib"), ".0f")] if cuda else []
+        if floors:
+            c += ["–" if r.get("of_floor") is None else f"{r['of_floor']:.2f}"]
         c += [" ".join(f"{k}:{v:.2f}" for k, v in (r.get("attended_share") or {}).items()) or "–"] if shares else []
         cells.append(c)
     meta = results["meta"]
@@ -439,6 +502,12 @@ def print_table(results: dict, console=None) -> None:
     if shares:
         console.print("attended per layer: the prompt's query-key products each patched layer attended over exact "
                       "attention's (layer:share; a query-aware selection's cost follows the text)", markup=False)
+    if floors:
+        per_context = {r["context"]: r["dense_floor_ms"] for r in results["records"] if r.get("dense_floor_ms")}
+        console.print("of floor: the dense floor over the measured ms/token (1: at the limit; a sparse step reads "
+                      "less and can pass 1); the dense floor, a decode step reading every weight and the whole KV "
+                      f"cache once at the measured copy bandwidth ({meta['copy_bandwidth_gbs']:.1f} GB/s): "
+                      + ", ".join(f"{n}: {ms:.2f} ms" for n, ms in per_context.items()), markup=False)
     if meta.get("allocator") == KEPT:
         console.print("peak RSS: the process's high-water mark so far (freed memory is kept for reuse; "
                       "LONGPATCH_KEEP_FREED_MEMORY=0 measures each row's own)", markup=False)
