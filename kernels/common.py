@@ -12,6 +12,21 @@ import triton.language as tl
 LOG2E = 1.4426950408889634  # softmax in base 2: exp(x) = exp2(x * log2(e))
 
 
+# Row reductions' combine functions for tl.reduce: Triton's own, which the CPU interpreter reduces with numpy
+# (a @triton.jit helper of our own would be re-patched at every call there); the same code on a GPU
+try:
+    max_combine = tl.standard._elementwise_max
+    sum_combine = tl.standard._sum_combine
+except AttributeError:  # pragma: no cover - a Triton that renamed them: same results, slower interpreter
+    @triton.jit
+    def max_combine(a, b):
+        return tl.maximum(a, b)
+
+    @triton.jit
+    def sum_combine(a, b):
+        return a + b
+
+
 def interpreted(device) -> bool:
     """Whether kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, or CPU tensors)."""
     return os.environ.get("TRITON_INTERPRET") == "1" or device.type == "cpu"

@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LOG2E, interpreted, prep, row_delta
+from .common import LOG2E, interpreted, max_combine, prep, row_delta, sum_combine
 
 # Notes on style, mostly for the CPU interpreter (TRITON_INTERPRET=1), which the tests use:
 # * The kernels call no @triton.jit helper (not even tl.zeros / tl.max / tl.sum, which are jit
@@ -53,17 +53,6 @@ from .common import LOG2E, interpreted, prep, row_delta
 # * Offsets are int64 (program ids cast at the top): long contexts overflow int32 element offsets
 #   (b * stride_b reaches 2**31 at b=16, 8 KV heads, 128k tokens, d=128), and the interpreter skips
 #   its per-operation int32 overflow checks on 64-bit integers.
-try:
-    _max_combine = tl.standard._elementwise_max
-    _sum_combine = tl.standard._sum_combine
-except AttributeError:  # pragma: no cover - a Triton that renamed them: same results, slower interpreter
-    @triton.jit
-    def _max_combine(a, b):
-        return tl.maximum(a, b)
-
-    @triton.jit
-    def _sum_combine(a, b):
-        return a + b
 
 
 def _compute(q: torch.Tensor) -> dict:
@@ -131,11 +120,11 @@ def _band_fwd_kernel(Q, K, V, O, Lse,
         visible = (r_ok[:, None] & n_ok[None, :] & (offs_n[None, :] * STRIDE + OFF <= t[:, None])
                    & (offs_n[None, :] > t[:, None] - WIN))
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.reduce(s, 1, _max_combine))
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, max_combine))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing yet: no NaN
         p = tl.math.exp2(s - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.reduce(p, 1, _sum_combine)
+        l_i = l_i * alpha + tl.reduce(p, 1, sum_combine)
         acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT)
         m_i = m_new
     seen = l_i > 0.0
@@ -531,11 +520,11 @@ def _sel_fwd_kernel(Q, K, V, Idx, O, Lse,
             vt = tl.load(v_base + kpos[:, None] * svn + offs_d[None, :], mask=kd_mask, other=0.0).to(CDT)
             s = tl.dot(q, tl.trans(kt), input_precision=DOT) * qk_scale  # log2 domain
             s = tl.where(g_ok[:, None] & k_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.reduce(s, 1, _max_combine))
+            m_new = tl.maximum(m_i, tl.reduce(s, 1, max_combine))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.math.exp2(s - m_safe[:, None])
             alpha = tl.math.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.reduce(p, 1, _sum_combine)
+            l_i = l_i * alpha + tl.reduce(p, 1, sum_combine)
             acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT)
             m_i = m_new
     seen = l_i > 0.0

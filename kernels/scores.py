@@ -29,22 +29,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LOG2E, interpreted
+from .common import LOG2E, interpreted, max_combine, sum_combine
 
 # exp(s - max) is floored at exp(EXP_FLOOR) for visible entries, as ``common.exp_below_max_`` does
 _EXP_FLOOR = -80.0
-
-try:
-    _max_combine = tl.standard._elementwise_max
-    _sum_combine = tl.standard._sum_combine
-except AttributeError:  # pragma: no cover - a Triton that renamed them: same results
-    @triton.jit
-    def _max_combine(a, b):
-        return tl.maximum(a, b)
-
-    @triton.jit
-    def _sum_combine(a, b):
-        return a + b
 
 
 @triton.jit
@@ -79,12 +67,13 @@ def _block_scores_kernel(QT, KT, Out, sqb, sqh, sqt, skb, skh, skt, sob, soh, so
             s += tl.dot(q, tl.trans(k), input_precision=DOT)
         visible = r_ok[:, None] & c_ok[None, :] & (c[None, :] < a[:, None])
         s = tl.where(visible, s * qk_scale, float("-inf"))  # log2 domain
-        m_new = tl.maximum(m_i, tl.reduce(s, 1, _max_combine))
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, max_combine))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing yet: no NaN
         p = tl.where(visible, tl.math.exp2(tl.maximum(s - m_safe[:, None], floor2)), 0.0)
-        l_i = l_i * tl.math.exp2(m_i - m_safe) + tl.reduce(p, 1, _sum_combine)
+        l_i = l_i * tl.math.exp2(m_i - m_safe) + tl.reduce(p, 1, sum_combine)
         m_i = m_new
-    # pass 2: the normalised probabilities, summed per key block over every row of the tile
+    # pass 2: the normalised probabilities, summed per key block over every row of the tile; the products are
+    # pass 1's, computed again inline (a @triton.jit helper would be re-patched per call in the interpreter)
     m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
     inv = tl.where(l_i > 0.0, 1.0 / tl.where(l_i > 0.0, l_i, 1.0), 0.0)  # a row with no past tile adds 0
     for kb0 in range(0, qb + 1, KB):
@@ -97,13 +86,13 @@ def _block_scores_kernel(QT, KT, Out, sqb, sqh, sqt, skb, skh, skt, sob, soh, so
             s += tl.dot(q, tl.trans(k), input_precision=DOT)
         visible = r_ok[:, None] & c_ok[None, :] & (c[None, :] < a[:, None])
         p = tl.where(visible, tl.math.exp2(tl.maximum(s * qk_scale - m_safe[:, None], floor2)), 0.0)
-        cols = tl.reduce(p * inv[:, None], 0, _sum_combine)  # [BLOCK_C]: summed over the rows
+        cols = tl.reduce(p * inv[:, None], 0, sum_combine)  # [BLOCK_C]: summed over the rows
         if KB == 1:
-            tl.store(Out + b * sob + hk * soh + qb * soq + kb0, tl.reduce(cols, 0, _sum_combine))
+            tl.store(Out + b * sob + hk * soh + qb * soq + kb0, tl.reduce(cols, 0, sum_combine))
         else:
             kbs = kb0 + tl.arange(0, KB)
             tl.store(Out + b * sob + hk * soh + qb * soq + kbs, tl.reduce(tl.reshape(cols, [KB, BLOCK_C // KB]), 1,
-                                                                          _sum_combine), mask=kbs <= qb)
+                                                                          sum_combine), mask=kbs <= qb)
 
 
 def _pow2(x: int, least: int = 16) -> int:
