@@ -652,6 +652,10 @@ def bench_decode(
                                    help="a method param for every benchmarked method that has it, repeatable: topk=3"),
     errors: bool = typer.Option(True, "--errors/--no-errors", help="error columns vs exact attention"),
     device: str = typer.Option("cpu", "--device", help="cpu, or cuda: the Triton kernels against torch SDPA"),
+    steps: str = typer.Option("eager", "--steps", metavar="STEP[,STEP...]",
+                              help="eager (the method's decode on the cache so far), graph (the graph-safe step of "
+                                   "a static cache: MoBA's and NSA's query-aware selections), compiled (that step "
+                                   "under torch.compile; CUDA graphs on a GPU)"),
 ):
     """Time one decode step against caches of each length (decode state given) vs exact decode.
 
@@ -668,7 +672,8 @@ def bench_decode(
     run_decode_bench(methods=names, cache_lens=cache_lens_, heads=heads, head_dim=head_dim, repeats=repeats,
                      out_dir=out,
                      method_params=method_params_from_sets(("exact", *names), set_),
-                     kv_heads=kv_heads, batch=batch, dtype=dtype, errors=errors, device=device)
+                     kv_heads=kv_heads, batch=batch, dtype=dtype, errors=errors, device=device,
+                     steps=tuple(x.strip() for x in steps.split(",") if x.strip()))
 
 
 @command(bench_app, "generate")
@@ -685,11 +690,14 @@ def bench_generate(
                                    help="greedy tokens per generation (the first comes from the prefill)"),
     repeats: int = typer.Option(1, "--repeats", help="generations per row (medians over them)"),
     warmup: int = typer.Option(1, "--warmup", help="untimed short generations per configuration"),
-    cache: str = typer.Option("growing", "--cache",
-                              help="KV cache of the decode steps: growing (longpatch.cache.GrowingCache, "
-                                   "no per-token copy), dynamic (transformers' DynamicCache, which "
-                                   "copies the whole cache every token) or static (transformers' StaticCache, "
-                                   "preallocated)"),
+    cache: Optional[str] = typer.Option(None, "--cache",
+                                        help="KV cache of the decode steps: growing (longpatch.cache.GrowingCache, "
+                                             "no per-token copy; the default), dynamic (transformers' DynamicCache, "
+                                             "which copies the whole cache every token) or static (transformers' "
+                                             "StaticCache, preallocated; the default with --compile)"),
+    compile_: bool = typer.Option(False, "--compile",
+                                  help="decode steps under torch.compile with a static cache (CUDA graphs on a GPU), "
+                                       "unpatched and patched alike; each row's compile in its untimed warm-up"),
     filler: str = typer.Option("demo", "--filler",
                                help="prompt text: demo, a .txt or .jsonl file, or longbench:<subsets>"),
     tokenizer: Optional[str] = tokenizer_option(),
@@ -713,7 +721,7 @@ def bench_generate(
                                  layers=sweep_layers(layers, "bench generate"), method=method, sets=set_,
                                  tokenizer=tokenizer, filler=filler, repeats=repeats, warmup=warmup,
                                  trust_remote_code=trust_remote_code, progress=progress, plots=plots, cache=cache,
-                                 batch_size=batch_size, random_weights=random_weights)
+                                 batch_size=batch_size, random_weights=random_weights, compiled=compile_)
     print_table(results)
     files = [RESULTS_FILE, results["files"]["csv"]] + [f for f in [results["files"]["plot"]] if f]
     console.print(f"written to {out}: {', '.join(files)}", markup=False)

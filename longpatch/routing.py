@@ -52,6 +52,8 @@ class LayerRoute:
     # (phase, path, kind) -> query-key products, for methods that report their work (selection.py: the
     # estimate's and the attended ones, "estimate_pairs" / "attended_pairs")
     work: Counter = field(default_factory=Counter)
+    # (StepSpec, PagedState) of the graph-safe step after a prefill into a static cache's buffer, or None
+    paged: tuple | None = None
 
     def choose(self, q_len: int, kv_len: int, unsupported: str | None = None, causal: bool = True) -> str:
         """Which path serves this call: 'method', 'exact' or 'original'.
@@ -83,6 +85,7 @@ class LayerRoute:
                 self.row_states.clear()
         if prefill:
             state.clear()  # a prefill starts a new sequence: decode summaries of the old cache are void
+            self.paged = None
         sync = self.timed and q.is_cuda
         if sync:
             torch.cuda.synchronize(q.device)
@@ -118,6 +121,38 @@ class LayerRoute:
             out[s.row:s.row + 1, :, s.q0:s.q1] = self.run(
                 path, q[s.row:s.row + 1, :, s.q0:s.q1], k[s.row:s.row + 1, :, s.k0:s.k1],
                 v[s.row:s.row + 1, :, s.k0:s.k1], causal=causal, scale=scale, state=state)
+        return out
+
+    def prepare_step(self, key: torch.Tensor, n: int, rows: int) -> None:
+        """After a prefill of ``n`` tokens in each of the ``rows`` batch rows of a static cache's buffer
+        ``key`` [rows, hk, capacity, d] (run row by row, ``run_ragged``): the graph-safe step's state, from
+        the rows' prefill lists and the bounds of their keys (paged.py). Nothing where the method has no
+        such step for its params, or the prefill kept no list (it ran exact attention)."""
+        self.paged = None
+        if self.method is None or self.bound is None:
+            return
+        spec = self.bound.step_spec(n)
+        if spec is None:
+            return
+        from .methods.paged import PagedState
+        kept = None
+        if spec.ranked:
+            lists = [self.row_states.get((row, 0), {}).get("kept") for row in range(rows)]
+            if any(x is None for x in lists):
+                return
+            width = max(x.shape[-1] for x in lists)
+            kept = torch.cat([torch.nn.functional.pad(x, (0, width - x.shape[-1]), value=-1) for x in lists])
+        self.paged = (spec, PagedState.for_spec(spec, key, kept, n))
+
+    def run_step(self, q, k, v, length: torch.Tensor, start: torch.Tensor | None, scale: float | None):
+        """The graph-safe one-token step (``prepare_step``) on the shared layout; counted as a decode call of
+        the method, except under torch.compile (the counters are host state)."""
+        from .methods.common import default_scale
+        from .methods.paged import step
+        spec, state = self.paged
+        out = step(spec, q, k, v, state, length, default_scale(scale, q.shape[-1]), start)
+        if not torch.compiler.is_compiling():
+            self.calls[("decode", "method")] += 1
         return out
 
     def _call(self, path: str, q, k, v, causal: bool, scale: float | None, original, state: dict):

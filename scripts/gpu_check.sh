@@ -30,6 +30,11 @@
 # `bash scripts/gpu_check.sh prefill` (about 7 minutes): the same at 32k, 131k and 262k (prefill_moba.json,
 # prefill_nsa.json, scoring_kernel.json) and Llama-3.1-8B's architecture with llama-3.1-8b-moba-hybrid, TTFT at
 # 128k and 256k beside the unpatched model (prefill_llama8b.json).
+# `bash scripts/gpu_check.sh decode` (about 7 minutes): a decode step's profile with the graph-safe and compiled
+# steps and the split-K kernel's bandwidth (decode_profile.json), `bench decode --steps eager,graph,compiled` of
+# MoBA and NSA at the shipped configs' params beside SDPA at 32k and 131k (decode_moba.json, decode_nsa.json), and
+# Llama-3.1-8B's architecture at 128k with `bench generate --compile`, unpatched and llama-3.1-8b-moba-hybrid
+# (decode_llama8b.json).
 set -u
 OUT=${OUT:-runs/gpu}
 SUITE=${1:-issue40}
@@ -162,6 +167,32 @@ prefill() {
     $SEL --contexts $CTX --new-tokens 2 --repeats 1 --no-plots --no-progress --out "$TMP/e2e"
   cp "$TMP/e2e/results.json" "$OUT/prefill_llama8b.json"
 }
+decode() {
+  local DRY=""
+  [ "${DRY_RUN:-0}" = 1 ] && DRY="--dry-run --steps 3"
+  step ${PROFILE_LIMIT:-120} $PY scripts/gpu_decode_profile.py $DRY --out "$OUT/decode_profile.json"
+  local M="--device cuda --dtype bfloat16 --heads 32 --kv-heads 8 --head-dim 128 --cache-lens 32768,131072 --repeats 50"
+  if [ "${DRY_RUN:-0}" = 1 ]; then M="--heads 4 --kv-heads 2 --head-dim 32 --cache-lens 8192 --repeats 3"; fi
+  local H="--set selection=hybrid --set mass=0.9 --set estimate_queries=64 --set score_stride=16 --set decode_page=4"
+  H="$H --set decode_topk=16 --steps eager,graph,compiled --no-errors"
+  step ${DECODE_LIMIT:-90} $LP bench decode $M --methods moba $H --set chunk_size=256 --set topk=16 \
+    --set local_blocks=1 --out "$TMP/dmoba"
+  cp "$TMP/dmoba/decode_bench.json" "$OUT/decode_moba.json"
+  step ${DECODE_LIMIT:-90} $LP bench decode $M --methods nsa $H --set compress_block=32 --set compress_stride=16 \
+    --set select_block=256 --set num_selected=16 --set window=256 --set init_blocks=1 --set local_blocks=2 \
+    --set 'gates=[0.0, 0.9, 0.1]' --out "$TMP/dnsa"
+  cp "$TMP/dnsa/decode_bench.json" "$OUT/decode_nsa.json"
+  local CTX=131072 SEL=""
+  if [ "${DRY_RUN:-0}" = 1 ]; then
+    export LONGPATCH_ARCH_OVERRIDES='{"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512,
+      "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}'
+    CTX=1024; SEL="--set chunk_size=64 --set topk=4"
+  fi
+  step ${E2E_LIMIT:-220} $LP bench generate --model llama-3.1-8b --random-weights --config llama-3.1-8b-moba-hybrid \
+    $SEL --contexts $CTX --new-tokens 16 --repeats 1 --compile --no-plots --no-progress --out "$TMP/e2e"
+  cp "$TMP/e2e/results.json" "$OUT/decode_llama8b.json"
+}
+if [ "$SUITE" = decode ]; then decode 2>&1 | tee "$OUT/log.txt"; exit; fi
 if [ "$SUITE" = scoring ]; then scoring 2>&1 | tee "$OUT/log.txt"; exit; fi
 if [ "$SUITE" = prefill ]; then prefill 2>&1 | tee "$OUT/log.txt"; exit; fi
 if [ "$SUITE" = selection ]; then selection 2>&1 | tee "$OUT/log.txt"; exit; fi

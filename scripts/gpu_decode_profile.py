@@ -1,7 +1,8 @@
 """Where a one-token decode step's time goes on a GPU: wall time against the GPU's own kernel time,
-kernels launched and host synchronisations per step, for SDPA and the query-aware MoBA/NSA steps
-(decode_topk 8) and sparse's, against one cache (issue 40: the steps took 1.3-3.3 ms at 131k where
-SDPA took 0.2; are they launch-bound, sync-bound or kernel-bound?).
+kernels launched and host synchronisations per step, for SDPA, MoBA's and NSA's query-aware steps at
+the shipped 32k configs' params (eager; graph-safe; graph-safe under torch.compile with CUDA graphs) and
+sparse's, against one cache; and the split-K decode kernel alone: its ms and the bytes it reads per
+second against the measured copy bandwidth.
 
     python scripts/gpu_decode_profile.py --out runs/gpu/decode_profile.json     # on a CUDA machine
     python scripts/gpu_decode_profile.py --dry-run --out /tmp/decode_profile.json  # tiny, on the CPU
@@ -25,13 +26,16 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from longpatch.bench.decode import graph_step_call  # noqa: E402
+from longpatch.bench.generate import copy_bandwidth  # noqa: E402
+from longpatch.methods import get_method  # noqa: E402
 from longpatch.ops import moba_attention, nsa_attention, sparse_attention  # noqa: E402
 
-MOBA = dict(selection="estimate", chunk_size=256, topk=16, mass=0.9, estimate_queries=64, local_blocks=1,
-            decode_topk=8)
-NSA = dict(selection="estimate", compress_block=32, compress_stride=16, select_block=256, num_selected=16,
+MOBA = dict(selection="hybrid", chunk_size=256, topk=16, mass=0.9, estimate_queries=64, score_stride=16,
+            local_blocks=1, decode_page=4, decode_topk=16)  # configs/demo-moba-32k.yaml
+NSA = dict(selection="hybrid", compress_block=32, compress_stride=16, select_block=256, num_selected=16,
            window=256, init_blocks=1, local_blocks=2, gates=(0.0, 0.9, 0.1), mass=0.9, estimate_queries=64,
-           decode_topk=8)
+           score_stride=16, decode_page=4, decode_topk=16)  # configs/demo-nsa-32k.yaml
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
 
@@ -54,6 +58,12 @@ def main(argv=None) -> int:
              "moba query-aware": lambda st: moba_attention(q, k, v, state=st, **MOBA),
              "nsa query-aware": lambda st: nsa_attention(q, k, v, state=st, **NSA),
              "sparse defaults": lambda st: sparse_attention(q, k, v, window=1024, global_tokens=64)}
+    for name, params in (("moba", MOBA), ("nsa", NSA)):
+        bound = get_method(name).bind({**params, "gates": list(params["gates"])} if name == "nsa" else params, d)
+        for kind, compiled in (("graph-safe", False), ("compiled", True)):
+            call = graph_step_call(bound, q, k, v, compiled)
+            if call is not None:  # None: the budget covers the cache (exact attention)
+                cases[f"{name} {kind}"] = lambda st, call=call: call()
     res = {"meta": {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
                     "dtype": str(dtype), "heads": heads, "kv_heads": kv_heads, "head_dim": d, "cache_len": n,
                     "steps": args.steps}, "cases": []}
@@ -88,8 +98,43 @@ def main(argv=None) -> int:
             res["cases"].append(row)
             print(json.dumps(row), flush=True)
             out.write_text(json.dumps(res, indent=1))
+        res["kernel"] = kernel_bandwidth(q, k, v, sync, cuda)
+        print(json.dumps(res["kernel"]), flush=True)
+        out.write_text(json.dumps(res, indent=1))
     print(f"written to {out}")
     return 0
+
+
+def kernel_bandwidth(q, k, v, sync, cuda: bool) -> dict:
+    """The split-K kernel alone (the torch twin in the dry run) on a list of 34 blocks of 256 keys per KV head
+    (the shipped MoBA step's: 16 kept, 16 ranked, own and local): median ms, the K/V bytes it reads, and
+    those bytes per second against the measured device copy bandwidth."""
+    from longpatch.methods.paged import paged_attention, paged_attention_torch
+
+    b, hk, n, d = k.shape
+    nb = n // 256
+    listed = min(34, nb)
+    g = torch.Generator().manual_seed(1)
+    blocks = torch.stack([torch.randperm(nb, generator=g)[:listed] for _ in range(b * hk)]).view(b, hk, listed)
+    blocks = blocks.to(device=k.device, dtype=torch.int32)
+    length = torch.full((b,), n, device=k.device, dtype=torch.int64)
+    call = lambda: paged_attention(q, k, v, blocks, length, 256, d ** -0.5)  # noqa: E731
+    for _ in range(3):
+        call()
+    times = []
+    for _ in range(50 if cuda else 5):
+        sync()
+        t0 = time.perf_counter()
+        call()
+        sync()
+        times.append(time.perf_counter() - t0)
+    ms = 1e3 * sorted(times)[len(times) // 2]
+    err = (call()[0].float() - paged_attention_torch(q, k, v, blocks, length, 256, d ** -0.5)[0].float()).abs().max()
+    read = 2 * b * hk * listed * 256 * d * k.element_size()
+    bandwidth = copy_bandwidth(k.device)
+    return {"case": "paged_decode kernel" if cuda else "paged twin (cpu)", "blocks": listed, "ms": ms,
+            "bytes_read": read, "gb_per_s": read / ms / 1e6, "copy_gb_per_s": bandwidth / 1e9,
+            "of_copy_bandwidth": read / (ms / 1e3) / bandwidth, "max_abs_err_vs_twin": float(err)}
 
 
 if __name__ == "__main__":

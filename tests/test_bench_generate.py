@@ -193,3 +193,35 @@ def test_memory_floor_parts():
     assert one == pytest.approx((1000 + 10 * 102) / 1e6 * 1e3)
     assert dense_floor_ms(1000, 10, 200, 4, 1, 1e6) > one and dense_floor_ms(1000, 10, 100, 4, 2, 1e6) > one
     assert dense_floor_ms(1000, None, 100, 4, 1, 1e6) is None
+
+
+def test_compiled_steps_give_the_eager_tokens(tmp_path, one_thread, monkeypatch):
+    """--compile: a static cache and the decode steps under torch.compile, here with fullgraph=True (a graph
+    break fails) on backend eager (no codegen on the CPU runner), unpatched and with MoBA's hybrid selection
+    (its graph-safe step): the growing cache's tokens, the warm-up (the compile) reported per row."""
+    from longpatch.bench import generate
+
+    monkeypatch.setitem(generate.COMPILE_OPTIONS, "fullgraph", True)
+    monkeypatch.setitem(generate.COMPILE_OPTIONS, "backend", "eager")
+    hybrid = tmp_path / "hybrid.yaml"
+    hybrid.write_text("method: moba\nparams: {chunk_size: 64, topk: 3, selection: hybrid, estimate_queries: 16,"
+                      " decode_page: 4, decode_topk: 1}\nlayers: all\n")
+    kw = dict(tokenizer="bytes", progress=False, plots=False, warmup=1)
+    eager = run_generate_bench("tiny:llama", str(hybrid), None, "320", NEW, tmp_path / "eager", **kw)["records"]
+    compiled = run_generate_bench("tiny:llama", str(hybrid), None, "320", NEW, tmp_path / "compiled", compiled=True,
+                                  **kw)
+    assert compiled["meta"]["compiled"] and compiled["meta"]["cache"] == "static"
+    assert [r["tokens"] for r in compiled["records"]] == [r["tokens"] for r in eager]
+    assert all(r["warmup_s"] > 0 for r in compiled["records"])
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--cache", "growing"], ["--cache growing with --compile", "--cache static"]),
+    (["--method", "moba", "--set", "topk=2"], ["--compile: config 'moba'", "no graph-safe decode step"]),
+])
+def test_compile_refuses_what_it_cannot_capture(tmp_path, args, needles):
+    out = tmp_path / "out"
+    argv = ["bench", "generate", "--model", "tiny:llama", "--tokenizer", "bytes", "--contexts", "64",
+            "--new-tokens", "2", "--out", str(out), "--no-progress", "--compile", *args]
+    _one_line_error(runner.invoke(cli.app, argv), *needles)
+    assert not out.exists()

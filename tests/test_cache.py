@@ -253,10 +253,11 @@ def test_generation_with_a_static_cache_equals_the_dynamic_cache(name, attn, one
     assert counts["prefill"]["method"]["calls"] > 0 and counts["decode"]["method"]["calls"] > 0
 
 
-def test_generate_does_not_auto_compile_a_patched_models_static_cache_steps():
+def test_generate_auto_compiles_a_patched_models_static_cache_steps_only_where_graph_safe():
     """generate() compiles the steps of a static cache (on a GPU; here forced with the compile config's
-    all-devices switch): a patched step is not graph-safe yet, so patching switches that off, on the model
-    and not in its generation config (which save_pretrained writes), and unpatching restores it."""
+    all-devices switch): patching keeps that only where every patched step is graph-safe (MoBA's gate is
+    not; its query-aware selections are), on the model and not in its generation config (which
+    save_pretrained writes), and unpatching restores it."""
     from transformers.cache_utils import StaticCache
     from transformers.generation.configuration_utils import CompileConfig
 
@@ -279,3 +280,7 @@ def test_generate_does_not_auto_compile_a_patched_models_static_cache_steps():
     assert model.generation_config.disable_compile == before and not auto_compiles()
     unpatch_model(model)
     assert model.generation_config.disable_compile == before and auto_compiles()
+    patch_model(model, {"method": "moba", "params": {"chunk_size": 32, "topk": 3, "selection": "hybrid",
+                                                      "estimate_queries": 16, "score_stride": 8}, "layers": "all"})
+    assert auto_compiles()
+    unpatch_model(model)

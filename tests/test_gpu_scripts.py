@@ -105,9 +105,12 @@ def test_needle_agreement_matches_prompts_and_flags_a_lost_needle(tmp_path, caps
 def test_gpu_decode_profile_dry_run_times_every_step(tmp_path):
     """scripts/gpu_decode_profile.py (where a decode step's time goes on a GPU), tiny, on the CPU."""
     out = tmp_path / "profile.json"
-    assert load_script("gpu_decode_profile").main(["--dry-run", "--cache-len", "4096", "--steps", "2",
+    assert load_script("gpu_decode_profile").main(["--dry-run", "--cache-len", "8192", "--steps", "2",
                                                    "--out", str(out)]) == 0
-    rows = json.loads(out.read_text())["cases"]
-    assert [r["case"] for r in rows] == ["sdpa", "moba query-aware", "nsa query-aware", "sparse defaults"]
+    res = json.loads(out.read_text())
+    rows = res["cases"]
+    assert [r["case"] for r in rows] == ["sdpa", "moba query-aware", "nsa query-aware", "sparse defaults",
+                                         "moba graph-safe", "moba compiled", "nsa graph-safe", "nsa compiled"]
+    assert res["kernel"]["bytes_read"] > 0 and res["kernel"]["max_abs_err_vs_twin"] == 0.0  # the twin on the CPU
     assert all(r["wall_ms"] > 0 and r["aten_ops_per_step"] >= 1 for r in rows)
     assert rows[1]["aten_ops_per_step"] > rows[0]["aten_ops_per_step"]  # a selection step is many ops

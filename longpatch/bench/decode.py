@@ -47,10 +47,14 @@ from .common import (
 
 DEFAULT_CACHE_LENS = (8192, 32768, 131072)
 COMMAND = "bench decode"  # marks its --out (outdir.claim_out)
+# --steps: the method's eager step (its decode on the cache so far), the graph-safe step (methods/paged.py: a
+# fixed-size buffer, the length a device tensor) and that step under torch.compile(fullgraph=True; CUDA graphs
+# on a GPU: mode reduce-overhead)
+STEPS = ("eager", "graph", "compiled")
 
 
 def _decoder(name: str, params: dict, head_dim: int):
-    """(call(q, k, v, state), make_state(k, v), resolved params) of a registered method's decode."""
+    """(call(q, k, v, state), make_state(k, v), resolved params, the bound method) of a registered method's decode."""
     from ..methods import get_method
     m = get_method(name)
     if m.decode is None:
@@ -60,7 +64,33 @@ def _decoder(name: str, params: dict, head_dim: int):
     def call(q, k, v, state):
         return bound(q, k, v, causal=True, state=state)
 
-    return call, bound.init_state, bound.params
+    return call, bound.init_state, bound.params, bound
+
+
+def graph_step_call(bound, q, k, v, compiled: bool):
+    """A zero-argument call of the graph-safe step of ``bound`` for the query q at the last position of the cache
+    k, v (its block list from the eager step's first call, as a prefill would leave it), or None where the
+    method's params have no such step (or the budget covers the whole cache)."""
+    from ..methods.common import default_scale
+    from ..methods.paged import PagedState, step
+
+    n = k.shape[2]
+    spec = bound.step_spec(n - 1)
+    if spec is None:
+        return None
+    state: dict = {}
+    bound(q, k, v, causal=True, state=state)  # its first step chooses the kept list from the whole cache, once
+    if "kept" not in state:  # the budget covers the cache: the step ran exact attention, no list to keep
+        return None
+    paged = PagedState(k, state["kept"], spec.block, spec.page)
+    paged.fill_bounds(k, n)
+    length = torch.full((q.shape[0],), n, dtype=torch.int64, device=k.device)
+    fn = step
+    if compiled:
+        for t in (k, v, length):  # CUDA graphs read them in place, not copied (PagedState marks its own)
+            torch._dynamo.mark_static_address(t)
+        fn = torch.compile(step, fullgraph=True, dynamic=False, mode="reduce-overhead" if k.is_cuda else None)
+    return partial(fn, spec, q, k, v, paged, length, default_scale(None, q.shape[-1]))
 
 
 def _inputs(batch, heads, kv_heads, n, d, dtype, seed=0, device="cpu"):
@@ -75,9 +105,10 @@ def run_decode_bench(methods=("moba",), cache_lens=DEFAULT_CACHE_LENS, heads: in
                      repeats: int = 20, out_dir: str | os.PathLike = "runs/bench_decode",
                      method_params: dict[str, dict] | None = None, kv_heads: int | None = None, batch: int = 1,
                      dtype: str = "float32", errors: bool = True, progress: bool = True,
-                     device: str = "cpu") -> list[dict]:
+                     device: str = "cpu", steps: tuple[str, ...] = ("eager",)) -> list[dict]:
     """Time one decode step of each method against caches of ``cache_lens`` tokens, vs exact
-    attention in the same run; returns one row per (method, cache length), writes JSON + PNG."""
+    attention in the same run; returns one row per (method, step, cache length), writes JSON + PNG.
+    ``steps``: which of ``STEPS`` to time (the graph-safe ones only for methods whose params have one)."""
     from ..methods.exact import exact_attention
 
     tdtype = torch_dtype(dtype)
@@ -88,6 +119,10 @@ def run_decode_bench(methods=("moba",), cache_lens=DEFAULT_CACHE_LENS, heads: in
     names = [m for m in methods if m != "exact"]
     kv_heads = check_options(COMMAND, out_dir, "--cache-lens", cache_lens, method_params, names, heads=heads,
                              kv_heads=kv_heads, head_dim=head_dim, batch=batch, repeats=repeats)
+    bad = [x for x in steps if x not in STEPS]
+    if bad or not steps:
+        raise ConfigError(f"--steps: got {','.join(steps) or '(none)'}; allowed: a comma-separated subset of "
+                          f"{', '.join(STEPS)}")
     decoders = {m: _decoder(m, method_params.get(m) or {}, head_dim) for m in names}
     console = wide_console(120)
     rows: list[dict] = []
@@ -100,23 +135,40 @@ def run_decode_bench(methods=("moba",), cache_lens=DEFAULT_CACHE_LENS, heads: in
                 qs = qs[:, :, -1:].repeat_interleave(heads // kv_heads, 1)
                 ref_s = exact(qs, ks, vs)
             for name in names:
-                call, make_state, resolved = decoders[name]
-                sync()
-                t0 = time.perf_counter()
-                state = make_state(k, v)
-                sync()
-                init_ms = (time.perf_counter() - t0) * 1e3
-                ms = time_calls(partial(call, q, k, v, state), repeats, sync)[0]
-                row = dict(method=name, cache_len=n, heads=heads, kv_heads=kv_heads, head_dim=head_dim, batch=batch,
-                           dtype=dtype, params=resolved, decode_ms=ms, exact_ms=exact_ms, speedup=exact_ms / ms,
-                           init_state_ms=init_ms if state is not None else None,
-                           err_random=rel_err(call(q, k, v, state), ref))
-                if errors:
-                    row["err_structured"] = rel_err(call(qs, ks, vs, make_state(ks, vs)), ref_s)
-                rows.append(row)
-                if progress:
-                    console.print(f"[bench decode] {name} cache={n}: {ms:.3f} ms vs exact {exact_ms:.3f} ms "
-                                  f"({exact_ms / ms:.1f}×)")
+                call, make_state, resolved, bound = decoders[name]
+                if "eager" in steps:
+                    sync()
+                    t0 = time.perf_counter()
+                    state = make_state(k, v)
+                    sync()
+                    init_ms = (time.perf_counter() - t0) * 1e3
+                    ms = time_calls(partial(call, q, k, v, state), repeats, sync)[0]
+                    row = dict(method=name, step="eager", cache_len=n, heads=heads, kv_heads=kv_heads,
+                               head_dim=head_dim, batch=batch, dtype=dtype, params=resolved, decode_ms=ms,
+                               exact_ms=exact_ms, speedup=exact_ms / ms,
+                               init_state_ms=init_ms if state is not None else None,
+                               err_random=rel_err(call(q, k, v, state), ref))
+                    if errors:
+                        row["err_structured"] = rel_err(call(qs, ks, vs, make_state(ks, vs)), ref_s)
+                    rows.append(row)
+                    _say(progress, console, name, "eager", n, ms, exact_ms)
+                for kind in [x for x in steps if x != "eager"]:
+                    fn = graph_step_call(bound, q, k, v, kind == "compiled")
+                    if fn is None:
+                        if progress:
+                            console.print(f"[bench decode] {name}: no graph-safe step for these params; "
+                                          f"no {kind} row")
+                        continue
+                    fn()  # compiled: traced and captured here, not in a timed call
+                    ms, _, got = time_calls(fn, repeats, sync)
+                    row = dict(method=name, step=kind, cache_len=n, heads=heads, kv_heads=kv_heads,
+                               head_dim=head_dim, batch=batch, dtype=dtype, params=resolved, decode_ms=ms,
+                               exact_ms=exact_ms, speedup=exact_ms / ms, init_state_ms=None,
+                               err_random=rel_err(got.clone(), ref))
+                    if errors:
+                        row["err_structured"] = rel_err(graph_step_call(bound, qs, ks, vs, False)(), ref_s)
+                    rows.append(row)
+                    _say(progress, console, name, kind, n, ms, exact_ms)
     meta = machine_meta(dev, repeats=repeats, note="median of repeats after one warm-up; state built once per cache "
                         "by init_state (not timed in decode_ms)")
     out = claim_out(out_dir, COMMAND)
@@ -127,9 +179,17 @@ def run_decode_bench(methods=("moba",), cache_lens=DEFAULT_CACHE_LENS, heads: in
     return rows
 
 
+def _say(progress: bool, console, name: str, step: str, n: int, ms: float, exact_ms: float) -> None:
+    if progress:
+        console.print(f"[bench decode] {name} ({step} step) cache={n}: {ms:.3f} ms vs exact {exact_ms:.3f} ms "
+                      f"({exact_ms / ms:.1f}×)")
+
+
 def print_table(rows: list[dict], console=None) -> None:
-    cols = ["method", "cache", "decode ms", "exact ms", "speedup", "init_state ms", "err random", "err structured"]
-    cells = [[r["method"], str(r["cache_len"]), fmt(r["decode_ms"], ".3f"), fmt(r["exact_ms"], ".3f"),
+    cols = ["method", "step", "cache", "decode ms", "exact ms", "speedup", "init_state ms", "err random",
+            "err structured"]
+    cells = [[r["method"], r.get("step", "eager"), str(r["cache_len"]), fmt(r["decode_ms"], ".3f"),
+              fmt(r["exact_ms"], ".3f"),
               fmt(r["speedup"], ".1f") + "×", fmt(r.get("init_state_ms"), ".1f"), fmt(r.get("err_random"), ".3f"),
               fmt(r.get("err_structured"), ".3f")] for r in rows]
     show_table("decode: one token (q_len = 1) against a KV cache, vs exact attention", cols, cells,
@@ -144,11 +204,13 @@ def plot(rows: list[dict], path) -> None:
     exact = sorted({(r["cache_len"], r["exact_ms"]) for r in rows})
     if exact:
         ax_t.plot(*zip(*exact), marker="o", color=method_color("exact"), label="exact")
-    for m in sorted({r["method"] for r in rows}):
-        pts = sorted((r["cache_len"], r["decode_ms"], r["speedup"]) for r in rows if r["method"] == m)
+    for m, st in sorted({(r["method"], r.get("step", "eager")) for r in rows}):
+        pts = sorted((r["cache_len"], r["decode_ms"], r["speedup"]) for r in rows
+                     if r["method"] == m and r.get("step", "eager") == st)
         xs, ts, ss = zip(*pts)
-        ax_t.plot(xs, ts, marker="o", label=m, color=method_color(m))
-        ax_s.plot(xs, ss, marker="o", label=m, color=method_color(m))
+        label, style = (m, "-") if st == "eager" else (f"{m} ({st})", "--" if st == "graph" else ":")
+        ax_t.plot(xs, ts, marker="o", label=label, color=method_color(m), linestyle=style)
+        ax_s.plot(xs, ss, marker="o", label=label, color=method_color(m), linestyle=style)
         annotate_speedups(ax_s, zip(xs, ss))
     ax_t.set_yscale("log")
     ax_t.set_xscale("log", base=2)

@@ -62,6 +62,9 @@ COMMAND = "bench generate"  # marks its --out (outdir.claim_out)
 # --cache: longpatch.cache.GrowingCache, transformers' DynamicCache, transformers' StaticCache (the whole
 # generation preallocated: the layout a CUDA graph of the step needs)
 CACHES = ("growing", "dynamic", "static")
+# --compile: the decode step's forward under torch.compile (CUDA graphs on a GPU: mode reduce-overhead), as
+# transformers' generate() compiles a static cache's steps; tests swap in backend "eager" (no codegen)
+COMPILE_OPTIONS = {"dynamic": False, "fullgraph": False}
 CSV_COLUMNS = ["config", "method", "layers", "context", "batch", "new_tokens", "ttft_s", "decode_ms_per_token",
                "decode_tokens_per_s", "tokens_per_s", "total_s", "ttft_speedup", "decode_speedup", "peak_rss_mib",
                "rss_increase_mib", "peak_cuda_mib", "tokens_match_exact", "warmup_s", "dense_floor_ms", "of_floor"]
@@ -193,12 +196,14 @@ def _next_and_cache(out) -> tuple[torch.Tensor, object]:
     return logits[:, -1].argmax(-1, keepdim=True), cache
 
 
-def greedy_generate(model, ids: torch.Tensor, new_tokens: int, cache: str = "dynamic") -> dict:
+def greedy_generate(model, ids: torch.Tensor, new_tokens: int, cache: str = "dynamic", step=None,
+                    capacity: int | None = None) -> dict:
     """Greedy decoding with our own loop: one timed forward of the prompt (TTFT), then one timed
     forward per further token with the KV cache. cache: "growing" hands the prefill a
     longpatch GrowingCache (where the model takes transformers' Cache objects), "static" a
-    transformers StaticCache of the prompt and the new tokens, "dynamic" leaves the model its default.
-    -> {"tokens", "ttft_s", "step_s": [...]}."""
+    transformers StaticCache of ``capacity`` tokens (default: the prompt and the new tokens), "dynamic"
+    leaves the model its default. ``step``: the forward of the decode steps (a compiled one), given the
+    positions (a compiled step reads no length on the host). -> {"tokens", "ttft_s", "step_s": [...]}."""
     sync = synchronizer(ids.device)
     keep, cache_arg = _forward_names(model)
     if cache == "growing" and takes_cache_objects(model):
@@ -206,7 +211,8 @@ def greedy_generate(model, ids: torch.Tensor, new_tokens: int, cache: str = "dyn
         keep = {**keep, cache_arg: GrowingCache(reserve=new_tokens)}
     elif cache == "static" and takes_cache_objects(model):
         from transformers.cache_utils import StaticCache
-        keep = {**keep, cache_arg: StaticCache(config=model.config, max_cache_len=ids.shape[1] + new_tokens)}
+        size = capacity or ids.shape[1] + new_tokens
+        keep = {**keep, cache_arg: StaticCache(config=model.config, max_cache_len=size)}
     with torch.no_grad():
         sync()
         t0 = time.perf_counter()
@@ -214,14 +220,45 @@ def greedy_generate(model, ids: torch.Tensor, new_tokens: int, cache: str = "dyn
         sync()
         ttft = time.perf_counter() - t0
         tokens, steps = [tok], []
-        for _ in range(new_tokens - 1):
+        for i in range(new_tokens - 1):
             t0 = time.perf_counter()
-            tok, past = _next_and_cache(model(input_ids=tok, use_cache=True, **{cache_arg: past}))
+            if step is None:
+                out = model(input_ids=tok, use_cache=True, **{cache_arg: past})
+            else:
+                pos = torch.full((ids.shape[0], 1), ids.shape[1] + i, dtype=torch.long, device=ids.device)
+                out = step(input_ids=tok, position_ids=pos, use_cache=True, **{cache_arg: past})
+            tok, past = _next_and_cache(out)
+            tok = tok.clone()  # a CUDA graph's output buffer is overwritten by its next replay
             sync()
             steps.append(time.perf_counter() - t0)
             tokens.append(tok)
         del past
     return {"tokens": torch.cat(tokens, 1)[0].tolist(), "ttft_s": ttft, "step_s": steps, "rows": ids.shape[0]}
+
+
+def compiled_step(model):
+    """The model's forward for decode steps under torch.compile (mode reduce-overhead, CUDA graphs, on a GPU);
+    compile state of earlier rows dropped, so that each row compiles its own step (its warm-up)."""
+    torch._dynamo.reset()
+    mode = {"mode": "reduce-overhead"} if next(model.parameters()).is_cuda else {}
+    return torch.compile(model.forward, **{**mode, **COMPILE_OPTIONS})
+
+
+def check_compilable(points) -> None:
+    """One line where --compile is asked for a configuration whose patched decode step cannot be captured."""
+    from ..families.hf import graph_safe
+    from ..methods import get_method
+    from ..routing import LayerRoute
+
+    for label, point in points:
+        if point is None:
+            continue
+        cfg = point.cfg
+        if not graph_safe([LayerRoute(0, get_method(cfg.method), dict(cfg.params))]):
+            raise ConfigError(f"--compile: config {label!r} (method {cfg.method!r}) has no graph-safe decode step, "
+                              "so its compiled step would break its graph at every patched layer; allowed: MoBA's "
+                              "or NSA's query-aware selections (selection: estimate, antidiagonal or hybrid), "
+                              "sparse without dilation or random blocks, or run without --compile")
 
 
 def takes_cache_objects(model) -> bool:
@@ -230,10 +267,10 @@ def takes_cache_objects(model) -> bool:
     return type(model).__module__.startswith("transformers.models.")
 
 
-def generate_once(model, ids: torch.Tensor, new_tokens: int, cache: str) -> dict:
+def generate_once(model, ids: torch.Tensor, new_tokens: int, cache: str, step=None) -> dict:
     """greedy_generate's result with the generation's PeakMemory under "memory"."""
     with PeakMemory(ids.device) as m:
-        run = greedy_generate(model, ids, new_tokens, cache)
+        run = greedy_generate(model, ids, new_tokens, cache, step)
     return {**run, "memory": m}
 
 
@@ -284,8 +321,8 @@ def run_generate_bench(model: str, config=None, layer_counts=None, contexts="819
                        out: "str | os.PathLike" = "runs/bench_generate", *, layers=None, method: str | None = None,
                        sets: Sequence[str] = (), tokenizer=None, filler: str = "demo", repeats: int = 1,
                        warmup: int = 1, trust_remote_code: bool = False, progress: bool = True,
-                       plots: bool = True, cache: str = "growing", batch_size: int = 1,
-                       random_weights: bool = False) -> dict:
+                       plots: bool = True, cache: str | None = None, batch_size: int = 1,
+                       random_weights: bool = False, compiled: bool = False) -> dict:
     """Greedy generation after a prompt of each context length, unpatched and patched per each config
     and layer count, in one run. model: what --model takes; config: one config, 'a,b' or a list;
     layer_counts: a sweep as eval ppl's (None: each config's layers); layers: which layers every config
@@ -293,6 +330,8 @@ def run_generate_bench(model: str, config=None, layer_counts=None, contexts="819
     when every row is done. batch_size: the prompt's copies generated together (tokens/s counts them all;
     TTFT and ms/token are the batch's). random_weights: model names a shipped architecture
     (loading.shipped_architectures), built with random weights on the device and prompted with random ids.
+    compiled: the decode steps under torch.compile with a static cache (``compiled_step``), every row alike,
+    each row's compile in its warm-up (on the prompt's own length), reported, not timed.
     Returns the dict written to results.json."""
     from ..loading import load_model, random_model
     from ..specs import resolve
@@ -302,6 +341,10 @@ def run_generate_bench(model: str, config=None, layer_counts=None, contexts="819
     check_int("--repeats", repeats, 1, MAX_VALUES)
     check_int("--warmup", warmup, 0, MAX_VALUES)
     check_int("--batch-size", batch_size, 1, MAX_VALUES)
+    if compiled and cache not in (None, "static"):
+        raise ConfigError(f"--cache {cache} with --compile: a compiled step needs a static cache; allowed: --cache "
+                          "static, or no --cache")
+    cache = ("static" if compiled else "growing") if cache is None else cache
     if cache not in CACHES:
         raise ConfigError(f"cache: got {cache!r}; allowed: {', '.join(CACHES)}")
     if layers is not None and layer_counts is not None:
@@ -328,12 +371,18 @@ def run_generate_bench(model: str, config=None, layer_counts=None, contexts="819
     for name, cfg in cfgs:
         label = name or (method or cfg.method)
         points += [(label, p) for p in make_points(cfg, sweep, n_layers, identity) if p.layers]
+    if compiled:
+        check_compilable(points)
     say_if_exact(loaded, [p for _, p in points if p is not None], generation_shapes((n, new_tokens) for n in ctx))
     if cache in ("growing", "static") and not takes_cache_objects(loaded):
         log.warning("longpatch: %s keeps its own KV cache (not transformers' Cache classes): --cache %s "
                     "does not apply, the model's own cache is timed", type(loaded).__name__, cache)
         cache = "model's own"
-    records = _run(loaded, points, ids, ctx, new_tokens, repeats, warmup, device, progress, cache, batch_size)
+    if compiled and not takes_cache_objects(loaded):
+        raise ConfigError(f"--compile: {type(loaded).__name__} keeps its own KV cache, not transformers' static "
+                          "cache; allowed: models of transformers' own classes (Llama, Qwen2, ...)")
+    records = _run(loaded, points, ids, ctx, new_tokens, repeats, warmup, device, progress, cache, batch_size,
+                   compiled)
     bandwidth = copy_bandwidth(device)
     weights, per_token = weight_bytes(loaded), kv_bytes_per_token(loaded)
     for rec in records:  # how close each row's step comes to the dense step's memory floor
@@ -341,6 +390,7 @@ def run_generate_bench(model: str, config=None, layer_counts=None, contexts="819
         rec["of_floor"] = None if rec["dense_floor_ms"] is None else rec["dense_floor_ms"] / rec["decode_ms_per_token"]
     meta = machine_meta(model=str(model), filler=None if random_weights else filler, contexts=ctx,
                         new_tokens=new_tokens, repeats=repeats, warmup=warmup, cache=cache, batch_size=batch_size,
+                        compiled=compiled,
                         random_weights=random_weights, dtype=str(next(loaded.parameters()).dtype),
                         copy_bandwidth_gbs=bandwidth / 1e9, weight_bytes=weights, kv_bytes_per_token=per_token,
                         note="greedy, batch_size copies of the prompt in one batch; ttft_s: the prompt's forward pass "
@@ -351,7 +401,9 @@ def run_generate_bench(model: str, config=None, layer_counts=None, contexts="819
                              "static: transformers' StaticCache); dense_floor_ms: the least time of a dense decode "
                              "step, reading every weight and the whole KV cache once at the measured copy bandwidth "
                              "(of_floor: dense_floor_ms / decode_ms_per_token; a sparse step can exceed 1); warmup_s: "
-                             "the untimed warm-up generations before a row's first timed one (compiles included)"
+                             "the untimed warm-up generations before a row's first timed one (compiles included); "
+                             "compiled: the decode steps under torch.compile (CUDA graphs on a GPU), each row "
+                             "compiled in its warm-up on the prompt's own length"
                              + ("; random weights and random prompt ids: the costs are the architecture's (a "
                                 "fixed-budget selection costs the same whatever the weights), the tokens mean "
                                 "nothing" if random_weights else ""))
@@ -377,7 +429,7 @@ def _say_if_beyond_positions(model, longest: int) -> None:
 
 
 def _run(model, points, ids: list[int], contexts: list[int], new_tokens: int, repeats: int, warmup: int,
-         device, progress: bool, cache: str, batch_size: int = 1) -> list[dict]:
+         device, progress: bool, cache: str, batch_size: int = 1, compiled: bool = False) -> list[dict]:
     """Context by context, the unpatched model then each patched configuration: rows compared with each
     other are measured minutes apart at most, not a whole sweep apart (load drifts on shared machines)."""
     from tqdm.auto import tqdm
@@ -386,7 +438,7 @@ def _run(model, points, ids: list[int], contexts: list[int], new_tokens: int, re
 
     records: list[tuple[tuple[int, int], dict]] = []
     base: dict[int, dict] = {}
-    warm_s: dict[int, float] = {}
+    warm_s: dict[tuple[int, int], float] = {}
     # on a GPU the warm-up prompt is long enough for the patched layers to run their method (a short one
     # runs exact attention), so that compiles (FlexAttention, Triton) happen here, not in a timed call
     warm = torch.tensor([ids[:min(contexts[0], 8192 if device.type == "cuda" else 256)]], device=device)
@@ -404,14 +456,21 @@ def _run(model, points, ids: list[int], contexts: list[int], new_tokens: int, re
                     if point is not None:
                         patch_model(model, point.cfg)
                     try:
-                        if rep == 0:
+                        step = None
+                        if compiled:  # compiled per row and shape: its warm-up runs on this prompt's length
+                            step = compiled_step(model)
+                            t0 = time.perf_counter()
+                            for _ in range(max(warmup, 1)):
+                                greedy_generate(model, prompt, min(new_tokens, 4), cache, step, n + new_tokens)
+                            warm_s[i, n] = warm_s.get((i, n), 0.0) + time.perf_counter() - t0
+                        elif rep == 0 and n == contexts[0]:
                             t0 = time.perf_counter()
                             for _ in range(warmup):  # untimed: thread pools, allocator, lazily built buffers
                                 greedy_generate(model, warm, 2, cache)
-                            warm_s[i] = time.perf_counter() - t0  # compiles included: reported, not timed
+                            warm_s[i, n] = time.perf_counter() - t0  # compiles included: reported, not timed
                         if point is not None:
                             model.longpatch.reset_stats()
-                        run = generate_once(model, prompt, new_tokens, cache)
+                        run = generate_once(model, prompt, new_tokens, cache, step)
                         run["paths"] = _paths(model) if point is not None else None
                         run["attended"] = model.longpatch.attended_share() if point is not None else None
                         runs[i].append(run)
@@ -424,7 +483,7 @@ def _run(model, points, ids: list[int], contexts: list[int], new_tokens: int, re
                                                    _summed_paths(runs[i]) if point is not None else None)))
                 # the prompt's prefill is the same each repeat: its attended share per layer, from the last
                 records[-1][1]["attended_share"] = runs[i][-1]["attended"] or None
-                records[-1][1]["warmup_s"] = warm_s.get(i)
+                records[-1][1]["warmup_s"] = warm_s.get((i, n))
     finally:
         bar.close()
     return [rec for _, rec in sorted(records, key=lambda x: x[0])]  # by configuration, then context

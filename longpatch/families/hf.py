@@ -80,14 +80,24 @@ def _make_attention(base: str):
         route: LayerRoute | None = getattr(module, ROUTE_ATTR, None)
         if route is None:
             return original()
+        why = _unsupported(module, None, dropout, key.shape[2], kwargs)
+        if why is None and route.paged is not None and query.shape[2] == 1 and causal and route.paged[1].fits(key) \
+                and (query.is_cuda or torch.compiler.is_compiling()):
+            # a static cache's step, graph-safe (on the CPU eager, the method's own step reads the listed rows in
+            # place, 2x faster than the step's gathers; both choose the same blocks)
+            extent = _static_extent(attention_mask, kwargs, query.shape[0])
+            if extent is not None:
+                out = route.run_step(query, key, value, *extent, scale=scaling)
+                return out.transpose(1, 2).contiguous(), None
         if route.method is not None and torch.compiler.is_compiling():
             _say_compiled()
-        why = _unsupported(module, None, dropout, key.shape[2], kwargs)
         segments = None
         if why is None and route.method is not None:  # (an unpatched layer keeps the model's attention)
             segments, why = _segments(attention_mask, query, key, causal, kwargs)
         if segments is not None:  # a padded or packed batch: each sequence alone
             out = route.run_ragged(segments, query, key, value, causal=causal, scale=scaling)
+            if _static_prefill(segments, query, key):
+                route.prepare_step(key, query.shape[2], query.shape[0])
             return out.transpose(1, 2).contiguous(), None
         path = route.choose(query.shape[2], key.shape[2], why, causal=causal)
         if path == "original":
@@ -107,6 +117,28 @@ def _say_compiled() -> None:
               "attention layer (the methods' block choices are made on the host), so it runs slower than the "
               "patched model uncompiled, and fullgraph=True cannot succeed; run the patched model without "
               "torch.compile")
+
+
+def _static_prefill(segments, query, key) -> bool:
+    """Whether a call was a prefill of every row's first q_len keys into a longer buffer (a static cache's
+    first call): the calls after it can run a method's graph-safe step."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    return kv_len > q_len and len(segments) == query.shape[0] and all(
+        s == ragged.Segment(s.row, 0, q_len, 0, q_len) for s in segments)
+
+
+def _static_extent(mask, kwargs, b: int):
+    """(length [b], start [b] or None) of a one-token call on a static cache's buffer, as device tensors
+    (no host sync): the keys written so far, and where a row's keys begin (left padding). From the mask
+    (a row's first and last visible key) or, without one, the query's position. None where neither says."""
+    if mask is not None and mask.dim() == 4 and mask.dtype == torch.bool and mask.shape[2] == 1:
+        vis = mask[:, 0, 0].expand(b, -1).to(torch.uint8)
+        n = vis.shape[-1]
+        return n - vis.flip(-1).argmax(-1), vis.argmax(-1)
+    pos = kwargs.get("position_ids")
+    if mask is None and pos is not None and pos.dim() == 2:
+        return pos[:, -1].expand(b) + 1, None
+    return None
 
 
 def _segments(mask, query, key, causal: bool, kwargs) -> tuple[list | None, str | None]:
@@ -189,12 +221,27 @@ def _register_wrapped() -> None:
         AttentionMaskInterface.register(WRAPPED_KEY, sdpa_mask)
 
 
-class _NoAutoCompile:
-    """generate()'s auto-compile test for a patched model, set on the instance: never. A class, not a
-    bound function, so that the patched model still pickles and deep-copies."""
+class _AutoCompile:
+    """generate()'s auto-compile test for a patched model, set on the instance: transformers' own test where
+    every patched layer's decode step is graph-safe (``Method.graph_step``: MoBA's and NSA's query-aware
+    selections, sparse's plain window), never otherwise (the other methods' steps read the cache on the
+    host: a compiled step would break its graph at every patched layer). A class, not a bound function,
+    so that the patched model still pickles and deep-copies."""
+
+    def __init__(self, model, routes: list[LayerRoute]):
+        self.model, self.graph_safe = model, graph_safe(routes)
 
     def __call__(self, model_kwargs, generation_config) -> bool:
-        return False
+        return self.graph_safe and type(self.model)._valid_auto_compile_criteria(self.model, model_kwargs,
+                                                                                 generation_config)
+
+
+def graph_safe(routes: list[LayerRoute]) -> bool:
+    """Whether every patched layer of ``routes`` has a graph-safe decode step for its params (judged for a
+    long prompt: after a short one, where the prefill ran exact attention, the steps run eager)."""
+    patched = [r for r in routes if r.method is not None]
+    return all(r.method.graph_step is not None and r.method.graph_step(r.method.resolve_params(r.params), 1 << 20)
+               is not None for r in patched)
 
 
 class HFAttentionInterfaceFamily:
@@ -230,14 +277,16 @@ class HFAttentionInterfaceFamily:
                                         "be switched at runtime")
         model._longpatch_base_impl = base
         if hasattr(type(model), "_valid_auto_compile_criteria"):
-            # generate() compiles the steps of a static cache on a GPU (mode reduce-overhead: CUDA graphs), and
-            # a patched step is not graph-safe yet (it reads its mask on the host and keeps decode state across
-            # steps): kept eager, said in the log. Decided on the instance, not in generation_config, so that
-            # save_pretrained writes the model's own generation config; unpatch_model removes it
-            model._valid_auto_compile_criteria = _NoAutoCompile()
-            logging.getLogger("longpatch").info(
-                "longpatch: generate() will not auto-compile this patched model's static-cache steps (the patched "
-                "step is not graph-safe yet; docs/gpu.md)")
+            # generate() compiles the steps of a static cache on a GPU (mode reduce-overhead: CUDA graphs):
+            # allowed where every patched step is graph-safe, else kept eager, said in the log. Decided on
+            # the instance, not in generation_config, so that save_pretrained writes the model's own
+            # generation config; unpatch_model removes it
+            test = model._valid_auto_compile_criteria = _AutoCompile(model, routes)
+            if not test.graph_safe:
+                logging.getLogger("longpatch").info(
+                    "longpatch: generate() will not auto-compile this patched model's static-cache steps (only "
+                    "MoBA's and NSA's query-aware selections and sparse's plain window have a graph-safe step; "
+                    "docs/gpu.md)")
         for m in _attention_modules(model):
             route = routes[m.layer_idx]
             head_dim = getattr(m, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads

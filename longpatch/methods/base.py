@@ -136,6 +136,10 @@ class Method:
     # own, random draws shared by all heads), or couples_heads(params) -> bool where it depends on the params.
     # Sequence parallelism keeps a coupled group's query heads on one rank (parallel/ulysses.py).
     couples_heads: bool | Callable[[dict], bool] = False
+    # graph_step(params, n) -> paged.StepSpec, or None where these params have none: the graph-safe one-token
+    # step (fixed shapes, no host sync) that a static-cache decode runs after a prefill of n tokens, eager and
+    # under torch.compile
+    graph_step: Callable[[dict, int], Any] | None = None
 
     def __post_init__(self):
         if self.exact_params is None:  # callers call it without a check: None means "no exact setting"
@@ -207,6 +211,10 @@ class BoundMethod:
         fn = self.method.attended_pairs
         pairs = None if fn is None else fn(q, k, causal, self.params)
         return None if pairs is None else int(pairs)
+
+    def step_spec(self, n: int):
+        """The graph-safe step of these params after a prefill of n tokens (``Method.graph_step``), or None."""
+        return None if self.method.graph_step is None else self.method.graph_step(self.params, n)
 
     def exact_at(self, q_len: int, kv_len: int) -> bool:
         """Whether a call of this shape computes exact attention (``Method.exact_when``)."""

@@ -503,6 +503,20 @@ def _run(q, k, v, *, causal=True, scale=None, backend="auto", buffers=None, wind
                             dilation=dilation, random_blocks=random_blocks, block=block, seed=seed, backend=backend)
 
 
+# the graph-safe step's blocks: the window and the sinks read as lists of blocks of this many keys
+_STEP_BLOCK = 64
+
+
+def _graph_step(params: dict, n: int):
+    """A plain window and sinks as a graph-safe step (paged.py): two short block lists, one softmax. None
+    for a dilated window or random blocks (their keys are no few runs of blocks)."""
+    from .paged import StepSpec
+    if params["dilation"] != 1 or params["random_blocks"]:
+        return None
+    return StepSpec(block=_STEP_BLOCK, page=_STEP_BLOCK, window=params["window"],
+                    global_tokens=params["global_tokens"], ranked=False)
+
+
 def _make_buffers(*, head_dim: int, seed: int | None = None, layer_seed: int | None = None, **_):
     """{"seed": the layer's seed of the random blocks}, so that layers draw different blocks (as in
     BigBird); re-patching with the same config draws the same."""
@@ -558,4 +572,5 @@ SPARSE = register_method(Method(
     make_buffers=_make_buffers,
     exact_params=_exact_params,
     attended_pairs=_pairs,
+    graph_step=_graph_step,
 ))

@@ -8,7 +8,16 @@ import torch
 from ...errors import ConfigError
 from ..base import Method, Param, nonneg_int, one_of, positive_int, register_method
 from ..common import default_scale, dense_pairs, window_summaries
-from ..selection import SCORINGS, check_applicable, check_stride_config, estimate_params, estimated_pairs, scoring_of
+from ..paged import StepSpec
+from ..selection import (
+    SCORINGS,
+    check_applicable,
+    check_stride_config,
+    estimate_params,
+    estimated_pairs,
+    page_size,
+    scoring_of,
+)
 from .cpu import DEFAULT_CHUNK_SIZE, DEFAULT_TOPK, moba_chunk_means
 from .op import SELECTIONS, moba_attention
 
@@ -80,6 +89,15 @@ def _couples_heads(params: dict) -> bool:
     return params["shared_selection"] or params["selection"] != "gate"
 
 
+def _graph_step(params: dict, n: int) -> StepSpec | None:
+    """The query-aware selections' one-token step as a graph-safe step (paged.py); the gate has none."""
+    if params["selection"] == "gate":
+        return None
+    C = params["chunk_size"]
+    return StepSpec(block=C, page=page_size(params["decode_page"], C), decode_topk=params["decode_topk"],
+                    local_blocks=params["local_blocks"])
+
+
 class _MoBAMethod(Method):
     """Checks that the antidiagonal scoring's tiles fit the chunks at config time."""
 
@@ -121,4 +139,5 @@ MOBA = register_method(_MoBAMethod(
     exact_params=_exact_params,
     attended_pairs=_pairs,
     couples_heads=_couples_heads,
+    graph_step=_graph_step,
 ))

@@ -9,8 +9,9 @@ import torch
 from ...errors import ConfigError
 from ..base import Method, Param, nonneg_int, one_of, positive_int, register_method
 from ..common import default_scale, window_summaries
-from ..selection import check_applicable, check_stride_config, estimate_params, estimated_pairs, scoring_of
-from .blocks import DEFAULTS, TRAINING_FREE_GATES, check_params, nsa_compress, visible_cmp
+from ..paged import StepSpec
+from ..selection import check_applicable, check_stride_config, estimate_params, estimated_pairs, page_size, scoring_of
+from .blocks import DEFAULTS, TRAINING_FREE_GATES, check_params, fit_params, nsa_compress, visible_cmp
 from .op import SELECTIONS, nsa_attention
 
 # --------------------------------------------------------------------------- decode state and method
@@ -43,6 +44,24 @@ def _run(q, k, v, *, causal=True, scale=None, backend="auto", buffers=None, stat
         compressed = _state_compressed(state, k.detach(), v.detach(), l, s)
     return nsa_attention(q, k, v, causal=causal, scale=scale, gates=tuple(gates), compressed=compressed,
                          backend=backend, **params)
+
+
+_SIZES = ("compress_block", "compress_stride", "select_block", "num_selected", "window", "init_blocks", "local_blocks")
+
+
+def _graph_step(params: dict, n: int) -> StepSpec | None:
+    """The query-aware selections' one-token step as a graph-safe step (paged.py): the selected blocks and
+    the window, gated. None for the compressed selection, and after a prefill too short for the params'
+    sizes (``fit_params`` shrinks them there, and an eager step would grow them again as the cache grows)."""
+    if params["selection"] == "compressed":
+        return None
+    asked = tuple(params[name] for name in _SIZES)
+    if fit_params(n, *asked) != asked:
+        return None
+    sb, gates = params["select_block"], params["gates"]
+    return StepSpec(block=sb, page=page_size(params["decode_page"], sb), decode_topk=params["decode_topk"],
+                    local_blocks=max(0, params["local_blocks"] - 1), window=params["window"] if gates[2] else 0,
+                    gates=(float(gates[1]), float(gates[2])))
 
 
 def _gates_ok(x) -> bool:
@@ -139,4 +158,5 @@ NSA = register_method(_NSAMethod(
     exact_params=_exact_params,
     attended_pairs=_pairs,
     couples_heads=True,  # blocks are selected per KV group (the sum of its query heads' scores)
+    graph_step=_graph_step,
 ))
