@@ -304,15 +304,23 @@ def demo(
                                         help="passkey, code or a YAML template file"),
     needle_trials: int = typer.Option(NEEDLE_TRIALS, "--needle-trials",
                                       help="needle prompts per depth (5 depths, 10% to 90%)"),
+    headline_length: int = typer.Option(32768, "--headline-length",
+                                        help="prompt length of the first table: the 32k configs with every layer "
+                                             "replaced beside exact (prefill speed, needles, perplexity at 16k); "
+                                             "0 skips it"),
     progress: bool = typer.Option(True, "--progress/--no-progress"),
 ):
-    """Offline main job: each method on the shipped demo model: perplexity, attention speed and needle
-    retrieval per layer count."""
+    """Offline main job on the shipped demo model: first the 32k configs with every layer replaced beside
+    exact attention at 32k (whole-model prefill, needles, perplexity), then each method's perplexity,
+    attention speed and needle retrieval per layer count at 4k."""
     from .eval.demo import run_demo
 
     summary = run_demo(layer_counts=layer_counts, max_docs=max_docs, out=out, progress=progress,
                        needle_length=needle_length,
-                       needle_template=needle_template, needle_trials=needle_trials)
+                       needle_template=needle_template, needle_trials=needle_trials,
+                       headline_length=headline_length)
+    if summary["headline"]:
+        _headline_table(summary["headline"])
     nd = summary.get("needle")
     docs = f"{summary['max_docs']} held-out doc{'' if summary['max_docs'] == 1 else 's'}"
     t = Table(title=f"demo model ({summary.get('dtype')}), {summary['seq_len']} tokens, {docs}: "
@@ -333,7 +341,28 @@ def demo(
     if nd:
         console.print(f"retrieval: accuracy over {len(nd['depths'])} depths x {nd['trials']} trials "
                       f"(longpatch eval needle for the full grid)")
-    console.print(f"written to {out}: demo.json, figure3.png, needle/, and one eval directory per config")
+    console.print(f"written to {out}: demo.json, frontier.png, figure3.png, headline/, needle/, and one eval "
+                  "directory per config")
+
+
+def _headline_table(h: dict) -> None:
+    """The demo's first table: every layer replaced, beside exact (eval/headline.py)."""
+    from .eval.needle.prompts import length_label
+
+    rows = h["rows"]
+    t = Table(title=f"demo model, every layer replaced, {length_label(h['length'])} prompts: whole-model prefill, "
+                    f"{h['needle_template']} needles ({rows[0]['needles']} prompts), perplexity at "
+                    f"{length_label(h['ppl_length'])}", title_justify="left")
+    for col in ("config", "prefill s", "speedup", "needles", "kept", "ppl", "vs exact"):
+        t.add_column(col, justify="left" if col == "config" else "right", no_wrap=col == "config")
+    for r in rows:
+        exact = r["config"] == "exact"
+        kept = "-" if exact else f"{r['needles_kept']}/{rows[0]['needles_found']}"
+        t.add_row(r["config"], f"{r['prefill_s']:.1f}", f"{r['prefill_speedup']:.2f}x",
+                  f"{r['needles_found']}/{r['needles']}", kept,
+                  "-" if r["ppl"] is None else f"{r['ppl']:.3f}",
+                  "-" if r["ppl_increase_pct"] is None else f"{r['ppl_increase_pct']:+.1f}%")
+    console.print(t)
 
 
 @command(app)

@@ -285,6 +285,7 @@ def test_generation_evals_refuse_a_missing_or_mismatched_tokenizer_in_one_line(t
     ("--needle-trials", "0", "got 0"),
     ("--needle-length", str(10 ** 12), "[64, "),  # issue 42: bounded like every length
     ("--needle-trials", str(10 ** 9), "[1, 10000]"),
+    ("--headline-length", "-1", "got -1"),
 ])
 def test_demo_refuses_a_bad_needle_option_before_any_work(tmp_path, option, value, needle):
     # checked before the perplexity part (minutes), and named by the demo's own flag
@@ -728,17 +729,19 @@ def test_apply_names_the_patch_keys_apart_from_the_method_params_and_the_dtype()
     assert "tiny:llama (float32)" in text
 
 
-def test_readme_names_every_config_the_demo_runs():
+def test_the_demo_docs_name_every_config_the_demo_runs():
     from pathlib import Path
 
     from longpatch.eval.demo import demo_configs
+    from longpatch.eval.headline import HEADLINE_CONFIGS
 
-    readme = " ".join((Path(__file__).parents[1] / "README.md").read_text().split())
-    start = readme.index("`longpatch demo` patches")
-    para = readme[start:readme.index("prints held-out", start)]
-    for alias in demo_configs():
-        assert f"`{alias}`" in para, alias
-    assert f"{['no', 'one', 'two', 'three', 'four', 'five', 'six', 'seven'][len(demo_configs())]} configs" in para
+    text = (Path(__file__).parents[1] / "docs" / "demo.md").read_text()
+    start = text.index("## The main job: `longpatch demo`")
+    section = text[start:text.index("\n## ", start + 1)]
+    for alias in (*HEADLINE_CONFIGS, *demo_configs()):
+        assert f"`{alias}`" in section, alias
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    assert all(f"`{alias}`" in readme for alias in HEADLINE_CONFIGS)  # the README's results table
 
 
 def test_bench_help_explains_its_columns():

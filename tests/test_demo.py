@@ -63,7 +63,7 @@ def test_demo_configs_and_apply(monkeypatch, capsys):
     import sys
 
     from longpatch import cli
-    assert {"demo", "demo-moba", "demo-moba-32k", "demo-nsa-32k"} <= set(demo_configs())
+    assert {"demo", "demo-moba", "demo-nsa", "demo-sparse"} == set(demo_configs())  # the 32k ones: the first table
     assert "demo-hyper-32k" not in demo_configs()  # exact attention at the demo's 4096 tokens
     monkeypatch.setattr(sys, "argv", ["longpatch", "apply", "--model", "demo", "--prefill", "512"])
     with pytest.raises(SystemExit) as e:
@@ -92,7 +92,8 @@ def test_demo_job_reports_retrieval_beside_perplexity(tmp_path):
     import json
 
     from longpatch.eval.demo import run_demo
-    s = run_demo(layer_counts="0,4", max_docs=1, out=str(tmp_path), progress=False, needle_length=512, needle_trials=1)
+    s = run_demo(layer_counts="0,4", max_docs=1, out=str(tmp_path), progress=False, needle_length=512, needle_trials=1,
+                 headline_length=1024, headline_ppl_length=1024)
     assert s["needle"]["length"] == 512 and len(s["needle"]["depths"]) == 5
     assert {r["config"] for r in s["rows"]} == set(demo_configs())
     assert all(0 <= r["needle_accuracy"] <= 1 for r in s["rows"])
@@ -101,3 +102,9 @@ def test_demo_job_reports_retrieval_beside_perplexity(tmp_path):
     assert {(r["config"], r["layers"]) for r in needle["summary"]} == \
         {("exact", 0)} | {(c, 4) for c in demo_configs()}
     assert (tmp_path / "figure3.png").stat().st_size > 0
+    # the first table: every layer replaced by the 32k configs, beside exact (here at 1024 tokens)
+    head = s["headline"]
+    assert [r["config"] for r in head["rows"]] == ["exact", "demo-moba-32k", "demo-nsa-32k"]
+    assert all(r["prefill_s"] > 0 and r["needles"] == 3 and r["ppl"] > 1 for r in head["rows"])
+    assert all(0 <= r["needles_kept"] <= r["needles_found"] for r in head["rows"][1:])
+    assert (tmp_path / "headline" / "needle" / "results.json").exists() and (tmp_path / "frontier.png").exists()

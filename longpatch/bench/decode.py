@@ -79,11 +79,11 @@ def graph_step_call(bound, q, k, v, compiled: bool):
     if spec is None:
         return None
     state: dict = {}
-    bound(q, k, v, causal=True, state=state)  # its first step chooses the kept list from the whole cache, once
-    if "kept" not in state:  # the budget covers the cache: the step ran exact attention, no list to keep
-        return None
-    paged = PagedState(k, state["kept"], spec.block, spec.page)
-    paged.fill_bounds(k, n)
+    if spec.ranked:
+        bound(q, k, v, causal=True, state=state)  # its first step chooses the kept list from the whole cache, once
+        if "kept" not in state:  # the budget covers the cache: the step ran exact attention, no list to keep
+            return None
+    paged = PagedState.for_spec(spec, k, state.get("kept"), n)
     length = torch.full((q.shape[0],), n, dtype=torch.int64, device=k.device)
     fn = step
     if compiled:

@@ -6,7 +6,11 @@ from pathlib import Path
 
 from ..assets import EVAL_MIN_TOKENS, demo_model_path
 from ..errors import ConfigError, LongpatchError, check_int
+from ..options import MAX_TOKENS
 from ..outdir import check_out, claim_out, write_json
+from .headline import NEEDLE_DEPTHS as HEADLINE_DEPTHS
+from .headline import NEEDLE_TEMPLATE as HEADLINE_NEEDLES
+from .headline import PPL_LENGTH, PREFILL_LENGTH, plot_frontier, run_headline
 from .needle.prompts import DEFAULT_TEMPLATE as NEEDLE_TEMPLATE
 
 
@@ -43,47 +47,46 @@ def long_context_report(model, tokenizer, docs: list[str], seq_len: int = 4096, 
             "late_short_context": torch.cat(late_short).mean().item()}
 
 
-# The query-aware configs, shown next to their method's paper-default config. Not
-# `demo-hyper-32k`: with exact 4096-token leaves it is exact attention at the demo's 4096 tokens.
-QUERY_AWARE = ("demo-moba-32k", "demo-nsa-32k")
-
-
 def demo_configs() -> list[str]:
-    """Aliases of the bundled demo configs: one per method with its paper's selection, `demo` (hyper)
-    and `demo-<method>`, and the query-aware ones (``QUERY_AWARE``)."""
+    """Aliases of the bundled demo configs of the layer sweep at 4096 tokens: one per method with its
+    paper's selection, `demo` (hyper) and `demo-<method>`. Not the 32k configs (`demo-moba-32k`,
+    `demo-nsa-32k`, `demo-hyper-32k`): at 4096 tokens their budgets cover every block, exact attention;
+    the demo's first table (headline.py) runs the query-aware ones at 32k."""
     from ..config import bundled_configs, read_config
 
     out = []
     for alias in bundled_configs():
         try:
             file = read_config(alias)
-            if file.load.get("model") == "demo" and alias in ("demo", f"demo-{file.patch.method}", *QUERY_AWARE):
+            if file.load.get("model") == "demo" and alias in ("demo", f"demo-{file.patch.method}"):
                 out.append(alias)
         except LongpatchError:
             continue  # a config naming a method that is not available in this build
     return out
 
 
-# Retrieval in the demo: the longest needle length (a power of two) at which the whole demo stays within
-# 6 minutes on 2 CPU cores (8192: 4 min 40 s; 16384 would more than double the needle part; docs/demo.md),
-# a few depths and trials.
+# Retrieval in the layer sweep: the passkey at 8192 tokens, 5 depths, one trial each, so that the whole demo
+# (the 32k table first, about 4.5 minutes) stays within about 10 minutes on 2 CPU cores (docs/demo.md).
 NEEDLE_LENGTH = 8192
 NEEDLE_DEPTHS = "0.1:0.9:0.2"
-NEEDLE_TRIALS = 2
+NEEDLE_TRIALS = 1
 COMMAND = "demo"  # marks its --out (outdir.claim_out); its eval directories inside are marked by their evals
 
 
 def run_demo(layer_counts: str = "0:4:1", max_docs: int = 6, out: str = "runs/demo", progress: bool = True,
              needle_length: int = NEEDLE_LENGTH, needle_template: str = NEEDLE_TEMPLATE,
-             needle_depths: str = NEEDLE_DEPTHS, needle_trials: int = NEEDLE_TRIALS) -> dict:
-    """The main offline job: a small-scale Figure 3 of the HyperAttention paper on the demo model,
-    with retrieval beside it.
+             needle_depths: str = NEEDLE_DEPTHS, needle_trials: int = NEEDLE_TRIALS,
+             headline_length: int = PREFILL_LENGTH, headline_ppl_length: int = PPL_LENGTH) -> dict:
+    """The main offline job: first the shipped 32k configs with every layer replaced beside exact at
+    ``headline_length`` tokens (``headline.run_headline``: prefill speed, needles, perplexity at
+    ``headline_ppl_length``; 0 skips it), then a small-scale Figure 3 of the HyperAttention paper on
+    the demo model, with retrieval beside it.
 
     For every bundled demo config (one per method), sweep the number of replaced final layers and
     measure held-out perplexity at 4096 tokens, the attention time against the unpatched model
     (layers 0) in the same run, and needle-in-a-haystack accuracy (`needle_template` at
     `needle_length` tokens; needle_length 0 skips it). Writes one eval directory per config, needle/,
-    demo.json and figure3.png.
+    headline/ (its needle/ and ppl/), demo.json, frontier.png and figure3.png.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -92,11 +95,17 @@ def run_demo(layer_counts: str = "0:4:1", max_docs: int = 6, out: str = "runs/de
     from .sweep import model_dtype
 
     check_out(out, COMMAND)  # before minutes of work
+    check_int("--headline-length", headline_length, 0, MAX_TOKENS)
     path = demo_model_path()
     tok = AutoTokenizer.from_pretrained(path)
     if needle_length:
         _check_needle_options(tok, needle_length, needle_template, needle_depths, needle_trials)
     model = AutoModelForCausalLM.from_pretrained(path).eval()
+    headline = None
+    if headline_length:
+        rows = run_headline(model, tok, Path(out) / "headline", progress, headline_length, headline_ppl_length)
+        headline = {"length": headline_length, "ppl_length": headline_ppl_length, "needle_template": HEADLINE_NEEDLES,
+                    "needle_depths": HEADLINE_DEPTHS, "rows": rows}
     rows = []
     configs = demo_configs()
     for alias in configs:
@@ -108,7 +117,7 @@ def run_demo(layer_counts: str = "0:4:1", max_docs: int = 6, out: str = "runs/de
                          "ppl": a["ppl"], "attention_seconds": a["attention_seconds"],
                          "attention_speedup": a["attention_speedup"], "docs": a["docs"]})
     summary = {"model": str(path), "dtype": model_dtype(model), "seq_len": EVAL_MIN_TOKENS, "max_docs": max_docs,
-               "rows": rows}
+               "headline": headline, "rows": rows}
     if needle_length:
         found = needle(model, layer_counts, config=configs, template=needle_template, lengths=[needle_length],
                        depths=needle_depths, trials=needle_trials, out=str(Path(out) / "needle"), tokenizer=tok,
@@ -122,6 +131,8 @@ def run_demo(layer_counts: str = "0:4:1", max_docs: int = 6, out: str = "runs/de
     claim_out(out, COMMAND)
     write_json(Path(out) / "demo.json", summary)
     _plot_demo(rows, Path(out) / "figure3.png", summary.get("needle"))
+    if headline:
+        plot_frontier(headline["rows"], Path(out) / "frontier.png", headline_length, headline_ppl_length)
     return summary
 
 
@@ -159,10 +170,7 @@ def _plot_demo(rows: list[dict], path: Path, needle: dict | None = None) -> None
     for cfg in dict.fromkeys(r["config"] for r in rows):
         rs = [r for r in rows if r["config"] == cfg]
         method = next((r["method"] for r in rs if r["layers"]), cfg)
-        # a method's colour; its query-aware config (QUERY_AWARE) dashed, labelled by config name
-        aware = cfg in QUERY_AWARE
-        style = dict(label=f"{method} ({cfg})" if aware else method, color=method_color(method),
-                     linestyle="--" if aware else "-", marker="o")
+        style = dict(label=method, color=method_color(method), marker="o")
         a1.plot([r["layers"] for r in rs], [r["ppl"] for r in rs], **style)
         a2.plot([r["layers"] for r in rs], [r["attention_speedup"] or 0 for r in rs], **style)
         if needle:
