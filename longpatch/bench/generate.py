@@ -226,7 +226,10 @@ def greedy_generate(model, ids: torch.Tensor, new_tokens: int, cache: str = "dyn
                 out = model(input_ids=tok, use_cache=True, **{cache_arg: past})
             else:
                 pos = torch.full((ids.shape[0], 1), ids.shape[1] + i, dtype=torch.long, device=ids.device)
-                out = step(input_ids=tok, position_ids=pos, use_cache=True, **{cache_arg: past})
+                where = {"position_ids": pos}
+                if "cache_position" in inspect.signature(model.forward).parameters:  # transformers < 5.2x reads it
+                    where["cache_position"] = pos[0]
+                out = step(input_ids=tok, use_cache=True, **where, **{cache_arg: past})
             tok, past = _next_and_cache(out)
             tok = tok.clone()  # a CUDA graph's output buffer is overwritten by its next replay
             sync()
