@@ -13,7 +13,7 @@
 # on MoBA's query-aware selection (e2e_llama8b.json). `bash scripts/gpu_check.sh all`: the earlier set
 # below as well (about 12 more minutes). DRY_RUN=1 runs the issue-40 steps tiny on the CPU (no GPU, no
 # install): flex on the compiled CPU path, a 2-layer llama, no kernels.
-# Issue 41 (`bash scripts/gpu_check.sh issue41`, about 4 minutes on an H100): the 32k passkey and code needle
+# Needles (`bash scripts/gpu_check.sh needles`, or its old name issue41; about 4 minutes on an H100): the 32k passkey and code needle
 # grids (40 prompts each) of demo-moba-32k and demo-nsa-32k on the GPU path (backend auto: flex), every
 # layer, exact beside them, compared prompt by prompt with the CPU's records in docs/img/heldout
 # (scripts/needle_agreement.py -> needle_agreement_{passkey,code}.json); TRIALS=2 halves it (20 prompts each).
@@ -199,7 +199,7 @@ if [ "$SUITE" = scoring ]; then scoring 2>&1 | tee "$OUT/log.txt"; exit; fi
 if [ "$SUITE" = prefill ]; then prefill 2>&1 | tee "$OUT/log.txt"; exit; fi
 if [ "$SUITE" = selection ]; then selection 2>&1 | tee "$OUT/log.txt"; exit; fi
 if [ "$SUITE" = issue40 ]; then issue40 2>&1 | tee "$OUT/log.txt"; exit; fi
-if [ "$SUITE" = issue41 ]; then issue41 2>&1 | tee "$OUT/log.txt"; exit; fi
+if [ "$SUITE" = needles ] || [ "$SUITE" = issue41 ]; then issue41 2>&1 | tee "$OUT/log.txt"; exit; fi
 if [ "$SUITE" = issue40+41 ]; then { issue40; issue41; } 2>&1 | tee "$OUT/log.txt"; exit; fi
 {
   issue40  # the bf16 kernel check included
