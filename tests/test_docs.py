@@ -1,7 +1,8 @@
 """The docs stay true to the code: every link and image path in README.md, CHANGELOG.md and docs/*.md
 resolves (files and #anchors), every `longpatch ...` command they show names a command and options the
 CLI has (tests/fixtures/cli_options.json, itself pinned to the CLI by test_cli_options.py), and every
-record under docs/img/ or config under configs/ that they cite exists."""
+record under docs/img/ or config under configs/ that they cite exists, and every record under
+docs/img/ is cited by something."""
 import json
 import re
 from pathlib import Path
@@ -94,8 +95,28 @@ def test_cited_records_and_configs_exist(doc):
     assert not missing, f"{doc.name}: cites files that do not exist: {missing}"
 
 
-# The docs are for users: no issue numbers, GPU leases or work stops. These three still carry history and are
-# to be reorganised by task (what changed and why goes to CHANGELOG.md); every other page must stay clean.
+def test_every_record_is_referenced():
+    """A record under docs/img/ that no doc, script or test names (by path, by its name without the
+    extension, or by its directory) is a leftover of a figure the docs no longer show."""
+    texts = " ".join(d.read_text() for d in DOCS)
+    texts += " ".join(p.read_text(errors="ignore") for p in [*(ROOT / "scripts").rglob("*.py"),
+                                                              *(ROOT / "scripts").glob("*.sh"),
+                                                              *(ROOT / "tests").glob("*.py")])
+    img = ROOT / "docs"
+    unused = []
+    for f in sorted(p for p in (img / "img").rglob("*") if p.is_file()):
+        rel = f.relative_to(img).as_posix()
+        folder = f.parent.relative_to(img).as_posix()
+        keys = [rel, rel.rsplit(".", 1)[0] + ".", f.name, f.stem + "."]
+        if folder != "img":
+            keys += [folder + "/", folder + "`", folder + ")"]
+        if not any(k in texts for k in keys):
+            unused.append(f"docs/{rel}")
+    assert not unused, f"records no doc, script or test names (remove them, or cite them): {unused}"
+
+
+# The docs are for users: no issue numbers, GPU leases or work stops (what changed and why goes to
+# CHANGELOG.md).
 HISTORY = re.compile(r"\bissues? ?#?\d+|\(#\d+\)|(?<![\w/])#\d{2}\b"
                      r"|\b(?:this|next|later|earlier|last) stop\b|\bleases?\b", re.I)
 
