@@ -37,6 +37,7 @@ import torch
 
 from ..errors import ConfigError
 from .common import acc_dtype, merge_lse
+from .selection import _joined, best_page_bounds, page_minmax
 
 # --------------------------------------------------------------------------- attention over a block list
 
@@ -140,9 +141,7 @@ class PagedState:
         known length: once, not per step); a partial last page covers its written keys only."""
         full = length // self.page
         if full:
-            parts = k[:, :, :full * self.page].reshape(*k.shape[:2], full, self.page, k.shape[-1])
-            self.mins[:, :, :full] = parts.amin(3)
-            self.maxs[:, :, :full] = parts.amax(3)
+            self.mins[:, :, :full], self.maxs[:, :, :full] = page_minmax(k[:, :, :full * self.page], self.page)
         if length % self.page:
             tail = k[:, :, full * self.page:length]
             self.mins[:, :, full] = tail.amin(2)
@@ -168,21 +167,15 @@ def select_blocks(q, state: PagedState, length: torch.Tensor, decode_topk: int, 
     block of position length - 1, the ``local_blocks`` before it, the prefill's ``kept`` list and the
     ``decode_topk`` full blocks with the largest page bound of q·k (those among the local ones dropped,
     as the eager step drops them). Reads the bounds only."""
-    b, hq, _, d = q.shape
-    hk, npg = state.mins.shape[1], state.mins.shape[2]
-    per = state.block // state.page
-    nb = npg // per
+    b, hk = q.shape[0], state.mins.shape[1]
+    nb = state.mins.shape[2] // (state.block // state.page)
     own = torch.div(length - 1, state.block, rounding_mode="floor").view(b, 1, 1)  # [b, 1, 1]
     lists = [torch.clamp(own - torch.arange(local_blocks + 1, device=q.device).view(1, 1, -1), min=-1)
              .expand(b, hk, -1)]
     kept = state.kept.to(own.dtype)
     lists.append(torch.where((kept >= 0) & (kept < own - local_blocks), kept, torch.full_like(kept, -1)))
     if decode_topk > 0:
-        acc = acc_dtype(q.dtype)
-        qg = q.reshape(b, hk, hq // hk, d).to(acc)
-        bound = qg.clamp(min=0) @ state.maxs.to(acc).transpose(-1, -2) \
-            + qg.clamp(max=0) @ state.mins.to(acc).transpose(-1, -2)  # [b, hk, g, np]
-        best = bound.amax(2).view(b, hk, nb, per).amax(-1)  # a block ranks by its best page
+        best = best_page_bounds(q, state.mins, state.maxs, state.block // state.page)
         ids = torch.arange(nb, device=q.device).view(1, 1, nb)
         full = torch.div(length, state.block, rounding_mode="floor").view(b, 1, 1)
         best = best.masked_fill(ids >= full, float("-inf"))  # ranked among the full blocks, as the eager step
@@ -191,10 +184,7 @@ def select_blocks(q, state: PagedState, length: torch.Tensor, decode_topk: int, 
         ranked = torch.where(torch.isfinite(top.values) & (top.indices < own - local_blocks), top.indices,
                              torch.full_like(top.indices, -1))
         lists.append(ranked)
-    joined = torch.cat(lists, -1).sort(-1, descending=True).values
-    dup = torch.zeros_like(joined, dtype=torch.bool)
-    dup[..., 1:] = joined[..., 1:] == joined[..., :-1]
-    return joined.masked_fill(dup, -1).to(torch.int32)
+    return _joined(torch.cat(lists[:-1], -1), lists[-1]).to(torch.int32)
 
 
 @dataclass(frozen=True)

@@ -716,10 +716,26 @@ def block_bounds(state: dict, k: torch.Tensor, page: int) -> tuple[torch.Tensor,
     """(mins, maxs) [b, hk, np, d]: per full page of ``page`` keys of the cache ``k``, its keys'
     elementwise minimum and maximum, kept in ``state`` and extended when a page fills
     (``common.window_summaries``: each page is read once, rebuilt for another cache)."""
-    def bounds(kk, _):
-        parts = kk.reshape(kk.shape[0], kk.shape[1], -1, page, kk.shape[-1])
-        return parts.amin(3), parts.amax(3)
-    return window_summaries(state, ("mins", "maxs"), k, None, page, page, bounds)
+    return window_summaries(state, ("mins", "maxs"), k, None, page, page, lambda kk, _: page_minmax(kk, page))
+
+
+def page_minmax(k: torch.Tensor, page: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mins, maxs) [b, hk, n / page, d]: each page's elementwise key minimum and maximum (n a multiple
+    of ``page``)."""
+    parts = k.reshape(k.shape[0], k.shape[1], -1, page, k.shape[-1])
+    return parts.amin(3), parts.amax(3)
+
+
+def best_page_bounds(q, mins: torch.Tensor, maxs: torch.Tensor, pages: int) -> torch.Tensor:
+    """[b, hk, np / pages]: per block of ``pages`` consecutive pages, its best page's upper bound of a
+    one-token query's q·k (the maximum over the KV group's query heads; ``bound_blocks``)."""
+    b, hq, _, d = q.shape
+    hk, npg = mins.shape[1], mins.shape[2]
+    qg = q.reshape(b, hk, hq // hk, d).to(acc_dtype(q.dtype))
+    # max(q_f min_f, q_f max_f) is q_f max_f where q_f >= 0, else q_f min_f: two products, no [.., np, d] temporary
+    bound = qg.clamp(min=0) @ maxs.to(qg.dtype).transpose(-1, -2) \
+        + qg.clamp(max=0) @ mins.to(qg.dtype).transpose(-1, -2)
+    return bound.amax(2).view(b, hk, npg // pages, pages).amax(-1)
 
 
 def bound_blocks(q, mins: torch.Tensor, maxs: torch.Tensor, count: int, pages: int = 1) -> torch.Tensor:
@@ -731,13 +747,7 @@ def bound_blocks(q, mins: torch.Tensor, maxs: torch.Tensor, count: int, pages: i
     key's extreme features and ranks the needle's block among many (on the demo model, blocks of 256
     lost digits of copied needles that pages of 4 keep; docs/moba.md). The query heads of a KV group
     share the list (the maximum of their bounds)."""
-    b, hq, _, d = q.shape
-    hk, npg = mins.shape[1], mins.shape[2]
-    qg = q.reshape(b, hk, hq // hk, d).to(acc_dtype(q.dtype))
-    # max(q_f min_f, q_f max_f) is q_f max_f where q_f >= 0, else q_f min_f: two products, no [.., np, d] temporary
-    bound = qg.clamp(min=0) @ maxs.to(qg.dtype).transpose(-1, -2) \
-        + qg.clamp(max=0) @ mins.to(qg.dtype).transpose(-1, -2)
-    best = bound.amax(2).view(b, hk, npg // pages, pages).amax(-1)
+    best = best_page_bounds(q, mins, maxs, pages)
     return torch.topk(best, min(count, best.shape[-1]), -1).indices
 
 
