@@ -37,7 +37,7 @@ import torch
 
 from ..errors import ConfigError
 from .common import acc_dtype, merge_lse
-from .selection import _joined, best_page_bounds, page_minmax
+from .selection import best_page_bounds, joined_lists, page_minmax
 
 # --------------------------------------------------------------------------- attention over a block list
 
@@ -184,7 +184,7 @@ def select_blocks(q, state: PagedState, length: torch.Tensor, decode_topk: int, 
         ranked = torch.where(torch.isfinite(top.values) & (top.indices < own - local_blocks), top.indices,
                              torch.full_like(top.indices, -1))
         lists.append(ranked)
-    return _joined(torch.cat(lists[:-1], -1), lists[-1]).to(torch.int32)
+    return joined_lists(torch.cat(lists[:-1], -1), lists[-1]).to(torch.int32)
 
 
 @dataclass(frozen=True)

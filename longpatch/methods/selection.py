@@ -638,7 +638,7 @@ def estimated_blocks(q, k, block: int, max_blocks: int, mass: float | None, scor
         return blocks
     extra = final_row_blocks(q, k, block, final_topk, scale)
     blocks = torch.nn.functional.pad(blocks, (0, extra.shape[-1]), value=-1)
-    blocks[:, :, -1] = _joined(blocks[:, :, -1, :-extra.shape[-1]], extra)
+    blocks[:, :, -1] = joined_lists(blocks[:, :, -1, :-extra.shape[-1]], extra)
     if blocks.shape[-1] > blocks.shape[2] - 1:  # no list holds more than the nb - 1 past blocks
         blocks = blocks.sort(-1, descending=True).values[..., :blocks.shape[2] - 1]
     return blocks
@@ -662,7 +662,7 @@ def final_row_blocks(q, k, block: int, count: int, scale: float) -> torch.Tensor
     return torch.where(top.values > 0, top.indices, torch.full_like(top.indices, -1))
 
 
-def _joined(lists: torch.Tensor, more: torch.Tensor) -> torch.Tensor:
+def joined_lists(lists: torch.Tensor, more: torch.Tensor) -> torch.Tensor:
     """Block lists [..., S] joined by [..., S'] (-1 pads): [..., S + S'], sorted, each block once."""
     joined = torch.cat([lists, more], -1).sort(-1).values
     dup = torch.zeros_like(joined, dtype=torch.bool)
@@ -708,7 +708,7 @@ def decode_kept(state: dict | None, q, k, block: int, max_blocks: int, local_blo
             mins, maxs = block_bounds(state if state is not None else {}, k.detach(), page)
             full = k.shape[2] // block * (block // page)  # the pages of full blocks
             ranked = bound_blocks(q.detach(), mins[:, :, :full], maxs[:, :, :full], decode_topk, block // page)
-            kept = _joined(kept, ranked)
+            kept = joined_lists(kept, ranked)
     return kept
 
 
