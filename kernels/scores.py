@@ -37,12 +37,12 @@ _EXP_FLOOR = -80.0
 
 @triton.jit
 def _block_scores_kernel(QT, KT, Out, sqb, sqh, sqt, skb, skh, skt, sob, soh, soq,
-                         HK, G, PER, NB, E, qk_scale, floor2,
+                         HK, G, PER, NB, QB0, E, qk_scale, floor2,
                          CDT: tl.constexpr, DOT: tl.constexpr, BLOCK_R: tl.constexpr, KB: tl.constexpr,
                          BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr):
     # KB key blocks of PER tiles per step (BLOCK_C = KB * PER columns when KB > 1; KB = 1: one block,
     # BLOCK_C >= PER), so that each product tile is wide enough for the tensor cores
-    qb = tl.program_id(0).to(tl.int64)  # query block
+    qb = tl.program_id(0).to(tl.int64) + QB0  # query block (QB0: a prefill chunk's first; its tiles start QT)
     pid_bh = tl.program_id(1).to(tl.int64)
     b = pid_bh // HK
     hk = pid_bh % HK
@@ -52,7 +52,7 @@ def _block_scores_kernel(QT, KT, Out, sqb, sqh, sqt, skb, skh, skt, sob, soh, so
     a = qb * PER + r % PER
     cc = tl.arange(0, BLOCK_C)
     e = tl.arange(0, BLOCK_E)
-    q_rows = QT + b * sqb + h[:, None] * sqh + a[:, None] * sqt
+    q_rows = QT + b * sqb + h[:, None] * sqh + (a - QB0 * PER)[:, None] * sqt
     k_base = KT + b * skb + hk * skh
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_R], 0.0, tl.float32)
@@ -88,42 +88,44 @@ def _block_scores_kernel(QT, KT, Out, sqb, sqh, sqt, skb, skh, skt, sob, soh, so
         p = tl.where(visible, tl.math.exp2(tl.maximum(s * qk_scale - m_safe[:, None], floor2)), 0.0)
         cols = tl.reduce(p * inv[:, None], 0, sum_combine)  # [BLOCK_C]: summed over the rows
         if KB == 1:
-            tl.store(Out + b * sob + hk * soh + qb * soq + kb0, tl.reduce(cols, 0, sum_combine))
+            tl.store(Out + b * sob + hk * soh + (qb - QB0) * soq + kb0, tl.reduce(cols, 0, sum_combine))
         else:
             kbs = kb0 + tl.arange(0, KB)
-            tl.store(Out + b * sob + hk * soh + qb * soq + kbs, tl.reduce(tl.reshape(cols, [KB, BLOCK_C // KB]), 1,
-                                                                          sum_combine), mask=kbs <= qb)
+            tl.store(Out + b * sob + hk * soh + (qb - QB0) * soq + kbs,
+                     tl.reduce(tl.reshape(cols, [KB, BLOCK_C // KB]), 1, sum_combine), mask=kbs <= qb)
 
 
 def _pow2(x: int, least: int = 16) -> int:
     return max(least, triton.next_power_of_2(x))
 
 
-def block_scores(qt: torch.Tensor, kt: torch.Tensor, per: int, scale: float) -> torch.Tensor:
-    """qt [b, hq, nt, E] query tiles and kt [b, hk, nt, E] reversed key tiles (E = stride x d, as
+def block_scores(qt: torch.Tensor, kt: torch.Tensor, per: int, scale: float, q_block0: int = 0) -> torch.Tensor:
+    """qt [b, hq, nt - q_block0 x per, E] query tiles (a prefill chunk's: those of query blocks from
+    ``q_block0``) and kt [b, hk, nt, E] reversed key tiles (E = stride x d, as
     ``selection.antidiagonal_scores`` prepares them, unscaled), ``per`` tiles per block, ``scale`` the
-    factor of the products (the attention scale / stride) -> [b, hk, nb, nb] float32: per query block
-    and key block at or before it, the sum over the block's query tiles and the KV group's query heads
+    factor of the products (the attention scale / stride) -> [b, hk, nb - q_block0, nb] float32: per query
+    block and key block at or before it, the sum over the block's query tiles and the KV group's query heads
     of each tile's softmax over its past key tiles, pooled over the key block (zeros above the
     diagonal, unnormalised rows)."""
-    b, hq, nt, E = qt.shape
-    hk = kt.shape[1]
+    b, hq, mt, E = qt.shape
+    hk, nt = kt.shape[1], kt.shape[2]
     g = hq // hk
     nb = nt // per
-    if nt % per or kt.shape[2] != nt or kt.shape[-1] != E or hq % hk:
-        raise ValueError(f"block_scores: tiles {tuple(qt.shape)} / {tuple(kt.shape)} do not make blocks of {per}")
+    if nt % per or mt != nt - q_block0 * per or kt.shape[-1] != E or hq % hk:
+        raise ValueError(f"block_scores: tiles {tuple(qt.shape)} / {tuple(kt.shape)} do not make blocks of {per} "
+                         f"(query blocks from {q_block0})")
     qt, kt = (x if x.stride(-1) == 1 else x.contiguous() for x in (qt, kt))
     exact = qt.dtype in (torch.float32, torch.float64) or interpreted(qt.device)
     cdt = tl.float32 if exact else (tl.float16 if qt.dtype == torch.float16 else tl.bfloat16)
-    out = torch.zeros(b, hk, nb, nb, dtype=torch.float32, device=qt.device)
+    out = torch.zeros(b, hk, nb - q_block0, nb, dtype=torch.float32, device=qt.device)
     block_e = 64 if E % 64 == 0 else _pow2(E, 16)
     if E % block_e:
         raise ValueError(f"block_scores: stride x head_dim = {E} is not a multiple of {block_e}")
     # several key blocks per step when a block's tiles are a power of two under 64 (64 columns), else one
     kb = max(1, 64 // per) if per == triton.next_power_of_2(per) and per < 64 else 1
-    _block_scores_kernel[(nb, b * hk)](
+    _block_scores_kernel[(nb - q_block0, b * hk)](
         qt, kt, out, qt.stride(0), qt.stride(1), qt.stride(2), kt.stride(0), kt.stride(1), kt.stride(2),
-        out.stride(0), out.stride(1), out.stride(2), hk, g, per, nb, E, scale * LOG2E, _EXP_FLOOR * LOG2E,
+        out.stride(0), out.stride(1), out.stride(2), hk, g, per, nb, q_block0, E, scale * LOG2E, _EXP_FLOOR * LOG2E,
         CDT=cdt, DOT="ieee" if exact else None, BLOCK_R=_pow2(g * per), KB=kb,
         BLOCK_C=kb * per if kb > 1 else _pow2(per), BLOCK_E=block_e)
     return out

@@ -18,6 +18,8 @@ that keep their own tuple cache (ChatGLM2's remote code) do not use it.
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
@@ -113,3 +115,22 @@ class GrowingCache(DynamicCache):
         if getattr(layer, "keys", None) is not None and layer.keys.numel():
             new.update(layer.keys, layer.values)  # data given to the constructor
         return new
+
+
+def forward_params(model) -> dict:
+    try:
+        return dict(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return {}
+
+
+def cache_argument(model) -> str:
+    """The name of the forward's KV-cache argument: `cache` in transformers >= 5.x, `past_key_values`
+    before (and in remote-code models)."""
+    return "cache" if "cache" in forward_params(model) else "past_key_values"
+
+
+def takes_cache_objects(model) -> bool:
+    """Whether the model keeps its KV cache in transformers' Cache classes: the library's own model
+    classes do; remote-code models (ChatGLM2) keep their own tuples."""
+    return type(model).__module__.startswith("transformers.models.")

@@ -149,6 +149,12 @@ def tokenizer_option():
                         help="name or path, or 'bytes' for tiny:* models (default: the model's)")
 
 
+def prefill_chunk_option(what: str):
+    return typer.Option(None, "--prefill-chunk", metavar="N",
+                        help=f"{what} in chunks of N tokens against the KV cache (chunked prefill; default: one "
+                             "forward); N a multiple of each config's method block (e.g. 256 for demo-moba-32k)")
+
+
 def out_option(default: str, what: str):
     return typer.Option(default, "--out", metavar="DIR", help=f"output directory: {what}")
 
@@ -509,6 +515,8 @@ def eval_ppl(
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code"),
     warmup: int = typer.Option(1, "--warmup", help="untimed warm-up forward passes per configuration"),
     loss_chunk: int = typer.Option(1024, "--loss-chunk", help="positions per LM-head chunk of the loss"),
+    prefill_chunk: Optional[int] = prefill_chunk_option("each document through the model (every position's "
+                                                        "logits scored as in one forward)"),
     progress: bool = typer.Option(True, "--progress/--no-progress"),
 ):
     """LongBench perplexity and attention speed for one layer count or a sweep (resumable)."""
@@ -518,7 +526,8 @@ def eval_ppl(
                  subsets=subsets, seq_len=seq_len, max_docs=max_docs,
                  data=data, out=out, sets=set_, device_map=device_map, num_processes=num_processes,
                  sequence_parallel=sequence_parallel, strict=strict, trust_remote_code=trust_remote_code,
-                 tokenizer=tokenizer, warmup=warmup, loss_chunk=loss_chunk, progress=progress)
+                 tokenizer=tokenizer, warmup=warmup, loss_chunk=loss_chunk, prefill_chunk=prefill_chunk,
+                 progress=progress)
 
 
 @command(eval_app, "needle")
@@ -544,6 +553,7 @@ def eval_needle(
     batch_size: int = typer.Option(1, "--batch-size",
                                    help="prompts generated together in one left-padded batch (each row's "
                                         "answer is what its prompt gives alone)"),
+    prefill_chunk: Optional[int] = prefill_chunk_option("each prompt's prefill"),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code"),
     progress: bool = typer.Option(True, "--progress/--no-progress"),
 ):
@@ -553,8 +563,8 @@ def eval_needle(
     results = needle(model, layer_counts, layers=sweep_layers(layers, "eval needle"), config=config, method=method,
                      sets=set_, template=template, lengths=lengths,
                      depths=depths, trials=trials, filler=filler, seed=seed, out=out, tokenizer=tokenizer,
-                     num_processes=num_processes, batch_size=batch_size, trust_remote_code=trust_remote_code,
-                     progress=progress)
+                     num_processes=num_processes, batch_size=batch_size, prefill_chunk=prefill_chunk,
+                     trust_remote_code=trust_remote_code, progress=progress)
     if results:
         print_results(results)
         console.print(f"written to {out}: results.json, results.csv, {', '.join(results['files']['heatmaps'])}",
@@ -740,6 +750,7 @@ def bench_generate(
     random_weights: bool = typer.Option(False, "--random-weights",
                                         help="--model names a shipped architecture (llama-3.1-8b, qwen2.5-7b, "
                                              "glm-4-9b), built offline with random weights and random prompt ids"),
+    prefill_chunk: Optional[int] = prefill_chunk_option("each prompt's prefill (the TTFT)"),
 ):
     """Greedy generation after a prompt of each length, unpatched and patched in one run: time to first
     token, per-token decode latency, tokens/s and peak memory."""
@@ -750,7 +761,8 @@ def bench_generate(
                                  layers=sweep_layers(layers, "bench generate"), method=method, sets=set_,
                                  tokenizer=tokenizer, filler=filler, repeats=repeats, warmup=warmup,
                                  trust_remote_code=trust_remote_code, progress=progress, plots=plots, cache=cache,
-                                 batch_size=batch_size, random_weights=random_weights, compiled=compile_)
+                                 batch_size=batch_size, random_weights=random_weights, compiled=compile_,
+                                 prefill_chunk=prefill_chunk)
     print_table(results)
     files = [RESULTS_FILE, results["files"]["csv"]] + [f for f in [results["files"]["plot"]] if f]
     console.print(f"written to {out}: {', '.join(files)}", markup=False)

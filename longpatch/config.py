@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 from importlib import resources
@@ -11,7 +12,7 @@ from typing import Any, Sequence
 
 import yaml
 
-from .errors import ConfigError
+from .errors import ConfigError, check_int
 from .methods import available_methods, get_method
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -102,6 +103,30 @@ class PatchConfig:
                 allowed = ", ".join(sorted(set(data) | method_keys | set(LOAD_KEYS)))
                 raise ConfigError(f"--set {key}: unknown key; allowed: {allowed}")
         return PatchConfig.from_dict(data)
+
+
+def prefill_chunk_multiple(cfg: PatchConfig) -> int:
+    """What a chunked prefill's chunk size must be a multiple of for every patched layer of ``cfg`` to run
+    its method on the chunks (the least common multiple of the methods' ``chunk_block``; 1: any size)."""
+    method = get_method(cfg.method)
+    multiple = 1
+    for layer in (None, *cfg.layer_params):
+        params = method.resolve_params(cfg.params_of(layer))
+        block = None if method.chunk_block is None else method.chunk_block(params)
+        multiple = math.lcm(multiple, block or 1)
+    return multiple
+
+
+def check_prefill_chunk(cfg: "PatchConfig | None", chunk: int | None, name: str = "--prefill-chunk") -> None:
+    """One line for a chunk size the patch cannot run chunked: not an int >= 1, or not a multiple of the
+    methods' block (``prefill_chunk_multiple``). None (no chunking) passes."""
+    if chunk is None:
+        return
+    check_int(name, chunk, 1)
+    multiple = 1 if cfg is None else prefill_chunk_multiple(cfg)
+    if chunk % multiple:
+        raise ConfigError(f"{name}: got {chunk}; allowed: a multiple of {multiple} (method '{cfg.method}' selects "
+                          f"blocks of {multiple} keys, and each chunk must start on one)")
 
 
 LOAD_KEYS = ("model", "dtype", "trust_remote_code", "attn_implementation", "device_map", "tokenizer")

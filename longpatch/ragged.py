@@ -106,6 +106,8 @@ def memo(mask: torch.Tensor, key: tuple, read: Callable[[], "list[Segment] | Non
     mask's identity and version (an in-place change is a new version) and `key`; held weakly, so it never
     keeps a mask alive."""
     global _last
+    if mask.is_inference():  # no version counter (made under torch.inference_mode): read it every time
+        return read()
     ref, last_key, segments = _last
     key = (mask._version, *key)
     if ref is not None and ref() is mask and last_key == key:

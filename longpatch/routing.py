@@ -7,7 +7,8 @@ Counting is free and always on; timing is opt-in (``longpatch.timing(model)``, w
 and benchmarks use): a timed call synchronises a GPU before and after it, which a model being served
 must not pay (two host syncs per layer per token rule out overlap and CUDA graphs).
 
-Calls are counted per (phase, path): phase "prefill" (q_len == kv_len) or "decode"; path "method"
+Calls are counted per (phase, path): phase "prefill" (q_len == kv_len, or a prefill chunk: several queries
+against a longer cache) or "decode" (one query); path "method"
 (the method's approximation), "method_exact" (the method's code, but exact at this length, e.g.
 hyper at or below its min_seq_len), "exact" (longpatch's exact fallback: below the config's
 min_seq_len, or decode for a method without one) or "original" (the model's own attention).
@@ -93,20 +94,33 @@ class LayerRoute:
         out = self._call(path, q, k, v, causal, scale, original, state)
         if sync:
             torch.cuda.synchronize(q.device)
-        key = ("prefill" if prefill else "decode", self._recorded(path, q.shape[2], k.shape[2]))
+        key = ("prefill" if q.shape[2] > 1 or prefill else "decode", self._recorded(path, q.shape[2], k.shape[2]))
         if 1 < q.shape[2] < k.shape[2] and self.method is not None and key[1] in ("exact", "method_exact"):
-            warn_once(f"chunk:{self.method.name}", f"longpatch: '{self.method.name}' runs exact attention on calls of "
-                      "several queries against a longer cache (a chunked prefill, e.g. generate(prefill_chunk_size="
-                      "...), or a multi-token step): those calls get no speed-up; prefill the prompt in one call")
+            self._warn_chunk(q.shape[2], k.shape[2], key[1])
         self.calls[key] += 1
         work = state.pop("work", {})
         for kind, n in work.items():
             self.work[(*key, kind)] += n
-        if prefill and "attended_pairs" in work and causal:  # what exact attention would have computed
+        if key[0] == "prefill" and "attended_pairs" in work and causal:  # what exact attention would have computed
             self.work[(*key, "dense_pairs")] += dense_pairs(q.shape, k.shape[2], True)
         if self.timed:
             self.seconds[key] += time.perf_counter() - t0
         return out
+
+    def _warn_chunk(self, q_len: int, kv_len: int, path: str) -> None:
+        """Once per method: a call of several queries against a longer cache (a prefill chunk, a multi-token
+        step) ran exact attention because the method has no such call, or the chunk does not start on one of
+        its blocks (not where its own settings make it exact, e.g. top-k covering every chunk)."""
+        block = self.bound.chunk_block() if self.bound is not None else None
+        if path == "exact":
+            why = "which it does not run"
+        elif block and (kv_len - q_len) % block:
+            why = f"that do not start on one of its blocks of {block} keys (chunk sizes: a multiple of {block})"
+        else:
+            return
+        warn_once(f"chunk:{self.method.name}", f"longpatch: '{self.method.name}' runs exact attention on calls of "
+                  f"several queries against a longer cache {why} (a chunked prefill, e.g. generate(prefill_chunk_size"
+                  "=...), or a multi-token step): those calls get no speed-up")
 
     def run_ragged(self, segments, q, k, v, *, causal: bool, scale: float | None):
         """A padded or packed batch (ragged.Segment list): each sequence runs alone, on its own query rows

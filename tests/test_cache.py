@@ -7,8 +7,8 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from longpatch import patch_model
-from longpatch.bench.generate import greedy_generate, takes_cache_objects
-from longpatch.cache import GrowingCache, GrowingLayer
+from longpatch.bench.generate import greedy_generate
+from longpatch.cache import GrowingCache, GrowingLayer, takes_cache_objects
 from longpatch.methods.common import gather_blocks
 from longpatch.testing.tiny import tiny_model
 

@@ -159,6 +159,23 @@ def test_moba_and_nsa_on_flex_equal_their_torch_paths():
 
 
 @needs_flex
+def test_prefill_chunks_on_flex_equal_their_torch_paths():
+    """Prefill chunks (the queries the last positions of the keys, from a block start) of moba and nsa on
+    flex (the executor's tables shifted to the chunk's blocks, the causal mask and NSA's band offset by the
+    chunk's first position) against the torch paths, at two offsets: one compile per call for every offset."""
+    q, k, v = qkv(333)
+    with torch.no_grad():
+        for off in (128, 256):
+            kw = dict(selection="hybrid", chunk_size=64, topk=4, mass=0.9, estimate_queries=16, score_stride=16)
+            torch.testing.assert_close(moba_attention(q[:, :, off:], k, v, backend="flex", **kw),
+                                       moba_attention(q[:, :, off:], k, v, backend="torch", **kw), rtol=1e-5, atol=2e-6)
+            kw = dict(selection="hybrid", select_block=64, num_selected=4, window=96, gates=(0.0, 0.75, 0.25),
+                      estimate_queries=16, score_stride=16)
+            torch.testing.assert_close(nsa_attention(q[:, :, off:], k, v, backend="flex", **kw),
+                                       nsa_attention(q[:, :, off:], k, v, backend="torch", **kw), rtol=1e-5, atol=2e-6)
+
+
+@needs_flex
 def test_one_token_steps_on_flex_equal_their_torch_paths():
     """A one-token step of moba and nsa (query-aware: the kept blocks, decode_topk more by their key
     bounds, the own and local blocks) as one flex call over the blocks, at ragged cache lengths: one

@@ -100,3 +100,12 @@ def test_bad_tiles_are_refused():
     qt = torch.zeros(1, 2, 10, 64)
     with pytest.raises(ValueError, match="do not make blocks of 4"):
         block_scores(qt, torch.zeros(1, 1, 10, 64), 4, 1.0)
+
+
+@pytest.mark.parametrize("n, block, stride, off", [(128, 32, 4, 64), (100, 16, 4, 48), (72, 24, 4, 24)])
+def test_kernel_scores_a_prefill_chunk_as_the_prefills_rows(n, block, stride, off):
+    """A prefill chunk (the queries from block off / block on): the kernel's rows are the one-shot's."""
+    q, k = _qkv(n, 4, 2, 16, seed=2)
+    scale = 16 ** -0.5
+    whole = antidiagonal_scores(q, k, block, stride, scale)
+    _close(antidiagonal_scores_fused(q[:, :, off:], k, block, stride, scale), whole[:, :, off // block:], 1e-6)

@@ -178,5 +178,5 @@ def test_a_chunked_prefill_that_runs_exact_attention_says_so(caplog):
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, min_new_tokens=3, do_sample=False,
                        prefill_chunk_size=64, past_key_values=DynamicCache())
     assert caplog.text.count("'hyper' runs exact attention") == 1, caplog.text
-    decode = model.longpatch.breakdown()["patched"]["decode"]
-    assert decode["exact"]["calls"] > 0  # what the warning says: the later chunks ran exact attention
+    chunks = model.longpatch.breakdown()["patched"]["prefill"]
+    assert chunks["exact"]["calls"] > 0  # what the warning says: the later chunks ran exact attention

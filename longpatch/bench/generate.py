@@ -12,6 +12,11 @@ first, then the model patched per each (config, layer count), the first time aft
 warm-up generation; with repeats, the rows take turns (one generation each per round), so that the
 machine's drift reaches them alike. Speedups are against the unpatched row of the same context.
 
+Chunked prefill (``prefill_chunk``, --prefill-chunk N): the prompt goes through the model N tokens at
+a time against the KV cache (the positions continuing), the way a server prefills a long prompt in
+pieces to bound its activations; the TTFT is then the time of all the chunks. Every row, unpatched and
+patched, prefills the same way, and the records say which (``prefill_chunk``; None: one forward).
+
 Peak memory: the process's peak resident set (VmHWM, reset before each generation through
 /proc/self/clear_refs; without it getrusage's ru_maxrss, the peak of the whole process so far), as
 peak_rss_mib, and its increase over the resident set at the start of the generation (KV cache and
@@ -37,6 +42,8 @@ from typing import Sequence
 
 import torch
 
+from ..cache import cache_argument, forward_params, takes_cache_objects
+from ..config import check_prefill_chunk
 from ..errors import ConfigError, check_int
 from ..eval.needle.prompts import filler_texts
 from ..eval.records import removed_on_failure
@@ -65,9 +72,10 @@ CACHES = ("growing", "dynamic", "static")
 # --compile: the decode step's forward under torch.compile (CUDA graphs on a GPU: mode reduce-overhead), as
 # transformers' generate() compiles a static cache's steps; tests swap in backend "eager" (no codegen)
 COMPILE_OPTIONS = {"dynamic": False, "fullgraph": False}
-CSV_COLUMNS = ["config", "method", "layers", "context", "batch", "new_tokens", "ttft_s", "decode_ms_per_token",
-               "decode_tokens_per_s", "tokens_per_s", "total_s", "ttft_speedup", "decode_speedup", "peak_rss_mib",
-               "rss_increase_mib", "peak_cuda_mib", "tokens_match_exact", "warmup_s", "dense_floor_ms", "of_floor"]
+CSV_COLUMNS = ["config", "method", "layers", "context", "batch", "new_tokens", "prefill_chunk", "ttft_s",
+               "decode_ms_per_token", "decode_tokens_per_s", "tokens_per_s", "total_s", "ttft_speedup",
+               "decode_speedup", "peak_rss_mib", "rss_increase_mib", "peak_cuda_mib", "tokens_match_exact", "warmup_s",
+               "dense_floor_ms", "of_floor"]
 
 
 def copy_bandwidth(device: torch.device, mib: int = 256, repeats: int = 5) -> float:
@@ -174,16 +182,12 @@ def status_kb(field: str) -> int | None:
 def _forward_names(model) -> tuple[dict, str]:
     """(prefill kwargs, name of the KV-cache argument). Only the last position's logits from a prefill:
     a [context, vocab] float tensor would dominate memory and time at 32k (generate() asks for the
-    same). The cache argument is `cache` in transformers >= 5.x, `past_key_values` before (and in
-    remote-code models)."""
-    try:
-        params = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        params = {}
+    same)."""
+    params = forward_params(model)
     keep = next(({n: 1} for n in ("logits_to_keep", "num_logits_to_keep") if n in params), {})
     if not keep and "return_last_logit" in params:  # ChatGLM's remote code
         keep = {"return_last_logit": True}
-    return keep, "cache" if "cache" in params else "past_key_values"
+    return keep, cache_argument(model)
 
 
 def _next_and_cache(out) -> tuple[torch.Tensor, object]:
@@ -196,9 +200,32 @@ def _next_and_cache(out) -> tuple[torch.Tensor, object]:
     return logits[:, -1].argmax(-1, keepdim=True), cache
 
 
+def prefill(model, ids: torch.Tensor, chunk: int | None, cache_arg: str, kwargs: dict):
+    """The prompt's forward: one call (chunk None), or one call per ``chunk`` tokens against the KV cache the
+    first one starts, each at its own positions (position_ids given: models that keep their own tuple cache
+    would otherwise restart their rotary positions at 0; cache_position where the forward still reads it).
+    kwargs: the first call's (logits_to_keep, the cache to fill). -> the last call's output (its last
+    logits predict the first new token)."""
+    if chunk is None or chunk >= ids.shape[1]:  # one chunk: the one-shot prefill
+        return model(input_ids=ids, use_cache=True, **kwargs)
+    takes_cache_position = "cache_position" in forward_params(model)  # transformers < 5.2x reads it
+    out = None
+    for start in range(0, ids.shape[1], chunk):
+        piece = ids[:, start:start + chunk]
+        pos = torch.arange(start, start + piece.shape[1], device=ids.device)
+        where = {"position_ids": pos[None].expand(ids.shape[0], -1)}
+        if takes_cache_position:
+            where["cache_position"] = pos
+        if out is not None:  # later chunks continue the cache the earlier ones filled
+            kwargs = {**kwargs, cache_arg: _next_and_cache(out)[1]}
+        out = model(input_ids=piece, use_cache=True, **where, **kwargs)
+    return out
+
+
 def greedy_generate(model, ids: torch.Tensor, new_tokens: int, cache: str = "dynamic", step=None,
-                    capacity: int | None = None) -> dict:
-    """Greedy decoding with our own loop: one timed forward of the prompt (TTFT), then one timed
+                    capacity: int | None = None, prefill_chunk: int | None = None) -> dict:
+    """Greedy decoding with our own loop: one timed prefill of the prompt (TTFT; in chunks of
+    ``prefill_chunk`` tokens when given, see ``prefill``), then one timed
     forward per further token with the KV cache. cache: "growing" hands the prefill a
     longpatch GrowingCache (where the model takes transformers' Cache objects), "static" a
     transformers StaticCache of ``capacity`` tokens (default: the prompt and the new tokens), "dynamic"
@@ -216,7 +243,7 @@ def greedy_generate(model, ids: torch.Tensor, new_tokens: int, cache: str = "dyn
     with torch.no_grad():
         sync()
         t0 = time.perf_counter()
-        tok, past = _next_and_cache(model(input_ids=ids, use_cache=True, **keep))
+        tok, past = _next_and_cache(prefill(model, ids, prefill_chunk, cache_arg, keep))
         sync()
         ttft = time.perf_counter() - t0
         tokens, steps = [tok], []
@@ -264,16 +291,11 @@ def check_compilable(points) -> None:
                               "sparse without dilation or random blocks, or run without --compile")
 
 
-def takes_cache_objects(model) -> bool:
-    """Whether the model keeps its KV cache in transformers' Cache classes: the library's own model
-    classes do; remote-code models (ChatGLM2) keep their own tuples."""
-    return type(model).__module__.startswith("transformers.models.")
-
-
-def generate_once(model, ids: torch.Tensor, new_tokens: int, cache: str, step=None) -> dict:
+def generate_once(model, ids: torch.Tensor, new_tokens: int, cache: str, step=None,
+                  prefill_chunk: int | None = None) -> dict:
     """greedy_generate's result with the generation's PeakMemory under "memory"."""
     with PeakMemory(ids.device) as m:
-        run = greedy_generate(model, ids, new_tokens, cache, step)
+        run = greedy_generate(model, ids, new_tokens, cache, step, prefill_chunk=prefill_chunk)
     return {**run, "memory": m}
 
 
@@ -325,7 +347,8 @@ def run_generate_bench(model: str, config=None, layer_counts=None, contexts="819
                        sets: Sequence[str] = (), tokenizer=None, filler: str = "demo", repeats: int = 1,
                        warmup: int = 1, trust_remote_code: bool = False, progress: bool = True,
                        plots: bool = True, cache: str | None = None, batch_size: int = 1,
-                       random_weights: bool = False, compiled: bool = False) -> dict:
+                       random_weights: bool = False, compiled: bool = False,
+                       prefill_chunk: int | None = None) -> dict:
     """Greedy generation after a prompt of each context length, unpatched and patched per each config
     and layer count, in one run. model: what --model takes; config: one config, 'a,b' or a list;
     layer_counts: a sweep as eval ppl's (None: each config's layers); layers: which layers every config
@@ -335,6 +358,8 @@ def run_generate_bench(model: str, config=None, layer_counts=None, contexts="819
     (loading.shipped_architectures), built with random weights on the device and prompted with random ids.
     compiled: the decode steps under torch.compile with a static cache (``compiled_step``), every row alike,
     each row's compile in its warm-up (on the prompt's own length), reported, not timed.
+    prefill_chunk: every row's prompt prefilled in chunks of this many tokens (``prefill``; None: one
+    forward); a multiple of each config's method block (config.check_prefill_chunk).
     Returns the dict written to results.json."""
     from ..loading import load_model, random_model
     from ..specs import resolve
@@ -356,6 +381,9 @@ def run_generate_bench(model: str, config=None, layer_counts=None, contexts="819
     out = check_out(Path(out).expanduser(), COMMAND)
     spec = resolve(model, config, method, layers, list(sets), trust_remote_code=trust_remote_code)
     cfgs = list(spec.patches)
+    check_prefill_chunk(None, prefill_chunk)  # the unpatched rows: any int >= 1
+    for _, cfg in cfgs:  # before the model is loaded: a chunk each patch can run its method on
+        check_prefill_chunk(cfg, prefill_chunk)
     texts = filler_texts(filler)
 
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
@@ -376,7 +404,11 @@ def run_generate_bench(model: str, config=None, layer_counts=None, contexts="819
         points += [(label, p) for p in make_points(cfg, sweep, n_layers, identity) if p.layers]
     if compiled:
         check_compilable(points)
-    say_if_exact(loaded, [p for _, p in points if p is not None], generation_shapes((n, new_tokens) for n in ctx))
+    shapes = generation_shapes((n, new_tokens) for n in ctx)
+    if prefill_chunk is not None:  # each prompt's prefill is its chunks' calls, not one of (n, n)
+        from ..eval.ppl.scoring import prefill_shapes
+        shapes = {s for s in shapes if s[0] == 1} | set().union(*(prefill_shapes(n, prefill_chunk) for n in ctx))
+    say_if_exact(loaded, [p for _, p in points if p is not None], shapes)
     if cache in ("growing", "static") and not takes_cache_objects(loaded):
         log.warning("longpatch: %s keeps its own KV cache (not transformers' Cache classes): --cache %s "
                     "does not apply, the model's own cache is timed", type(loaded).__name__, cache)
@@ -385,7 +417,7 @@ def run_generate_bench(model: str, config=None, layer_counts=None, contexts="819
         raise ConfigError(f"--compile: {type(loaded).__name__} keeps its own KV cache, not transformers' static "
                           "cache; allowed: models of transformers' own classes (Llama, Qwen2, ...)")
     records = _run(loaded, points, ids, ctx, new_tokens, repeats, warmup, device, progress, cache, batch_size,
-                   compiled)
+                   compiled, prefill_chunk)
     bandwidth = copy_bandwidth(device)
     weights, per_token = weight_bytes(loaded), kv_bytes_per_token(loaded)
     for rec in records:  # how close each row's step comes to the dense step's memory floor
@@ -393,11 +425,12 @@ def run_generate_bench(model: str, config=None, layer_counts=None, contexts="819
         rec["of_floor"] = None if rec["dense_floor_ms"] is None else rec["dense_floor_ms"] / rec["decode_ms_per_token"]
     meta = machine_meta(model=str(model), filler=None if random_weights else filler, contexts=ctx,
                         new_tokens=new_tokens, repeats=repeats, warmup=warmup, cache=cache, batch_size=batch_size,
-                        compiled=compiled,
+                        compiled=compiled, prefill_chunk=prefill_chunk,
                         random_weights=random_weights, dtype=str(next(loaded.parameters()).dtype),
                         copy_bandwidth_gbs=bandwidth / 1e9, weight_bytes=weights, kv_bytes_per_token=per_token,
                         note="greedy, batch_size copies of the prompt in one batch; ttft_s: the prompt's forward pass "
-                             "(it yields the first token); "
+                             "(it yields the first token; with prefill_chunk, its forward passes of that many "
+                             "tokens each against the KV cache); "
                              "decode_ms_per_token: median of the per-token forward passes with the KV cache; "
                              "tokens_per_s: new_tokens / (ttft + decode time); cache: the KV cache of the decode steps "
                              "(growing: longpatch.cache.GrowingCache; dynamic: transformers' DynamicCache; "
@@ -432,7 +465,8 @@ def _say_if_beyond_positions(model, longest: int) -> None:
 
 
 def _run(model, points, ids: list[int], contexts: list[int], new_tokens: int, repeats: int, warmup: int,
-         device, progress: bool, cache: str, batch_size: int = 1, compiled: bool = False) -> list[dict]:
+         device, progress: bool, cache: str, batch_size: int = 1, compiled: bool = False,
+         prefill_chunk: int | None = None) -> list[dict]:
     """Context by context, the unpatched model then each patched configuration: rows compared with each
     other are measured minutes apart at most, not a whole sweep apart (load drifts on shared machines)."""
     from tqdm.auto import tqdm
@@ -464,16 +498,17 @@ def _run(model, points, ids: list[int], contexts: list[int], new_tokens: int, re
                             step = compiled_step(model)
                             t0 = time.perf_counter()
                             for _ in range(max(warmup, 1)):
-                                greedy_generate(model, prompt, min(new_tokens, 4), cache, step, n + new_tokens)
+                                greedy_generate(model, prompt, min(new_tokens, 4), cache, step, n + new_tokens,
+                                                prefill_chunk)
                             warm_s[i, n] = warm_s.get((i, n), 0.0) + time.perf_counter() - t0
                         elif rep == 0 and n == contexts[0]:
                             t0 = time.perf_counter()
                             for _ in range(warmup):  # untimed: thread pools, allocator, lazily built buffers
-                                greedy_generate(model, warm, 2, cache)
+                                greedy_generate(model, warm, 2, cache, prefill_chunk=prefill_chunk)
                             warm_s[i, n] = time.perf_counter() - t0  # compiles included: reported, not timed
                         if point is not None:
                             model.longpatch.reset_stats()
-                        run = generate_once(model, prompt, new_tokens, cache, step)
+                        run = generate_once(model, prompt, new_tokens, cache, step, prefill_chunk)
                         run["paths"] = _paths(model) if point is not None else None
                         run["attended"] = model.longpatch.attended_share() if point is not None else None
                         runs[i].append(run)
@@ -484,6 +519,7 @@ def _run(model, points, ids: list[int], contexts: list[int], new_tokens: int, re
             for i, (label, point) in enumerate(points):
                 records.append(((i, n), _record(label, point, n, new_tokens, summarize(runs[i]), base,
                                                    _summed_paths(runs[i]) if point is not None else None)))
+                records[-1][1]["prefill_chunk"] = prefill_chunk
                 # the prompt's prefill is the same each repeat: its attended share per layer, from the last
                 records[-1][1]["attended_share"] = runs[i][-1]["attended"] or None
                 records[-1][1]["warmup_s"] = warm_s.get((i, n))
@@ -557,8 +593,9 @@ def print_table(results: dict, console=None) -> None:
         c += [" ".join(f"{k}:{v:.2f}" for k, v in (r.get("attended_share") or {}).items()) or "–"] if shares else []
         cells.append(c)
     meta = results["meta"]
-    title = escape(f"{meta['model']}: greedy generation of {meta['new_tokens']} tokens, exact (no patch) vs patched "
-                   "(speedups vs exact at the same context)")
+    chunked = f", prefill in chunks of {meta['prefill_chunk']} tokens" if meta.get("prefill_chunk") else ""
+    title = escape(f"{meta['model']}: greedy generation of {meta['new_tokens']} tokens{chunked}, exact (no patch) vs "
+                   "patched (speedups vs exact at the same context)")
     console = console or Console(width=wide_console(140).width, emoji=False, highlight=False)
     show_table(title, cols, cells, console, left=("config",))
     if shares:

@@ -140,6 +140,10 @@ class Method:
     # step (fixed shapes, no host sync) that a static-cache decode runs after a prefill of n tokens, eager and
     # under torch.compile
     graph_step: Callable[[dict, int], Any] | None = None
+    # chunk_block(params) -> the block a chunked prefill's chunks must start on for the method to run its own
+    # attention on them (a query-aware selection chooses per query block), or None where any chunk runs
+    # (the chunk size must then be a multiple of it: ``config.check_prefill_chunk``)
+    chunk_block: Callable[[dict], int | None] | None = None
 
     def __post_init__(self):
         if self.exact_params is None:  # callers call it without a check: None means "no exact setting"
@@ -215,6 +219,10 @@ class BoundMethod:
     def step_spec(self, n: int):
         """The graph-safe step of these params after a prefill of n tokens (``Method.graph_step``), or None."""
         return None if self.method.graph_step is None else self.method.graph_step(self.params, n)
+
+    def chunk_block(self) -> int | None:
+        """The block a chunked prefill's chunks must start on for these params (``Method.chunk_block``), or None."""
+        return None if self.method.chunk_block is None else self.method.chunk_block(self.params)
 
     def exact_at(self, q_len: int, kv_len: int) -> bool:
         """Whether a call of this shape computes exact attention (``Method.exact_when``)."""

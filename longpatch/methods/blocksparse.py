@@ -58,9 +58,11 @@ def _gather(x: torch.Tensor, idx: torch.Tensor, buf: torch.Tensor | None) -> tor
 
 def block_sparse_prefill(q, k, v, blocks: torch.Tensor, block: int, scale: float, backend: str = "torch",
                          need_lse: bool = True):
-    """(out [b, hq, n, d], lse [b, hq, n] float32/float64) of causal prefill (q_len == kv_len = n).
-    backend "flex": FlexAttention (``flex.py``; lse None without ``need_lse``), where it runs (CUDA;
-    the CPU without gradients or LSE), else the torch path below; "triton" (its Triton kernel was
+    """(out [b, hq, nq, d], lse [b, hq, nq] float32/float64) of causal prefill (q_len == kv_len), or of a
+    prefill chunk: q the last nq positions of k, starting on a block, ``blocks`` [b, hk, chunk blocks, S]
+    the lists of its query blocks (key block numbers of the whole cache). backend "flex": FlexAttention
+    (``flex.py``; lse None without ``need_lse``), where it runs (CUDA; the CPU without gradients or LSE),
+    else the torch path below; "triton" (its Triton kernel was
     removed, issue 40): flex on CUDA, else the torch path, said once in the log."""
     if backend == "triton":  # the executor's Triton kernel is gone: FlexAttention runs these lists faster
         warn_once("blocksparse-triton", "longpatch: backend 'triton' runs the block-sparse executor on "
@@ -72,13 +74,19 @@ def block_sparse_prefill(q, k, v, blocks: torch.Tensor, block: int, scale: float
         from .flex import flex_block_sparse, supports
         if supports(q, k, v, block, need_lse):
             return flex_block_sparse(q, k, v, blocks, block, scale, need_lse)
-    b, hq, n, d = q.shape
-    hk = k.shape[1]
+    b, hq, nq, d = q.shape
+    hk, n = k.shape[1], k.shape[2]
     g = hq // hk
-    nb = math.ceil(n / block)
+    nb = math.ceil(n / block)  # key blocks; the queries' are the last mb of them
+    mb = blocks.shape[2]
+    q0 = nb - mb
+    if n - nq != q0 * block:
+        raise ValueError(f"block_sparse_prefill: {nq} queries against {n} keys with lists for {mb} query blocks of "
+                         f"{block}: the queries must be the last positions, from the start of block {q0}")
     npad = nb * block
     # padded positions sit after every real one: the diagonal's causal mask hides them from real rows
-    qp, kp, vp = (_pad_to(x, npad) for x in (q, k, v))
+    qp = _pad_to(q, mb * block)
+    kp, vp = (_pad_to(x, npad) for x in (k, v))
     acc = acc_dtype(q.dtype)
     # listed blocks first in each row, so that a row with c blocks lists them in its first c slots
     blocks = blocks.sort(-1, descending=True).values
@@ -88,20 +96,20 @@ def block_sparse_prefill(q, k, v, blocks: torch.Tensor, block: int, scale: float
     # fresh tensors, so a call that records gradients allocates per chunk
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     most = int(counts.max()) if counts.numel() else 0
-    room = min(_CHUNK_ELEMS, nb * most * block * d) if most else 0
+    room = min(_CHUNK_ELEMS, mb * most * block * d) if most else 0
     kbuf = vbuf = None
     if not grad and room:
         kbuf, vbuf = (torch.empty(room + most * block * d, dtype=k.dtype, device=k.device) for _ in range(2))
     # the results are written in place into the returned layout, seen as [b, hk, nb, g, block(, d)]: a
     # copy into it at the end would be one more tensor of q's size (page faults of the order of the copy)
-    res, res_lse = (torch.empty(b, hq, npad, *x, dtype=acc, device=q.device) for x in ((d,), ()))
-    out = res.view(b, hk, g, nb, block, d).transpose(2, 3)
-    lse = res_lse.view(b, hk, g, nb, block).transpose(2, 3)
+    res, res_lse = (torch.empty(b, hq, mb * block, *x, dtype=acc, device=q.device) for x in ((d,), ()))
+    out = res.view(b, hk, g, mb, block, d).transpose(2, 3)
+    lse = res_lse.view(b, hk, g, mb, block).transpose(2, 3)
     for bi in range(b):
         for hi in range(hk):
-            qh = qp[bi, hi * g:(hi + 1) * g].reshape(g, nb, block, d).transpose(0, 1)  # [nb, g, block, d]
+            qh = qp[bi, hi * g:(hi + 1) * g].reshape(g, mb, block, d).transpose(0, 1)  # [mb, g, block, d]
             kh, vh = kp[bi, hi].reshape(nb, block * d), vp[bi, hi].reshape(nb, block * d)
-            o_d, l_d = attend(qh, kh.view(nb, 1, block, d), vh.view(nb, 1, block, d), scale, causal=True)
+            o_d, l_d = attend(qh, kh[q0:].view(mb, 1, block, d), vh[q0:].view(mb, 1, block, d), scale, causal=True)
             out[bi, hi], lse[bi, hi] = o_d.to(acc), l_d.to(acc)
             # query blocks with the same number c of listed blocks: one maskless call per chunk of them
             for c in counts[bi, hi].unique().tolist():
@@ -125,7 +133,7 @@ def block_sparse_prefill(q, k, v, blocks: torch.Tensor, block: int, scale: float
                                       o_s.to(acc), l_s.to(acc))
                     out[bi, hi].index_copy_(0, r, o)
                     lse[bi, hi].index_copy_(0, r, l_)
-    return res[:, :, :n].to(q.dtype), res_lse[:, :, :n]
+    return res[:, :, :nq].to(q.dtype), res_lse[:, :, :nq]
 
 
 def block_sparse_decode(q, k, v, kept: torch.Tensor, block: int, local_blocks: int, scale: float,

@@ -104,19 +104,32 @@ def _any_key(b, h, q_idx, kv_idx):
     return kv_idx >= 0
 
 
+def _chunk_offset(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """A prefill chunk's first query position as a 0-d tensor (None for a prefill): the compiled calls take it
+    as an input, so a new offset does not recompile (a size expression captured by a mask does not lower)."""
+    return None if q.shape[2] == k.shape[2] else torch.tensor(k.shape[2] - q.shape[2], device=q.device)
+
+
+def _causal_after(off: torch.Tensor):
+    """The causal mask of queries that are the last positions of the keys, from position ``off``."""
+    def mod(b, h, q_idx, kv_idx):
+        return q_idx + off >= kv_idx
+    return mod
+
+
 def _own_and_listed(blocks: torch.Tensor, nb: int):
-    """(partial counts, partial indices, full counts, full indices), int32, of a selection
-    [B, 1, nb, S]: the own block as the one partial block, the listed ones as full blocks (listed
-    first: sorted descending, the -1 pads last and read as block 0, past the count). Both index
-    tables are nb wide, on every device: the CPU template reads them so, and on CUDA (torch 2.11, an
-    H100) a partial table 1 wide beside a full table S wide gave outputs off by 0.22 (relative) while
-    nb-wide ones matched the torch path (scripts/gpu_flex_check.py)."""
-    B = blocks.shape[0]
+    """(partial counts, partial indices, full counts, full indices), int32, of a selection [B, 1, mb, S] of the last mb
+    of nb query blocks (mb = nb: a prefill): the own block as the one partial block, the listed ones as full
+    blocks (listed first: sorted descending, the -1 pads last and read as block 0, past the count). Both index
+    tables are nb wide, on every device: the CPU template reads them so, and on CUDA (torch 2.11, an H100) a
+    partial table 1 wide beside a full table S wide gave outputs off by 0.22 (relative) while nb-wide ones
+    matched the torch path (scripts/gpu_flex_check.py)."""
+    B, mb = blocks.shape[0], blocks.shape[2]
     lst = blocks.sort(-1, descending=True).values
     full_num = (lst >= 0).sum(-1).to(torch.int32)
     full_idx = lst.clamp(min=0).to(torch.int32)
-    own = torch.arange(nb, device=blocks.device, dtype=torch.int32).view(1, 1, nb, 1).expand(B, 1, nb, 1)
-    part_num = torch.ones(B, 1, nb, dtype=torch.int32, device=blocks.device)
+    own = torch.arange(nb - mb, nb, device=blocks.device, dtype=torch.int32).view(1, 1, mb, 1).expand(B, 1, mb, 1)
+    part_num = torch.ones(B, 1, mb, dtype=torch.int32, device=blocks.device)
     return part_num, _wide(own, nb), full_num, _wide(full_idx, nb)
 
 
@@ -126,14 +139,16 @@ def _wide(idx: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(idx, (0, max(0, width - idx.shape[-1])))[..., :width].contiguous()
 
 
-def _band_tables(nq: int, nk: int, block: int, window: int, glob: int, device, wide: bool, dilation: int = 1):
-    """The tables of a causal band: query row r sits at position p = r + nk - nq and sees key c when
+def _band_tables(nq: int, nk: int, block: int, window: int, glob: int, device, wide: bool, dilation: int = 1,
+                 off: torch.Tensor | None = None):
+    """The tables of a causal band: query row r sits at position p = r + off (off = nk - nq unless given, a
+    0-d tensor inside a compiled call) and sees key c when
     c <= p and (c < glob, or p - c = i * dilation for some 0 <= i < window). A (query block, key
     block) pair is full when every row sees every key of it (a dilated window is never full), partial
     when some row may see some key; the lists hold the full (and the partial) blocks first, in block
     order. Sizes nqb x nkb: one entry per block pair, shared by every head (the band does not depend
     on the data)."""
-    off = nk - nq
+    off = nk - nq if off is None else off
     nqb, nkb = -(-nq // block), -(-nk // block)
     i = torch.arange(nqb, device=device).view(-1, 1)
     j = torch.arange(nkb, device=device).view(1, -1)
@@ -152,18 +167,19 @@ def _band_tables(nq: int, nk: int, block: int, window: int, glob: int, device, w
         if not wide:  # as wide as the most blocks a row can list
             width = min(nkb, -(-(span + 1) // block) + -(-glob // block) + 2)
             idx = idx[..., :width]
-        return num.view(1, 1, nqb), idx.reshape(1, 1, nqb, -1).contiguous()
+        return num[None, None], idx[None, None].contiguous()
 
     return (*lists(part), *lists(full))
 
 
-def _band_mod(window: int, glob: int, dilation: int = 1):
+def _band_mod(window: int, glob: int, dilation: int = 1, off=0):
+    """The band's mask; ``off``: the first query's position (a prefill chunk's; 0 for a prefill)."""
     if dilation == 1:
         def mod(b, h, q_idx, kv_idx):
-            return (kv_idx <= q_idx) & ((kv_idx < glob) | (kv_idx > q_idx - window))
+            return (kv_idx <= q_idx + off) & ((kv_idx < glob) | (kv_idx > q_idx + off - window))
     else:
         def mod(b, h, q_idx, kv_idx):
-            dist = q_idx - kv_idx
+            dist = q_idx + off - kv_idx
             on_grid = (dist // dilation) * dilation == dist
             return (dist >= 0) & ((kv_idx < glob) | (on_grid & (dist <= (window - 1) * dilation)))
     return mod
@@ -175,36 +191,43 @@ def _grad(q, k, v) -> bool:
     return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
 
 
-def _block_sparse_call(q, k, v, blocks, *, block: int, scale: float, need_lse: bool):
-    """q [b, hq, n, d], k/v [b, hk, n, d], blocks [b, hk, nb, S]: (out, lse or None)."""
+def _block_sparse_call(q, k, v, blocks, off=None, *, block: int, scale: float, need_lse: bool):
+    """q [b, hq, nq, d] (a prefill: nq = n; or a prefill chunk, the last nq positions of the keys from
+    ``off``, a block start), k/v [b, hk, n, d], blocks [b, hk, nq's blocks, S]: (out, lse or None)."""
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-    b, hq, n, d = q.shape
-    hk = k.shape[1]
+    b, hq, nq, d = q.shape
+    hk, n = k.shape[1], k.shape[2]
     g = hq // hk
-    nb = blocks.shape[2]
+    mb = blocks.shape[2]
     grad = _grad(q, k, v)  # the backward reads the transposed tables
-    tables = _own_and_listed(blocks.reshape(b * hk, 1, nb, -1), nb)
-    mask = BlockMask.from_kv_blocks(*tables, BLOCK_SIZE=block, mask_mod=_causal, seq_lengths=(n, n),
-                                    compute_q_blocks=grad)
+    tables = _own_and_listed(blocks.reshape(b * hk, 1, mb, -1), (n + block - 1) // block)
+    mask = BlockMask.from_kv_blocks(*tables, BLOCK_SIZE=block, mask_mod=_causal if off is None else _causal_after(off),
+                                    seq_lengths=(nq, n), compute_q_blocks=grad)
     # a KV group's g query heads as the heads of one batch row: the mask's rows are per KV head
-    res = flex_attention(q.reshape(b * hk, g, n, d), k.reshape(b * hk, 1, n, d), v.reshape(b * hk, 1, n, d),
+    res = flex_attention(q.reshape(b * hk, g, nq, d), k.reshape(b * hk, 1, n, d), v.reshape(b * hk, 1, n, d),
                          block_mask=mask, scale=scale, enable_gqa=True, return_lse=need_lse,
                          kernel_options=_kernel_options(block, q.device))
     out, lse = res if need_lse else (res, None)
-    return out.reshape(b, hq, n, d), None if lse is None else lse.reshape(b, hq, n)
+    return out.reshape(b, hq, nq, d), None if lse is None else lse.reshape(b, hq, nq)
 
 
-def _band_call(q, k, v, *, block: int, window: int, glob: int, dilation: int, scale: float, need_lse: bool):
-    """q [b, hq, n, d], k/v [b, hk, n, d]: (out, lse or None) of the causal band (``_band_tables``),
-    prefill (q_len == kv_len: the mask's positions are the rows' indices)."""
+def _band_call(q, k, v, off=None, *, block: int, window: int, glob: int, dilation: int, scale: float,
+               need_lse: bool):
+    """q [b, hq, nq, d], k/v [b, hk, n, d]: (out, lse or None) of the causal band (``_band_tables``),
+    prefill (nq = n: the mask's positions are the rows' indices) or a prefill chunk (the queries are the
+    last nq positions, from a block start)."""
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-    n = q.shape[2]
+    nq, n = q.shape[2], k.shape[2]
+    if off is None:  # a prefill: one size (the rows' indices are the positions)
+        n = nq
     grad = _grad(q, k, v)
-    tables = _band_tables(n, n, block, window, glob, q.device, wide=not q.is_cuda or grad, dilation=dilation)
-    mask = BlockMask.from_kv_blocks(*tables, BLOCK_SIZE=block, mask_mod=_band_mod(window, glob, dilation),
-                                    seq_lengths=(n, n), compute_q_blocks=grad)
+    tables = _band_tables(nq, n, block, window, glob, q.device, wide=not q.is_cuda or grad, dilation=dilation,
+                          off=0 if off is None else off)
+    mask = BlockMask.from_kv_blocks(*tables, BLOCK_SIZE=block,
+                                    mask_mod=_band_mod(window, glob, dilation, 0 if off is None else off),
+                                    seq_lengths=(nq, n), compute_q_blocks=grad)
     res = flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=True, return_lse=need_lse,
                          kernel_options=_kernel_options(block, q.device))
     return res if need_lse else (res, None)
@@ -357,7 +380,7 @@ class _Compiled:
             # (is it a power of two?), which fails on a symbolic ratio ("unsupported operand type(s) for
             # &: 'FloorDiv' and 'Add'", seen on an H100): the head counts are compiled as constants there
             # (a model has one head count; a new one compiles once more). The CPU lowering has no such test.
-            if t.is_cuda and t.is_floating_point() and t.dim() == 4:
+            if isinstance(t, torch.Tensor) and t.is_cuda and t.is_floating_point() and t.dim() == 4:
                 torch._dynamo.mark_static(t, 1)
         # Grad mode is part of dynamo's guards: a warm-up run with grad enabled and a timed call under
         # no_grad compiled twice (an H100 spent 3.6-4.8 s in the first timed call after the warm-up,
@@ -374,21 +397,23 @@ def _cast(out, lse, q):
 
 def flex_block_sparse(q, k, v, blocks: torch.Tensor, block: int, scale: float, need_lse: bool = True):
     """``blocksparse.block_sparse_prefill`` on FlexAttention: (out [b, hq, n, d], lse [b, hq, n]
-    float32, or None on the CPU, whose template gives none). Causal prefill, q_len == kv_len."""
+    float32, or None on the CPU, whose template gives none). Causal prefill, or a prefill chunk (the queries
+    the last positions of the keys, from a block start)."""
     fn = compiled("block_sparse", block=block, scale=float(scale), need_lse=need_lse and q.is_cuda)
     with _cpu_no_grad(q):
-        return _cast(*fn(q, k, v, blocks), q)
+        return _cast(*fn(q, k, v, blocks, _chunk_offset(q, k)), q)
 
 
 def flex_band(q, k, v, window: int, global_tokens: int, scale: float, need_lse: bool = True, block: int = 128,
               dilation: int = 1):
-    """Causal band attention on FlexAttention, prefill (q_len == kv_len): the query at position p
-    sees keys c <= p with c < global_tokens or p - c = i * dilation (0 <= i < window): sparse's
-    global keys and (dilated) window, NSA's window. (out, lse float32 or None on the CPU)."""
+    """Causal band attention on FlexAttention, prefill (or a prefill chunk: the queries are the last q_len
+    positions): the query at position p sees keys c <= p with c < global_tokens or p - c = i * dilation
+    (0 <= i < window): sparse's global keys and (dilated) window, NSA's window. (out, lse float32 or None on
+    the CPU)."""
     fn = compiled("band", block=block, window=window, glob=global_tokens, dilation=dilation, scale=float(scale),
                   need_lse=need_lse and q.is_cuda)
     with _cpu_no_grad(q):
-        return _cast(*fn(q, k, v), q)
+        return _cast(*fn(q, k, v, _chunk_offset(q, k)), q)
 
 
 def flex_decode(q, k, v, kept: torch.Tensor, block: int, local_blocks: int, scale: float, need_lse: bool = True):

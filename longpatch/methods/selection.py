@@ -29,6 +29,12 @@ Two scorings of real q·k products give a block-score matrix [b, kv_heads, query
   turn (1st of each, 2nd of each, ...) up to ``max_blocks``. Cost: the antidiagonal's plus m x n
   products (the last queries only, no spread rows: the antidiagonal already sees the offsets).
 
+A prefill chunk (q_len < kv_len: the queries are the last q_len positions of the keys, starting on a block)
+is scored the same way, for its own query blocks only: the antidiagonal scores of a query block depend on
+its own rows and the keys before it, so a chunk's equal the one-shot prefill's rows; the last-queries
+estimate takes the chunk's last queries (for the prompt's last chunk, the prompt's). Score matrices and
+lists then hold the chunk's query blocks, [b, hk, chunk blocks, nb], the first one block ``q0`` of the keys.
+
 ``select_blocks`` turns scores into block lists for the executor (``blocksparse.py``): per KV head
 and query block, the forced blocks (the first block: attention sinks; the ``local_blocks`` blocks
 before the own block), then the best-scoring past blocks, either a fixed number (``mass`` None) or
@@ -154,20 +160,21 @@ def check_estimate_args(op: str, mass, scoring: tuple, block: int, max_share=Non
 
 def _block_mass(q, k, qpos: torch.Tensor, first: int, scale: float, nb: int, block: int) -> torch.Tensor:
     """[b, hk, g * len(qpos), nb]: the exact causal attention probabilities of the query rows at positions
-    qpos (each query head's rows of a KV group stacked), summed per key block; ``first`` is min(qpos)
-    (the caller knows it: no device sync here).
+    qpos (each query head's rows of a KV group stacked; q holds the last q_len positions of the keys),
+    summed per key block; ``first`` is min(qpos) (the caller knows it: no device sync here).
 
     The score rows are the largest temporaries of a selection (rows x every key), so they are worked
     in place: the future mask touches only keys after ``first``, and the softmax's exponentials are
     pooled before they are normalised (one division per block, not per key)."""
-    b, hq, n, d = q.shape
-    hk = k.shape[1]
+    b, hq, nq, d = q.shape
+    hk, n = k.shape[1], k.shape[2]
     g = hq // hk
+    rows = q.index_select(2, qpos - (n - nq) if n > nq else qpos)  # positions -> rows of q
     if gpu_scores.applies(q):  # half-precision products, the softmax and pooling fused (gpu_scores.py)
-        s = gpu_scores.products(q.index_select(2, qpos).reshape(b, hk, g * len(qpos), d), k.transpose(-1, -2))
+        s = gpu_scores.products(rows.reshape(b, hk, g * len(qpos), d), k.transpose(-1, -2))
         return _FUSED_BLOCK_MASS(s, qpos.repeat(g).view(-1, 1), scale, nb, block)
     acc = acc_dtype(q.dtype)
-    rows = q.index_select(2, qpos).reshape(b, hk, g * len(qpos), d).to(acc) * scale
+    rows = rows.reshape(b, hk, g * len(qpos), d).to(acc) * scale
     future = None
     if first + 1 < n:
         future = torch.arange(first + 1, n, device=q.device).view(1, -1) > qpos.repeat(g).view(-1, 1)
@@ -199,10 +206,11 @@ def _pooled(p: torch.Tensor, nb: int, block: int) -> torch.Tensor:
 
 def last_queries_vertical(q, k, block: int, m: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(vertical, peak) [b, hk, nb] float32 of ``last_queries_estimate`` (its last ``m`` queries only)."""
-    n = q.shape[2]
+    n = k.shape[2]
     nb = math.ceil(n / block)
-    last = torch.arange(n - min(m, n), n, device=q.device)
-    per_row = _block_mass(q, k, last, n - min(m, n), scale, nb, block)  # [b, hk, g * m, nb], rows sum to 1
+    m = min(m, q.shape[2])
+    last = torch.arange(n - m, n, device=q.device)
+    per_row = _block_mass(q, k, last, n - m, scale, nb, block)  # [b, hk, g * m, nb], rows sum to 1
     return per_row.mean(2).float(), per_row.amax(2).float()
 
 
@@ -217,15 +225,15 @@ def last_queries_estimate(q, k, block: int, m: int, scale: float):
     before their own block (how far back attention looks wherever it is; sums to 1). Spreading the
     slash rows keeps an absolute position (a needle) from posing as an offset: it sits at a different
     offset from each."""
-    b, hq, n, d = q.shape
-    hk = k.shape[1]
+    b, hq, nq, d = q.shape
+    hk, n = k.shape[1], k.shape[2]
     g = hq // hk
-    m = min(m, n)
+    m = min(m, nq)
     nb = math.ceil(n / block)
     dev = q.device
     vertical, peak = last_queries_vertical(q, k, block, m, scale)
-    spread = spread_rows(n, m, dev)
-    pb = _block_mass(q, k, spread, 0, scale, nb, block)  # [b, hk, rows, nb]; spread starts at position 0
+    spread = spread_rows(nq, m, dev) + (n - nq)  # over the queries given (a chunk's own)
+    pb = _block_mass(q, k, spread, n - nq, scale, nb, block)  # [b, hk, rows, nb]; spread starts at q's first
     off = (spread // block).repeat(g).view(-1, 1) - torch.arange(nb, device=dev).view(1, -1)
     off = off.clamp(min=0).expand(b, hk, -1, -1)  # a future block (offset < 0) has mass 0
     slash = torch.zeros(b, hk, nb, dtype=pb.dtype, device=dev)
@@ -245,46 +253,50 @@ def spread_rows(n: int, m: int, device=None) -> torch.Tensor:
     return quo + ((2 * rem > m - 1) | ((2 * rem == m - 1) & (quo % 2 == 1))).long()
 
 
-def block_scores(vertical: torch.Tensor, slash: torch.Tensor) -> torch.Tensor:
-    """[b, hk, nb (query block), nb (key block)]: vertical[j] + slash[i - j] for j <= i, -inf above."""
+def block_scores(vertical: torch.Tensor, slash: torch.Tensor, q0: int = 0) -> torch.Tensor:
+    """[b, hk, nb - q0 (query blocks from q0), nb (key block)]: vertical[j] + slash[i - j] for j <= i, -inf
+    above."""
     nb = vertical.shape[-1]
     i = torch.arange(nb, device=vertical.device)
-    off = i.view(-1, 1) - i.view(1, -1)
+    off = i[q0:].view(-1, 1) - i.view(1, -1)
     sc = vertical.unsqueeze(-2) + slash[..., off.clamp(min=0)]
     return sc.masked_fill(off < 0, float("-inf"))
 
 
-def ceilings(nb: int, max_blocks: int, max_share: float | None, device=None) -> tuple[int, torch.Tensor | None]:
-    """(S, caps): the width of the block lists of ``nb`` query blocks and, with ``max_share``, each
-    query block's ceiling [nb]: the larger of ``max_blocks`` and ceil(max_share x i) for query block i
+def ceilings(nb: int, max_blocks: int, max_share: float | None, device=None,
+             q0: int = 0) -> tuple[int, torch.Tensor | None]:
+    """(S, caps): the width of the block lists of query blocks ``q0`` .. ``nb`` - 1 and, with ``max_share``,
+    each one's ceiling [nb - q0]: the larger of ``max_blocks`` and ceil(max_share x i) for query block i
     (which sees i past blocks); None: ``max_blocks`` for every block. A ceiling is a bound for safety,
     not the working budget: the mass decides how many blocks a row takes under it."""
     if max_share is None:
         return min(max_blocks, max(nb - 1, 0)), None
     # in float64 on the host, a hair under the product: 0.3 x 10 is 3 blocks, not 4 (3.0000000000000004)
-    caps = [min(i, max(max_blocks, math.ceil(i * max_share - 1e-9))) for i in range(nb)]
+    caps = [min(i, max(max_blocks, math.ceil(i * max_share - 1e-9))) for i in range(q0, nb)]
     return max(caps, default=0), torch.tensor(caps, device=device)
 
 
 def select_blocks(scores: torch.Tensor, max_blocks: int, mass: float | None, local_blocks: int = 1,
                   sink_blocks: int = 1, rank: torch.Tensor | None = None,
                   max_share: float | None = None) -> torch.Tensor:
-    """Block lists [b, hk, nb, S] (int64, -1 pads) of past blocks j < i per query block i, from
-    ``block_scores``: forced blocks first (j < sink_blocks; i - local_blocks <= j < i), then by ``rank``
-    (same shape; default: the scores); ``mass`` None: up to ``max_blocks``; else the fewest blocks in that
-    order (forced ones included) whose score, with the own block's, reaches ``mass`` of the row's visible
-    total, at most ``max_blocks`` or, with ``max_share``, the row's ceiling (``ceilings``)."""
-    b, hk, nb, _ = scores.shape
-    S, caps = ceilings(nb, max_blocks, max_share, scores.device)
+    """Block lists [b, hk, mq, S] (int64, -1 pads) of past blocks j < i per query block i, from
+    ``block_scores`` [b, hk, mq, nb] (query blocks nb - mq .. nb - 1: a chunk's): forced blocks first
+    (j < sink_blocks; i - local_blocks <= j < i), then by ``rank`` (same shape; default: the scores);
+    ``mass`` None: up to ``max_blocks``; else the fewest blocks in that order (forced ones included) whose
+    score, with the own block's, reaches ``mass`` of the row's visible total, at most ``max_blocks`` or,
+    with ``max_share``, the row's ceiling (``ceilings``)."""
+    b, hk, mq, nb = scores.shape
+    q0 = nb - mq
+    S, caps = ceilings(nb, max_blocks, max_share, scores.device, q0)
     if S == 0:
-        return torch.full((b, hk, nb, 0), -1, dtype=torch.long, device=scores.device)
-    i = torch.arange(nb, device=scores.device).view(-1, 1)
+        return torch.full((b, hk, mq, 0), -1, dtype=torch.long, device=scores.device)
+    i = torch.arange(q0, nb, device=scores.device).view(-1, 1)
     j = torch.arange(nb, device=scores.device).view(1, -1)
     past = j < i
     forced = past & ((j < sink_blocks) | (j >= i - local_blocks))
     sc = scores.clamp(min=0).masked_fill(~past, 0.0)
     rk = sc if rank is None else rank.clamp(min=0).masked_fill(~past, 0.0)
-    own = torch.diagonal(scores.clamp(min=0), dim1=-2, dim2=-1)  # [b, hk, nb]
+    own = scores.clamp(min=0).gather(-1, i.expand(b, hk, mq, 1)).squeeze(-1)  # [b, hk, mq]
     total = sc.sum(-1) + own
     # forced blocks rank first, then by rank; not-visible blocks last
     key = torch.where(forced, rk + 1e9, torch.where(past, rk, torch.full_like(rk, -1.0)))
@@ -330,42 +342,49 @@ def antidiagonal_scores(q, k, block: int, stride: int, scale: float) -> torch.Te
     Each query tile's softmax over its past tiles (c < a: the diagonal tile holds keys after some of
     its queries, and the own block is attended anyway) is summed per key block, over the tiles of
     each query block and the query heads of each KV group, and each row is normalised to 1 (rows with
-    no past tile stay 0). Above the diagonal: -inf."""
-    b, hq, n, d = q.shape
-    hk = k.shape[1]
+    no past tile stay 0). Above the diagonal: -inf.
+
+    A prefill chunk (q the last q_len positions of k, from a block start q0 x block): the rows of query
+    blocks q0 .. nb - 1 only, [b, hk, nb - q0, nb], equal to those rows of the one-shot prefill's scores."""
+    b, hq, nq, d = q.shape
+    hk, n = k.shape[1], k.shape[2]
     g = hq // hk
     nb = math.ceil(n / block)
     per = block // stride  # tiles per block
     nt = nb * per
+    q0 = _first_block(n, nq, block)
+    t0 = q0 * per  # the chunk's first query tile
     gpu = gpu_scores.applies(q)  # half-precision tiles, scaled after their products (gpu_scores.py)
     acc = q.dtype if gpu else acc_dtype(q.dtype)
     kt = _key_tiles(k, nt, stride, acc)
     if gpu and fused_scores_available():
-        return _normalised(_fused_block_scores(q, kt, nt, stride, per, scale))
-    out = torch.zeros(b, hk, nb, nb, dtype=torch.float32, device=q.device)
+        return _normalised(_fused_block_scores(q, kt, nt, stride, per, scale, q0))
+    out = torch.zeros(b, hk, nb - q0, nb, dtype=torch.float32, device=q.device)
     c = torch.arange(nt, device=q.device)
     budget = _ANTI_ELEMS["cpu" if q.device.type == "cpu" else "gpu"]
     rows = max(per, budget // (b * hq * nt) // per * per)  # query tiles per step: bounded temporaries
     if _int8_applies(q):  # reads q step by step: no float32 copy of all its tiles
-        int8 = _Int8Products(q, kt, stride, scale / stride, rows)
+        int8 = _Int8Products(q, kt, stride, scale / stride, rows, t0)
     else:
         int8 = None
         # one copy each into zero-padded tiles (a model's q/k are strided views of its projections)
-        qt = torch.empty(b, hq, nt * stride, d, dtype=acc, device=q.device)
-        _query_tiles(qt, q, 0, stride, None if gpu else scale / stride)  # every row written, padding zeroed
-        qt = qt.view(b, hq, nt, stride * d)
-    for a0 in range(0, nt, rows):
+        qt = torch.empty(b, hq, (nt - t0) * stride, d, dtype=acc, device=q.device)
+        _query_tiles(qt, q, t0, stride, None if gpu else scale / stride)  # every row written, padding zeroed
+        qt = qt.view(b, hq, nt - t0, stride * d)
+    for a0 in range(t0, nt, rows):
         a = torch.arange(a0, min(nt, a0 + rows), device=q.device)
         seen = a0 + len(a)  # key tiles these query tiles can see: whole blocks up to their last block
+        r0 = (a0 - t0) // per  # the step's first row of ``out``
         if gpu:
-            sc = gpu_scores.products(qt[:, :, a0:seen].reshape(b, hk, g * len(a), -1),
+            sc = gpu_scores.products(qt[:, :, a0 - t0:seen - t0].reshape(b, hk, g * len(a), -1),
                                      kt[:, :, :seen].transpose(-1, -2)).view(b, hk, g, len(a), seen)
-            out[:, :, a0 // per: seen // per, :seen // per] = _FUSED_TILE_MASS(sc, a, scale / stride, per)
+            out[:, :, r0: r0 + len(a) // per, :seen // per] = _FUSED_TILE_MASS(sc, a, scale / stride, per)
             continue
         if int8 is not None:
             sc = int8.products(a0, seen)
         else:
-            sc = torch.matmul(qt[:, :, a0:seen].reshape(b, hk, g * len(a), -1), kt[:, :, :seen].transpose(-1, -2))
+            sc = torch.matmul(qt[:, :, a0 - t0:seen - t0].reshape(b, hk, g * len(a), -1),
+                              kt[:, :, :seen].transpose(-1, -2))
         sc = sc.view(b, hk, g, len(a), seen)
         # the softmax in place (these scores are the estimate's largest temporaries); only tiles from a0
         # on can be the row's own or later ones
@@ -375,8 +394,23 @@ def antidiagonal_scores(q, k, block: int, stride: int, scale: float) -> torch.Te
         sc[..., a0:].masked_fill_(later, 0.0)  # tile 0 sees no past tile: all zeros
         p = sc.div_(sc.sum(-1, keepdim=True).clamp(min=1e-30)).sum(2)
         pb = p.view(b, hk, len(a) // per, per, seen // per, per).sum((3, 5))  # [b, hk, query blocks, key blocks]
-        out[:, :, a0 // per: a0 // per + pb.shape[2], :seen // per] = pb.float()
+        out[:, :, r0: r0 + pb.shape[2], :seen // per] = pb.float()
     return _normalised(out)
+
+
+def chunk_aligned(nq: int, n: int, block: int) -> bool:
+    """Whether ``nq`` queries against ``n`` keys are a prefill (nq = n), a one-token step, or a prefill chunk
+    that starts on a block: the calls a query-aware selection runs (others run exact attention)."""
+    return nq == n or nq <= 1 or (n - nq) % block == 0
+
+
+def _first_block(n: int, nq: int, block: int) -> int:
+    """The key block a prefill chunk's queries (the last ``nq`` of ``n`` positions) start on; they must start
+    on one (``Method.chunk_block``: the ops run other shapes as exact attention)."""
+    if (n - nq) % block:
+        raise ValueError(f"a prefill chunk of {nq} queries against {n} keys starts at position {n - nq}, not on a "
+                         f"block of {block} keys")
+    return (n - nq) // block
 
 
 def _key_tiles(k: torch.Tensor, nt: int, stride: int, dtype: torch.dtype) -> torch.Tensor:
@@ -390,11 +424,12 @@ def _key_tiles(k: torch.Tensor, nt: int, stride: int, dtype: torch.dtype) -> tor
 
 
 def _normalised(out: torch.Tensor) -> torch.Tensor:
-    """Block scores [b, hk, nb, nb] with each query block's row normalised to 1 and the future at -inf."""
-    nb = out.shape[-1]
+    """Block scores [b, hk, mq, nb] (query blocks nb - mq .. nb - 1) with each query block's row normalised to
+    1 and the future at -inf."""
+    mq, nb = out.shape[-2:]
     out = out / out.sum(-1, keepdim=True).clamp(min=1e-30)
     i = torch.arange(nb, device=out.device)
-    return out.masked_fill(i.view(1, -1) > i.view(-1, 1), float("-inf"))
+    return out.masked_fill(i.view(1, -1) > i[nb - mq:].view(-1, 1), float("-inf"))
 
 
 # The antidiagonal scoring of CUDA half-precision inputs: None, the Triton kernel where triton imports;
@@ -415,25 +450,28 @@ def fused_scores_available() -> bool:
     return True
 
 
-def _fused_block_scores(q, kt: torch.Tensor, nt: int, stride: int, per: int, scale: float) -> torch.Tensor:
+def _fused_block_scores(q, kt: torch.Tensor, nt: int, stride: int, per: int, scale: float,
+                        q0: int = 0) -> torch.Tensor:
     """The unnormalised block scores of ``antidiagonal_scores`` from its Triton kernel, on the same
-    prepared tiles: no [n / stride, n / stride] score rows are written."""
+    prepared tiles: no [n / stride, n / stride] score rows are written. q: the query blocks from ``q0``."""
     from ..kernels.scores import block_scores  # lazily: triton is optional
 
     b, hq, n, d = q.shape
-    qt = torch.empty(b, hq, nt * stride, d, dtype=kt.dtype, device=q.device)
-    _query_tiles(qt, q, 0, stride)
-    return block_scores(qt.view(b, hq, nt, stride * d), kt, per, scale / stride)
+    t0 = q0 * per
+    qt = torch.empty(b, hq, (nt - t0) * stride, d, dtype=kt.dtype, device=q.device)
+    _query_tiles(qt, q, t0, stride)
+    return block_scores(qt.view(b, hq, nt - t0, stride * d), kt, per, scale / stride, q0)
 
 
 def antidiagonal_scores_fused(q, k, block: int, stride: int, scale: float) -> torch.Tensor:
     """``antidiagonal_scores`` from the Triton kernel on any device (the CPU under TRITON_INTERPRET=1:
     the tests' twin check); what CUDA half-precision inputs run."""
-    b, hq, n, d = q.shape
+    n = k.shape[2]
     per = block // stride
     nt = math.ceil(n / block) * per
     acc = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else acc_dtype(q.dtype)
-    return _normalised(_fused_block_scores(q, _key_tiles(k, nt, stride, acc), nt, stride, per, scale))
+    return _normalised(_fused_block_scores(q, _key_tiles(k, nt, stride, acc), nt, stride, per, scale,
+                                           _first_block(n, q.shape[2], block)))
 
 
 def _query_tiles(dst: torch.Tensor, src: torch.Tensor, tile0: int, stride: int, mul: float | None = None) -> None:
@@ -523,11 +561,12 @@ class _Int8Products:
     The query tiles are read from q one step at a time into buffers made once per call (a fresh
     tensor of q's size costs page faults of the order of the copy itself)."""
 
-    def __init__(self, q: torch.Tensor, kt: torch.Tensor, stride: int, scale: float, rows: int):
-        """q [b, hq, n, d] as given; kt [b, hk, nt, stride * d] the key tiles (consumed: rounded in
-        place); scale multiplies every product; rows: the most query tiles of one step."""
+    def __init__(self, q: torch.Tensor, kt: torch.Tensor, stride: int, scale: float, rows: int, t0: int = 0):
+        """q [b, hq, nq, d] as given (the positions from query tile ``t0`` on); kt [b, hk, nt, stride * d] the
+        key tiles (consumed: rounded in place); scale multiplies every product; rows: the most query tiles
+        of one step."""
         b, hk, nt, e = kt.shape
-        self.q, self.stride, self.scale = q, stride, scale
+        self.q, self.stride, self.scale, self.t0 = q, stride, scale, t0
         self.g = q.shape[1] // hk
         ki = torch.empty(kt.shape, dtype=torch.int8)
         self.kscale = _int8_rows(kt, kt, ki).view(b, hk, 1, nt)  # kt is rounded in place: not read again
@@ -541,12 +580,13 @@ class _Int8Products:
         """float32 [b, hk, g * r, seen]: (scale x) query tiles a0..seen-1 (r of them) times key tiles
         0..seen-1."""
         q, g, st = self.q, self.g, self.stride
-        b, hq, n, d = q.shape
+        b, hq, nq, d = q.shape
         hk, r, e = hq // g, seen - a0, st * d
         qf, qi = (x[:b * hk * g * r * e].view(b, hk, g, r, e) for x in (self.qf, self.qi))
         rows = qf.view(b, hq, r * st, d)
-        m = max(0, min(n, seen * st) - a0 * st)  # the step's positions in q; past them, zeros
-        _query_tiles(rows, q[:, :, a0 * st:a0 * st + m], a0, st)
+        first = (a0 - self.t0) * st  # the step's first row of q
+        m = max(0, min(nq, first + r * st) - first)  # the step's rows of q; past them, zeros
+        _query_tiles(rows, q[:, :, first:first + m], a0, st)
         qscale = _int8_rows(qf, qf, qi).view(b, hk, g * r, 1)
         i32 = self.i32[:b * hk * g * r * seen].view(b, hk, g * r, seen)
         for bi in range(b):
@@ -569,11 +609,12 @@ def hybrid_blocks(q, k, block: int, max_blocks: int, mass: float | None, m: int,
 
     Taking the two lists in turn under the cap keeps the head of each: a needle block (first on the
     end list) is not pushed out by the tail of a long own list, nor the reverse."""
-    anti = antidiagonal_scores(q, k, block, stride, scale)  # [b, hk, nb, nb], -inf above the diagonal
+    anti = antidiagonal_scores(q, k, block, stride, scale)  # [b, hk, mq, nb], -inf above the diagonal
     own = select_blocks(anti, max_blocks, mass, local_blocks, sink_blocks, max_share=max_share)
     vertical, peak = last_queries_vertical(q, k, block, m, scale)
-    b, hk, nb, _ = anti.shape
-    S, caps = ceilings(nb, max_blocks, max_share, q.device)
+    b, hk, mq, nb = anti.shape
+    q0 = nb - mq  # a prefill chunk's first query block (0: the whole prompt)
+    S, caps = ceilings(nb, max_blocks, max_share, q.device, q0)
     if S == 0:
         return own
     # the end's list, one for the whole prompt: the fewest blocks (ranked by (mean + peak) / 2) whose
@@ -583,15 +624,15 @@ def hybrid_blocks(q, k, block: int, max_blocks: int, mass: float | None, m: int,
     order = torch.argsort((vertical + peak) / 2, dim=-1, descending=True)  # [b, hk, nb]
     got = vertical.gather(-1, order)
     keep = torch.ones_like(got, dtype=torch.bool) if mass is None else (torch.cumsum(got, -1) - got) < mass
-    i = torch.arange(nb, device=q.device).view(-1, 1)
+    i = torch.arange(q0, nb, device=q.device).view(-1, 1)
     j = torch.arange(nb, device=q.device).view(1, -1)
-    rows = order.unsqueeze(-2).expand(b, hk, nb, nb)
-    end = torch.where(keep.unsqueeze(-2) & (rows < i), rows, torch.full_like(rows, -1))  # [b, hk, nb, nb]
-    forced = ((j < i) & ((j < sink_blocks) | (j >= i - local_blocks))).expand(b, hk, nb, nb)
+    rows = order.unsqueeze(-2).expand(b, hk, mq, nb)
+    end = torch.where(keep.unsqueeze(-2) & (rows < i), rows, torch.full_like(rows, -1))  # [b, hk, mq, nb]
+    forced = ((j < i) & ((j < sink_blocks) | (j >= i - local_blocks))).expand(b, hk, mq, nb)
     # each block's turn: its place among the unforced blocks of its list (the better of the two
     # lists'), forced blocks before all
     never = float(nb + 2)  # the turn of a block on neither list
-    turn = torch.full((b, hk, nb, nb + 1), never, device=q.device)  # column nb: the -1 pads
+    turn = torch.full((b, hk, mq, nb + 1), never, device=q.device)  # column nb: the -1 pads
     for lst in (end, own):  # a block on both lists takes its better place
         free = (lst >= 0) & ~forced.gather(-1, lst.clamp(min=0))
         place = (torch.cumsum(free, -1) - 1).to(turn.dtype)
@@ -619,28 +660,31 @@ def score_blocks(q, k, block: int, scoring: tuple[str, int], scale: float):
     if kind == "antidiagonal":
         return antidiagonal_scores(q, k, block, amount, scale), None
     vertical, slash, peak = last_queries_estimate(q, k, block, amount, scale)
-    return block_scores(vertical, slash), block_scores((vertical + peak) / 2, slash)
+    q0 = _first_block(k.shape[2], q.shape[2], block)
+    return block_scores(vertical, slash, q0), block_scores((vertical + peak) / 2, slash, q0)
 
 
 def estimated_blocks(q, k, block: int, max_blocks: int, mass: float | None, scoring: tuple[str, int],
                      local_blocks: int, scale: float, sink_blocks: int = 1, final_topk: int = 0,
                      max_share: float | None = None) -> torch.Tensor:
-    """The block lists of a causal prefill (q_len == kv_len) by a query-aware ``scoring``; with
-    ``final_topk`` > 0, the last query block's list joined by ``final_row_blocks`` (the lists get
-    ``final_topk`` more columns, -1 but in that row)."""
+    """The block lists of a causal prefill (q_len == kv_len), or of a prefill chunk's query blocks (q the last
+    q_len positions of k, from a block start), by a query-aware ``scoring``; with ``final_topk`` > 0, the last
+    query block's list joined by ``final_row_blocks`` (the lists get ``final_topk`` more columns, -1 but in
+    that row)."""
     if scoring[0] == "hybrid":
         blocks = hybrid_blocks(q, k, block, max_blocks, mass, scoring[1], scoring[2], local_blocks, scale,
                                sink_blocks, max_share)
     else:
         scores, rank = score_blocks(q, k, block, scoring, scale)
         blocks = select_blocks(scores, max_blocks, mass, local_blocks, sink_blocks, rank, max_share)
-    if final_topk <= 0 or blocks.shape[2] < 2:
+    nb = math.ceil(k.shape[2] / block)
+    if final_topk <= 0 or nb < 2:
         return blocks
     extra = final_row_blocks(q, k, block, final_topk, scale)
     blocks = torch.nn.functional.pad(blocks, (0, extra.shape[-1]), value=-1)
     blocks[:, :, -1] = joined_lists(blocks[:, :, -1, :-extra.shape[-1]], extra)
-    if blocks.shape[-1] > blocks.shape[2] - 1:  # no list holds more than the nb - 1 past blocks
-        blocks = blocks.sort(-1, descending=True).values[..., :blocks.shape[2] - 1]
+    if blocks.shape[-1] > nb - 1:  # no list holds more than the nb - 1 past blocks
+        blocks = blocks.sort(-1, descending=True).values[..., :nb - 1]
     return blocks
 
 
@@ -654,7 +698,7 @@ def final_row_blocks(q, k, block: int, count: int, scale: float) -> torch.Tensor
     last query block, by mean and peak over its rows: on a code prompt of the demo model the block
     holding the needle, 36% of the last query's mass in one head, ranked 16th there and fell outside
     the block's list (docs/moba.md)."""
-    n = q.shape[2]
+    n = k.shape[2]
     nb = math.ceil(n / block)
     last = torch.full((1,), n - 1, dtype=torch.long, device=q.device)
     mass = _block_mass(q, k, last, n - 1, scale, nb, block).amax(2)[..., :nb - 1]  # [b, hk, nb - 1]
@@ -673,16 +717,17 @@ def joined_lists(lists: torch.Tensor, more: torch.Tensor) -> torch.Tensor:
 def prefill_blocks(state: dict | None, q, k, block: int, max_blocks: int, mass: float | None,
                    scoring: tuple[str, int], local_blocks: int, scale: float, sink_blocks: int = 1,
                    final_topk: int = 0, max_share: float | None = None) -> torch.Tensor:
-    """``estimated_blocks`` of a prefill, recording in a layer's ``state`` the last query block's list
-    (``state["kept"]``: what its decode steps keep) and the work (``state["work"]``, counted by the
-    route)."""
+    """``estimated_blocks`` of a prefill (or a prefill chunk), recording in a layer's ``state`` the last query
+    block's list (``state["kept"]``: what its decode steps keep; a later chunk's replaces it) and the work
+    (``state["work"]``, counted by the route)."""
     with torch.no_grad():
         blocks = estimated_blocks(q.detach(), k.detach(), block, max_blocks, mass, scoring, local_blocks, scale,
                                   sink_blocks, final_topk, max_share)
     if state is not None:
-        b, hq, n, _ = q.shape
+        b, hq, nq, _ = q.shape
+        n = k.shape[2]
         state["kept"] = blocks[:, :, -1]
-        state["work"] = {"estimate_pairs": estimate_cost(b, hq, n, scoring, final_topk > 0, q.device),
+        state["work"] = {"estimate_pairs": estimate_cost(b, hq, n, scoring, final_topk > 0, q.device, nq),
                          "attended_pairs": attended_cost(blocks, hq, n, block)}
     return blocks
 
@@ -767,33 +812,38 @@ def decode_blocks(q, k, block: int, max_blocks: int, local_blocks: int, scale: f
     return select_blocks(scores, max_blocks, None, local_blocks, sink_blocks)[:, :, -1]
 
 
-def estimate_cost(b: int, hq: int, n: int, scoring: tuple[str, int], final_row: bool = False, device=None):
-    """Query-key products of a selection's estimate on an n-token prefill, per query head summed:
+def estimate_cost(b: int, hq: int, n: int, scoring: tuple[str, int], final_row: bool = False, device=None,
+                  nq: int | None = None):
+    """Query-key products of a selection's estimate on an n-token prefill (or its last ``nq`` queries, a
+    prefill chunk), per query head summed:
     the last-queries estimate's last and spread rows, each against its visible keys; the
     antidiagonal scoring's stride products per (query tile, past key tile); the hybrid's
     antidiagonal products and last rows; with ``final_row``, the last query's row of
     ``final_row_blocks`` (n more). An int, or for the estimate (whose spread rows are counted where
     they are made, on ``device``) a 0-d int64 tensor: no host round-trip (``int()`` it where it is read)."""
+    nq = n if nq is None else nq
     if final_row:
-        return estimate_cost(b, hq, n, scoring, device=device) + b * hq * n
+        return estimate_cost(b, hq, n, scoring, device=device, nq=nq) + b * hq * n
     kind, amount = scoring[0], scoring[-1]
-    if kind == "antidiagonal":  # scoring: (kind, stride)
-        nt = -(-n // amount)
-        return b * hq * amount * nt * (nt - 1) // 2
-    m = min(scoring[1], n)  # the last-queries rows: estimate (kind, m), hybrid (kind, m, stride)
+    if kind == "antidiagonal":  # scoring: (kind, stride); query tile a against its a past key tiles
+        nt, t0 = -(-n // amount), (n - nq) // amount
+        return b * hq * amount * (nt * (nt - 1) - t0 * (t0 - 1)) // 2
+    m = min(scoring[1], nq)  # the last-queries rows: estimate (kind, m), hybrid (kind, m, stride)
     last = m * (2 * n - m + 1) // 2  # rows n - m .. n - 1, each against its own position + 1 keys
     if kind == "hybrid":
-        return estimate_cost(b, hq, n, ("antidiagonal", amount)) + b * hq * last
-    return b * hq * (last + (spread_rows(n, m, device) + 1).sum())
+        return estimate_cost(b, hq, n, ("antidiagonal", amount), nq=nq) + b * hq * last
+    return b * hq * (last + (spread_rows(nq, m, device) + n - nq + 1).sum())
 
 
 def attended_cost(blocks: torch.Tensor, hq: int, n: int, block: int) -> torch.Tensor:
-    """Query-key products the executor computes for ``blocks`` on an n-token prefill: each query
-    block's listed blocks in full and its own block's causal half, per query head summed. A 0-d int64
-    tensor on the blocks' device: counting it needs no host round-trip (``int()`` it where it is read)."""
-    b, hk, nb, _ = blocks.shape
+    """Query-key products the executor computes for ``blocks`` on an n-token prefill (or a chunk's query
+    blocks, the last of the n): each query block's listed blocks in full and its own block's causal half,
+    per query head summed. A 0-d int64 tensor on the blocks' device: counting it needs no host round-trip
+    (``int()`` it where it is read)."""
+    b, hk, mq, _ = blocks.shape
     g = hq // hk
-    sizes = torch.clamp(n - torch.arange(nb, device=blocks.device) * block, max=block)  # rows of each block
+    q0 = math.ceil(n / block) - mq
+    sizes = torch.clamp(n - torch.arange(q0, q0 + mq, device=blocks.device) * block, max=block)  # rows per block
     listed = ((blocks >= 0).sum(-1) * sizes).sum() * (block * g)
     return listed + b * hq * (sizes * (sizes + 1) // 2).sum()
 

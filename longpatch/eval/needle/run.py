@@ -5,6 +5,10 @@ Every configuration sees the same prompts (keys and haystacks depend only on the
 the length, the depth and the trial). A record is kept per generation in records*.jsonl and a rerun
 with the same --out skips what is there (matched by configuration and prompt digest). Processes,
 records and the sweep are the ones `eval ppl` uses (launch, records, sweep).
+
+With prefill_chunk (--prefill-chunk N) each prompt's prefill runs in chunks of N tokens against the KV
+cache (generate()'s prefill_chunk_size); the chunk size is in plan.json, results.json and every record,
+and it is part of the config ids, so a rerun with another chunk size (or none) does not reuse records.
 """
 from __future__ import annotations
 
@@ -17,11 +21,13 @@ from typing import Sequence
 
 import torch
 
+from ...config import check_prefill_chunk
 from ...errors import ConfigError, check_int
 from ...options import MAX_TOKENS, MAX_VALUES, parse_ints
 from ...outdir import claim_out, write_csv, write_json
 from ...patching import total_seconds
 from ..launch import Dist, run_sharded
+from ..ppl.scoring import check_configs_chunk, prefill_shapes
 from ..records import PLAN_FILE, read_plan, read_records, seconds_by_path
 from ..sweep import (
     Point,
@@ -52,6 +58,8 @@ class NeedleSpec(RunSpec):
     lengths: prompt lengths in tokens ('4096,8192' or a list). depths: '0:1:0.1' (end included) or
     'd1,d2'. trials: prompts per (length, depth). filler: see needle.filler_texts. seed: of keys and
     haystacks. batch_size: prompts generated together in one left-padded batch (same results as 1).
+    prefill_chunk: each prompt prefilled this many tokens at a time (None: one forward); a multiple of every
+    config's method block (config.check_prefill_chunk).
     """
 
     COMMAND = "eval needle"
@@ -63,12 +71,14 @@ class NeedleSpec(RunSpec):
     filler: str = "demo"
     seed: int = 0
     batch_size: int = 1
+    prefill_chunk: int | None = None
 
     def __post_init__(self):
         super().__post_init__()
         check_int("--trials", self.trials, 1, MAX_VALUES)  # a grid of prompts, not a loop of a billion
         check_int("--seed", self.seed, 0)
         check_int("--batch-size", self.batch_size, 1)
+        check_prefill_chunk(None, self.prefill_chunk)  # an int >= 1; each config's multiple: needle()
         if isinstance(self.lengths, (list, tuple)):
             self.lengths = list(self.lengths)
 
@@ -113,6 +123,7 @@ def needle(model, layer_counts=None, *, spec: NeedleSpec | None = None, **option
     before anything is loaded or written; a failed run that finished no generation leaves no `out`.
     """
     spec = resolve_spec(NeedleSpec, "needle", spec, layer_counts, options)
+    check_configs_chunk(spec, model)
     template = N.load_template(spec.template)
     lengths = parse_lengths(spec.lengths)
     depths = N.parse_depths(spec.depths)
@@ -130,35 +141,50 @@ def _evaluate(model, spec: NeedleSpec, tmpl: N.Template, lengths: list[int], dep
     work = plan_trials(N.Filler(N.filler_texts(filler), tokenizer), tmpl, lengths, depths, spec.trials, spec.seed)
     n_layers = num_layers(model, prep.patches[0][1])
     identity = {"model": name, "template": tmpl.name, "filler": filler, "seed": spec.seed, "task": "needle"}
+    if spec.prefill_chunk is not None:  # chunked runs get their own config ids (one-shot ids stay what they were)
+        identity["prefill_chunk"] = spec.prefill_chunk
     points = labelled_points(prep, spec, n_layers, identity)
     if dist.main:
         claim_out(out, spec.COMMAND)
         write_json(out / PLAN_FILE, {"model": name, "dtype": model_dtype(model), "template": tmpl.name,
                                      "filler": filler, "lengths": lengths,
                                      "depths": depths, "trials": spec.trials, "seed": spec.seed,
+                                     "prefill_chunk": spec.prefill_chunk,
                                      "points": [dict(p.describe(), config=label) for label, p in points]})
     device, eos = input_device(model), tokenizer.eos_token_id
     shapes = generation_shapes((len(w.prompt.ids), N.answer_tokens(tokenizer, w.prompt.expected)) for w in work)
+    if spec.prefill_chunk is not None:  # each prompt's prefill is its chunks' calls, not one of (n, n)
+        shapes = {s for s in shapes if s[0] == 1} | set().union(
+            *(prefill_shapes(len(w.prompt.ids), spec.prefill_chunk) for w in work))
+    chunk = spec.prefill_chunk
     run_generations(model, points, work[dist.rank::dist.world], out, dist, spec.progress and dist.main, "eval needle",
-                    lambda label, p, w: _generate(model, tokenizer, label, p, w, device, eos, dist.rank, run_id),
+                    lambda label, p, w: _generate(model, tokenizer, label, p, w, device, eos, dist.rank, run_id,
+                                                  chunk),
                     shapes, batch=spec.batch_size,
                     many=lambda label, p, ws: _generate_batch(model, tokenizer, label, p, ws, device, eos, dist.rank,
-                                                              run_id))
+                                                              run_id, chunk))
     dist.barrier()
     if dist.mode == "spawned" or not dist.main:
         return {}
     return summarize(out, plots=spec.plots)
 
 
-def _generate(model, tokenizer, label: str, point: Point, w: Trial, device, eos, rank: int, run_id: str) -> dict:
-    """One greedy generation and its record (generate() runs both the prefill and the decode path)."""
+def _chunked(prefill_chunk: int | None) -> dict:
+    """generate()'s kwargs for a chunked prefill (none without one: generate() as it always ran)."""
+    return {} if prefill_chunk is None else {"prefill_chunk_size": prefill_chunk}
+
+
+def _generate(model, tokenizer, label: str, point: Point, w: Trial, device, eos, rank: int, run_id: str,
+              prefill_chunk: int | None = None) -> dict:
+    """One greedy generation and its record (generate() runs both the prefill, chunked with prefill_chunk, and
+    the decode path)."""
     model.longpatch.reset_stats()
     ids = torch.tensor([w.prompt.ids], device=device)
     t0 = time.perf_counter()
     with torch.no_grad():
         gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                              max_new_tokens=N.answer_tokens(tokenizer, w.prompt.expected),
-                             pad_token_id=eos if eos is not None else 0)
+                             pad_token_id=eos if eos is not None else 0, **_chunked(prefill_chunk))
     seconds = time.perf_counter() - t0
     predicted = tokenizer.decode(gen[0, ids.shape[1]:].tolist(), skip_special_tokens=True)
     stats = model.longpatch.breakdown()
@@ -166,16 +192,18 @@ def _generate(model, tokenizer, label: str, point: Point, w: Trial, device, eos,
             "length": len(w.prompt.ids), "depth": w.depth, "trial": w.trial, "expected": w.prompt.expected,
             "predicted": predicted, "correct": N.judge(predicted, w.prompt.expected), "config_id": point.config_id,
             "label": point.label, "digest": w.digest, "needle_token": w.prompt.needle_token, "seconds": seconds,
-            "attention": stats, "attention_seconds": total_seconds(stats), "rank": rank, "run_id": run_id}
+            "attention": stats, "attention_seconds": total_seconds(stats), "rank": rank, "run_id": run_id,
+            "prefill_chunk": prefill_chunk}
 
 
 def _generate_batch(model, tokenizer, label: str, point: Point, ws: list[Trial], device, eos, rank: int,
-                    run_id: str) -> list[dict]:
+                    run_id: str, prefill_chunk: int | None = None) -> list[dict]:
     """Greedy generations of several prompts in one left-padded batch, one record each; each row's tokens
     are those of its prompt alone (generate_rows); seconds and attention stats are the batch's, shared
     evenly between its records."""
     rows, seconds, stats = timed_rows(model, [w.prompt.ids for w in ws],
-                                      [N.answer_tokens(tokenizer, w.prompt.expected) for w in ws], device, eos)
+                                      [N.answer_tokens(tokenizer, w.prompt.expected) for w in ws], device, eos,
+                                      **_chunked(prefill_chunk))
     out = []
     for w, new in zip(ws, rows):
         predicted = tokenizer.decode(new, skip_special_tokens=True)
@@ -184,7 +212,8 @@ def _generate_batch(model, tokenizer, label: str, point: Point, ws: list[Trial],
                     "predicted": predicted, "correct": N.judge(predicted, w.prompt.expected),
                     "config_id": point.config_id, "label": point.label, "digest": w.digest,
                     "needle_token": w.prompt.needle_token, "seconds": seconds, "batch": len(ws), "attention": stats,
-                    "attention_seconds": total_seconds(stats), "rank": rank, "run_id": run_id})
+                    "attention_seconds": total_seconds(stats), "rank": rank, "run_id": run_id,
+                    "prefill_chunk": prefill_chunk})
     return out
 
 
@@ -219,7 +248,8 @@ def summarize(out: "str | Path", plots: bool = True) -> dict:
             files["heatmaps"].append(name)
     keep = ("config", "method", "layers", "length", "depth", "trial", "expected", "predicted", "correct",
             "needle_token", "seconds", "attention_seconds", "attention")
-    info = {k: meta.get(k) for k in ("model", "dtype", "template", "filler", "lengths", "depths", "trials", "seed")}
+    info = {k: meta.get(k) for k in ("model", "dtype", "template", "filler", "lengths", "depths", "trials", "seed",
+                                     "prefill_chunk")}
     results = {**info, "records": [{k: r[k] for k in keep} for r in records], "summary": summary, "files": files}
     write_json(out / RESULTS_FILE, results)
     write_csv(out / CSV_FILE, list(summary[0]), summary)
@@ -236,8 +266,9 @@ def print_results(results: dict) -> None:
     from rich.table import Table
 
     lengths = results["lengths"]
+    chunked = f", prefill in chunks of {results['prefill_chunk']}" if results.get("prefill_chunk") else ""
     t = Table(title=f"{results['model']}: needle accuracy ({results['template']}, {len(results['depths'])} depths x "
-                    f"{results['trials']} trials)", title_justify="left", box=box.SIMPLE_HEAD)
+                    f"{results['trials']} trials{chunked})", title_justify="left", box=box.SIMPLE_HEAD)
     for col in ["config", "layers", *[N.length_label(n) for n in lengths], "attn s"]:
         t.add_column(col, justify="left" if col == "config" else "right")
     rows: dict[tuple, dict] = {}

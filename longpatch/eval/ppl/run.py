@@ -18,6 +18,14 @@ The reference code took 2 ** (natural-log NLL); we do not. For side-by-side read
 figure only, results also carry `refcode_metric` = mean over documents of 2 ** (mean NLL in nats),
 which is not a perplexity (see docs/evaluation.md).
 
+Chunked prefill (prefill_chunk, --prefill-chunk N): each document goes through the model N tokens at a
+time against the KV cache, each chunk at its own positions, and the final hidden states of all the
+chunks are scored together as above: every position's logits are used as one forward's would be (the
+last position of a chunk predicts the next chunk's first token), so for exact attention the loss is
+the one-shot loss up to float rounding; a patched layer runs its method on each chunk against the cache.
+The chunk size is in plan.json, results.json and every record; runs with another chunk size (or none)
+have other config ids, so a rerun in the same `out` never mixes their records.
+
 Speed. Per document: forward wall time (to the final hidden states), the loss time, and from
 `model.longpatch.stats()` the wall time spent inside attention, per path, for patched and for
 unpatched layers. attention_speedup of a configuration = attention seconds of the 0-layer
@@ -40,6 +48,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+from ...config import check_prefill_chunk
 from ...errors import ConfigError, LongpatchError, check_int
 from ...options import MAX_TOKENS
 from ...outdir import claim_out, write_json
@@ -62,7 +71,14 @@ from ..sweep import (
 )
 from .plan import Doc, nothing_to_evaluate, plan_documents
 from .report import print_results, record_index, summarize
-from .scoring import check_loss_path, evaluate_document, make_encoder, vocab_size
+from .scoring import (
+    check_configs_chunk,
+    check_loss_path,
+    evaluate_document,
+    make_encoder,
+    prefill_shapes,
+    vocab_size,
+)
 
 __all__ = ["PerplexitySpec", "perplexity", "run_eval_ppl", "summarize"]
 
@@ -81,6 +97,8 @@ class PerplexitySpec(RunSpec):
     instead of reported and skipped. warmup: untimed forward passes before the first timed document of
     each configuration. loss_chunk: positions per LM-head call. sequence_parallel: N > 1 splits every
     document over N processes (longpatch.parallel, docs/distributed.md); not with num_processes.
+    prefill_chunk: each document fed through the KV cache this many tokens at a time (None: one forward);
+    a multiple of every config's method block (config.check_prefill_chunk); not with sequence_parallel.
     """
 
     COMMAND = "eval ppl"
@@ -93,6 +111,7 @@ class PerplexitySpec(RunSpec):
     warmup: int = 1
     loss_chunk: int = 1024
     sequence_parallel: int = 1
+    prefill_chunk: int | None = None
 
     def __post_init__(self):
         super().__post_init__()
@@ -107,6 +126,11 @@ class PerplexitySpec(RunSpec):
             raise ConfigError("--device-map: one process over all GPUs; with --sequence-parallel each process takes "
                               "one")
         check_int("--loss-chunk", self.loss_chunk, 1)
+        check_prefill_chunk(None, self.prefill_chunk)  # an int >= 1; each config's multiple: perplexity()
+        if self.prefill_chunk is not None and self.sequence_parallel > 1:
+            raise ConfigError(f"--prefill-chunk {self.prefill_chunk} cannot be combined with --sequence-parallel "
+                              f"{self.sequence_parallel}: each process holds a slice of the document, not its "
+                              "prefix; use one of them")
         check_int("--warmup", self.warmup, 0)
         if self.max_docs is not None:
             check_int("--max-docs", self.max_docs, 1)
@@ -126,12 +150,13 @@ def perplexity(model, layer_counts=None, *, spec: PerplexitySpec | None = None, 
     options: the fields of PerplexitySpec (layers, config (one or a list, each getting the whole sweep),
         method, sets, subsets, seq_len, max_docs, data, out,
         tokenizer, device_map, num_processes, sequence_parallel, strict, trust_remote_code, warmup, loss_chunk,
-        progress, plots, run_id), or spec= one PerplexitySpec.
+        prefill_chunk, progress, plots, run_id), or spec= one PerplexitySpec.
     Returns the results dict also written to out/results.json ({} on ranks other than 0).
     Raises LongpatchError when no document can be evaluated; a failed call that finished no document
     removes the `out` directory it created.
     """
     spec = resolve_spec(PerplexitySpec, "perplexity", spec, layer_counts, options)
+    check_configs_chunk(spec, model)
     run = run_sequence_parallel if spec.sequence_parallel > 1 else run_sharded
     return run(spec, model, "longpatch.eval.ppl.run:perplexity",
                lambda dist, run_id: _evaluate(model, spec, dist, run_id),
@@ -160,6 +185,8 @@ def _evaluate(model, spec: PerplexitySpec, dist: Dist, run_id: str) -> dict:
     check_loss_path(model)
     n_layers = num_layers(model, cfg)
     identity = {"model": model_name, "seq_len": spec.seq_len, "tokenizer": tok_id}
+    if spec.prefill_chunk is not None:  # chunked runs get their own config ids (one-shot ids stay what they were)
+        identity["prefill_chunk"] = spec.prefill_chunk
     labelled = labelled_points(prep, spec, n_layers, identity)
     points = [p for _, p in labelled]
     if len(prep.patches) > 1:  # several configs: the table and plots tell their points apart by config
@@ -172,6 +199,7 @@ def _evaluate(model, spec: PerplexitySpec, dist: Dist, run_id: str) -> dict:
         claim_out(out, spec.COMMAND)
         write_json(out / PLAN_FILE, {
             "model": model_name, "dtype": model_dtype(model), "tokenizer": tok_id, "seq_len": spec.seq_len,
+            "prefill_chunk": spec.prefill_chunk,
             "data": lb.source, "subsets": wanted,
             "max_docs": spec.max_docs, "num_layers": n_layers,
             "baseline_id": config_id(dict(identity, dtype=prep.load.dtype,
@@ -185,7 +213,8 @@ def _evaluate(model, spec: PerplexitySpec, dist: Dist, run_id: str) -> dict:
             log.warning("longpatch: the sweep has no 0-layer point; attention speedups need one "
                         "(add 0 to --layer-counts)")
     mine = docs if dist.mode == "sequence" else docs[dist.rank::dist.world]  # sequence: every rank, every doc
-    _run(model, points, mine, out, dist, spec.warmup, spec.loss_chunk, spec.progress and dist.main, run_id)
+    _run(model, points, mine, out, dist, spec.warmup, spec.loss_chunk, spec.progress and dist.main, run_id,
+         spec.prefill_chunk)
     dist.barrier()
     if dist.mode == "spawned" or not dist.main:
         return {}
@@ -193,7 +222,7 @@ def _evaluate(model, spec: PerplexitySpec, dist: Dist, run_id: str) -> dict:
 
 
 def _run(model, points: list[Point], docs: list[Doc], out: Path, dist: Dist, warmup: int, chunk: int,
-         progress: bool, run_id: str) -> None:
+         progress: bool, run_id: str, prefill_chunk: int | None = None) -> None:
     from tqdm.auto import tqdm
 
     sequence = dist.mode == "sequence"
@@ -204,7 +233,11 @@ def _run(model, points: list[Point], docs: list[Doc], out: Path, dist: Dist, war
         from accelerate.utils import broadcast_object_list
         writer = RecordLog(records_file(out, 0, 1)) if dist.main else _Discard()
         done = broadcast_object_list([record_index(read_records(out)) if dist.main else None], from_process=0)[0]
-    evaluate = _evaluate_document_sp if sequence else evaluate_document
+    if sequence:  # (no prefill_chunk: the spec refuses it with sequence parallelism)
+        evaluate = _evaluate_document_sp
+    else:
+        def evaluate(model, input_ids, chunk):
+            return evaluate_document(model, input_ids, chunk, prefill_chunk=prefill_chunk)
     todo = [(p, [d for d in docs if (p.config_id, d.subset, d.doc_id, d.digest) not in done]) for p in points]
     total = sum(len(ds) for _, ds in todo)
     already = len(points) * len(docs) - total
@@ -222,13 +255,13 @@ def _run(model, points: list[Point], docs: list[Doc], out: Path, dist: Dist, war
         result = evaluate(model, doc.ids[None].to(device), chunk)
         nll = result["nll_mean"]
         bar.set_postfix(ppl=f"{math.exp(nll):.3f}" if math.isfinite(nll) else "nan")
-        return _record(point, doc, result, model.longpatch.breakdown(), dist.rank, run_id,
-                       model.longpatch.layer_work())
+        return dict(_record(point, doc, result, model.longpatch.breakdown(), dist.rank, run_id,
+                            model.longpatch.layer_work()), prefill_chunk=prefill_chunk)
 
-    # every document is one prefill of its seq_len tokens (the sequence-parallel ones too, per head group);
-    # interleaved, each document's configurations run side by side, so their speedups share the load
-    run_points(model, todo, writer, bar, out, one, start=warm, interleave=True,
-               shapes={(d.ids.numel(), d.ids.numel()) for d in docs} if dist.main else ())
+    # every document is one prefill of its seq_len tokens (the sequence-parallel ones too, per head group), or
+    # its chunks; interleaved, each document's configurations run side by side, so their speedups share the load
+    shapes = set().union(*(prefill_shapes(d.ids.numel(), prefill_chunk) for d in docs))
+    run_points(model, todo, writer, bar, out, one, start=warm, interleave=True, shapes=shapes if dist.main else ())
 
 
 class _Discard:

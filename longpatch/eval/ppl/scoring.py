@@ -1,7 +1,9 @@
-"""From a model and token ids to token losses: tokenizers for the records, the LM head, hidden states,
-chunked float32 NLL, and one document's losses and wall times."""
+"""From a model and token ids to token losses: tokenizers for the records, the LM head, hidden states
+(of one forward, or of a chunked prefill through the KV cache), chunked float32 NLL, and one document's
+losses and wall times."""
 from __future__ import annotations
 
+import inspect
 import math
 import time
 
@@ -68,16 +70,24 @@ def final_hidden_states(model, input_ids: torch.Tensor) -> torch.Tensor:
     forward (so patched attention, accelerate hooks and remote code all behave as usual); a pre-hook
     on the LM head records the head's input and stops the forward there, so no logits are computed.
     """
+    return _head_input(model, input_ids, stop=True, use_cache=False)[0]
+
+
+def _head_input(model, input_ids: torch.Tensor, stop: bool, **forward) -> tuple[torch.Tensor, object]:
+    """(final_hidden_states of input_ids, the forward's output): the forward called with ``forward`` kwargs,
+    stopped at the LM head (output None) when ``stop``, else run to its end (its logits computed too)."""
     head = lm_head(model)
     box: dict[str, torch.Tensor] = {}
 
     def grab(_module, args):
         box["hidden"] = args[0]
-        raise _ReachedHead
+        if stop:
+            raise _ReachedHead
 
     handle = head.register_forward_pre_hook(grab)
+    out = None
     try:
-        model(input_ids=input_ids, use_cache=False)
+        out = model(input_ids=input_ids, **forward)
     except _ReachedHead:
         pass
     finally:
@@ -90,7 +100,51 @@ def final_hidden_states(model, input_ids: torch.Tensor) -> torch.Tensor:
     if tuple(hidden.shape[:2]) != tuple(input_ids.shape):
         raise UnsupportedModelError(f"{type(model).__name__}: the LM head got hidden states of shape "
                                     f"{tuple(hidden.shape)} for input {tuple(input_ids.shape)}; expected one per token")
-    return hidden
+    return hidden, out
+
+
+def chunk_bounds(n: int, chunk: int | None) -> list[tuple[int, int]]:
+    """[(start, end)] of a prefill of n tokens in chunks of ``chunk`` tokens (None, or >= n: one chunk)."""
+    if chunk is None or chunk >= n:
+        return [(0, n)]
+    return [(s, min(s + chunk, n)) for s in range(0, n, chunk)]
+
+
+def prefill_shapes(n: int, chunk: int | None) -> set[tuple[int, int]]:
+    """The (q_len, kv_len) of the attention calls of a prefill of n tokens in chunks (sweep.say_if_exact)."""
+    return {(e - s, e) for s, e in chunk_bounds(n, chunk)}
+
+
+def chunked_hidden_states(model, input_ids: torch.Tensor, chunk: int | None) -> torch.Tensor:
+    """final_hidden_states of input_ids [1, s], the model run on ``chunk`` tokens at a time against its KV
+    cache (a chunked prefill; None or chunk >= s: one forward). Each chunk's positions continue the
+    earlier ones' (position_ids given: a model keeping its own cache may otherwise restart them at 0), so
+    for exact attention the result is one forward's, up to float rounding, and every position's logits
+    (the chunk's last one predicting the next chunk's first token) score as they would there."""
+    bounds = chunk_bounds(input_ids.shape[1], chunk)
+    if len(bounds) == 1:
+        return final_hidden_states(model, input_ids)
+    from ...cache import GrowingCache, cache_argument, takes_cache_objects
+
+    # transformers' own classes write each chunk's keys and values into the Cache object in place, so their
+    # forward can stop at the LM head as final_hidden_states does; a model that keeps its own tuple cache
+    # (ChatGLM2) returns it, so its forward runs to the end (the chunk's logits computed and dropped)
+    in_place = takes_cache_objects(model)
+    name = cache_argument(model)
+    # GrowingCache: the whole document's room allocated once, not the cache copied by every chunk
+    past = GrowingCache(config=model.config, reserve=bounds[-1][1] - bounds[0][1]) if in_place else None
+    takes_cache_position = "cache_position" in inspect.signature(model.forward).parameters  # transformers < 5.2x
+    parts = []
+    for s, e in bounds:
+        pos = torch.arange(s, e, device=input_ids.device)
+        forward = {"position_ids": pos[None], **({"cache_position": pos} if takes_cache_position else {})}
+        if past is not None:
+            forward[name] = past
+        hidden, out = _head_input(model, input_ids[:, s:e], stop=in_place, use_cache=True, **forward)
+        if not in_place:
+            past = out[1] if isinstance(out, tuple) else out.past_key_values
+        parts.append(hidden)
+    return torch.cat(parts, 1)
 
 
 
@@ -154,15 +208,21 @@ def _sync() -> None:
 
 
 
-def evaluate_document(model, input_ids: torch.Tensor, chunk: int = 1024, next_ids: torch.Tensor | None = None) -> dict:
+def evaluate_document(model, input_ids: torch.Tensor, chunk: int = 1024, next_ids: torch.Tensor | None = None,
+                      prefill_chunk: int | None = None) -> dict:
     """One document [1, s] on the model as it is: NLL sum/mean over s-1 tokens and wall times.
 
     next_ids [1, 1]: the token that follows input_ids (a sequence-parallel slice, whose last position
-    predicts the next slice's first token), scored too: s tokens then. nll_mean is nan with none scored."""
-    with torch.inference_mode():
+    predicts the next slice's first token), scored too: s tokens then. nll_mean is nan with none scored.
+    prefill_chunk: the document fed through the KV cache that many tokens at a time (chunked_hidden_states;
+    the forward time is all of them)."""
+    # no_grad, not inference_mode, for a chunked prefill: its chunks get attention masks (queries against a
+    # longer cache), which the patched layers read once per forward (ragged.memo, keyed by the mask's version
+    # counter); an inference tensor has none, and each layer would read it again
+    with torch.inference_mode() if prefill_chunk is None else torch.no_grad():
         _sync()
         t0 = time.perf_counter()
-        hidden = final_hidden_states(model, input_ids)
+        hidden = chunked_hidden_states(model, input_ids, prefill_chunk)
         _sync()
         t1 = time.perf_counter()
         if next_ids is not None:  # token_nll scores every position but the last: add a placeholder row
@@ -175,3 +235,19 @@ def evaluate_document(model, input_ids: torch.Tensor, chunk: int = 1024, next_id
     n = int(nll.numel())
     return {"scored_tokens": n, "nll_sum": total, "nll_mean": total / n if n else math.nan,
             "forward_seconds": t1 - t0, "loss_seconds": t2 - t1}
+
+
+def check_configs_chunk(spec, model) -> None:
+    """A run's --prefill-chunk (spec.prefill_chunk; eval ppl, eval needle) against every config it runs
+    (config.check_prefill_chunk: an int >= 1, a multiple of the method's block), resolved from the same
+    options as the run itself, before any model is loaded, any process started or anything written."""
+    if spec.prefill_chunk is None:
+        return
+    from ...config import check_prefill_chunk
+    from ...specs import resolve
+
+    check_prefill_chunk(None, spec.prefill_chunk)  # the unpatched baseline: any int >= 1
+    resolved = resolve(model if isinstance(model, str) else None, spec.config, spec.method, spec.layers, spec.sets,
+                       trust_remote_code=spec.trust_remote_code)
+    for _, cfg in resolved.patches:
+        check_prefill_chunk(cfg, spec.prefill_chunk)

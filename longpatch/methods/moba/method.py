@@ -13,6 +13,7 @@ from ..selection import (
     SCORINGS,
     check_applicable,
     check_stride_config,
+    chunk_aligned,
     estimate_params,
     estimated_pairs,
     page_size,
@@ -53,10 +54,11 @@ def _run(q, k, v, *, causal=True, scale=None, backend="auto", buffers=None, stat
 
 
 def _exact_when(q_len: int, kv_len: int, params: dict) -> bool:
-    """Where moba_attention short-cuts to exact attention: top-k covers every chunk (and, with the
-    estimated selection, a chunked prefill)."""
-    chunked = params.get("selection", "gate") != "gate" and 1 < q_len < kv_len
-    return chunked or params["topk"] >= math.ceil(kv_len / params["chunk_size"])
+    """Where moba_attention short-cuts to exact attention: top-k covers every chunk (and, with a query-aware
+    selection, a prefill chunk that does not start on a chunk)."""
+    C = params["chunk_size"]
+    unaligned = params.get("selection", "gate") != "gate" and not chunk_aligned(q_len, kv_len, C)
+    return unaligned or params["topk"] >= math.ceil(kv_len / C)
 
 
 def _exact_params(n: int, params: dict) -> dict:
@@ -81,6 +83,12 @@ def _pairs(q, k, causal: bool, params: dict) -> int | None:
     t = torch.arange(n)
     past = t // C
     return heads * int((t % C + 1 + past + torch.clamp(past, max=topk - 1) * C).sum())
+
+
+def _chunk_block(params: dict) -> int | None:
+    """The query-aware selections choose per query chunk: a prefill chunk starts on a chunk (the gate, per query,
+    takes any chunk)."""
+    return None if params["selection"] == "gate" else params["chunk_size"]
 
 
 def _couples_heads(params: dict) -> bool:
@@ -140,4 +148,5 @@ MOBA = register_method(_MoBAMethod(
     attended_pairs=_pairs,
     couples_heads=_couples_heads,
     graph_step=_graph_step,
+    chunk_block=_chunk_block,
 ))

@@ -11,7 +11,15 @@ from ...errors import check_int
 from ..blocksparse import block_sparse_decode, block_sparse_prefill
 from ..common import check_qkv, default_scale, guards_nonfinite, resolve_backend
 from ..exact import exact_attention
-from ..selection import SCORINGS, check_decode_args, check_estimate_args, decode_kept, prefill_blocks, scoring_of
+from ..selection import (
+    SCORINGS,
+    check_decode_args,
+    check_estimate_args,
+    chunk_aligned,
+    decode_kept,
+    prefill_blocks,
+    scoring_of,
+)
 from .cpu import (
     DEFAULT_CHUNK_SIZE,
     DEFAULT_TOPK,
@@ -126,13 +134,13 @@ def _estimated(q, k, v, causal, scale, C, topk, mass, scoring, local_blocks, kep
         out = q.new_zeros(q.shape)
         lse = torch.full((b, hq, 0), float("-inf"), dtype=torch.float32, device=q.device)
         return (out, lse) if return_lse else out
-    if topk >= math.ceil(nk / C) or (1 < nq < nk):
+    if topk >= math.ceil(nk / C) or not chunk_aligned(nq, nk, C):
         return exact_attention(q, k, v, causal=True, scale=scale, return_lse=return_lse, backend=backend)
     if nq == 1 and nk > 1:
         kept = decode_kept(state, q, k, C, topk - 1, local_blocks, scale, kept=kept, decode_topk=decode_topk,
                            decode_page=decode_page)
         out, lse = block_sparse_decode(q, k, v, kept, C, local_blocks, scale, backend, need_lse=return_lse)
-    else:
+    else:  # a prefill, or a prefill chunk (its query chunks choose among every past chunk of the cache)
         blocks = prefill_blocks(state, q, k, C, topk - 1, mass, scoring, local_blocks, scale,
                                 final_topk=decode_topk, max_share=max_share)
         out, lse = block_sparse_prefill(q, k, v, blocks, C, scale, backend, need_lse=return_lse)
@@ -171,8 +179,10 @@ def moba_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
     ``decode_page`` keys kept in ``state``, None: 16, always their largest common divisor with the
     chunk size; a chunk ranks by its best page), its own chunk and the ``local_blocks`` before it,
     reading only those rows. The prompt's last query is the first such step: its chunk's list gets
-    the ``decode_topk`` chunks it reads most (``selection.final_row_blocks``, exact). Causal only;
-    chunked prefill (1 < q_len < kv_len) runs exact attention.
+    the ``decode_topk`` chunks it reads most (``selection.final_row_blocks``, exact). Causal only. A
+    prefill chunk (1 < q_len < kv_len: the queries are the last q_len positions) that starts on a chunk
+    runs the selection for its query chunks among every past chunk (``selection.py``); one that does not
+    runs exact attention.
     """
     check_qkv(q, k, v, causal)
     check_int("moba_attention: chunk_size", chunk_size, 1)

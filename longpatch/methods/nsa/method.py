@@ -10,7 +10,15 @@ from ...errors import ConfigError
 from ..base import Method, Param, nonneg_int, one_of, positive_int, register_method
 from ..common import default_scale, window_summaries
 from ..paged import StepSpec
-from ..selection import check_applicable, check_stride_config, estimate_params, estimated_pairs, page_size, scoring_of
+from ..selection import (
+    check_applicable,
+    check_stride_config,
+    chunk_aligned,
+    estimate_params,
+    estimated_pairs,
+    page_size,
+    scoring_of,
+)
 from .blocks import DEFAULTS, TRAINING_FREE_GATES, check_params, fit_params, nsa_compress, visible_cmp
 from .op import SELECTIONS, nsa_attention
 
@@ -62,6 +70,21 @@ def _graph_step(params: dict, n: int) -> StepSpec | None:
     return StepSpec(block=sb, page=page_size(params["decode_page"], sb), decode_topk=params["decode_topk"],
                     local_blocks=max(0, params["local_blocks"] - 1), window=params["window"] if gates[2] else 0,
                     gates=(float(gates[1]), float(gates[2])))
+
+
+def _chunk_block(params: dict) -> int | None:
+    """The query-aware selections choose per query block: a prefill chunk starts on a select block (the
+    compressed selection, per query, takes any chunk)."""
+    return None if params["selection"] == "compressed" else params["select_block"]
+
+
+def _exact_when(q_len: int, kv_len: int, params: dict) -> bool:
+    """Where nsa_attention runs exact attention: with a query-aware selection, a multi-token call against a
+    longer cache (a prefill chunk) that does not start on a select block."""
+    if params["selection"] == "compressed":
+        return False
+    sb = fit_params(kv_len, *(params[name] for name in _SIZES))[2]
+    return not chunk_aligned(q_len, kv_len, sb)
 
 
 def _gates_ok(x) -> bool:
@@ -156,7 +179,9 @@ NSA = register_method(_NSAMethod(
     stateful=True,
     init_state=init_state,
     exact_params=_exact_params,
+    exact_when=_exact_when,
     attended_pairs=_pairs,
     couples_heads=True,  # blocks are selected per KV group (the sum of its query heads' scores)
     graph_step=_graph_step,
+    chunk_block=_chunk_block,
 ))

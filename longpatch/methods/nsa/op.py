@@ -17,8 +17,17 @@ from ..common import (
     resolve_backend,
 )
 from ..cpu_flash import fused_ok
+from ..exact import exact_attention
 from ..lse_attention import attend
-from ..selection import SCORINGS, check_decode_args, check_estimate_args, decode_kept, prefill_blocks, scoring_of
+from ..selection import (
+    SCORINGS,
+    check_decode_args,
+    check_estimate_args,
+    chunk_aligned,
+    decode_kept,
+    prefill_blocks,
+    scoring_of,
+)
 from .blocks import TRAINING_FREE_GATES, check_params, fit_params, nsa_compress, num_compressed
 from .cpu import decode_one, fast_forward, gated_sum
 from .naive import REFERENCE, compose
@@ -42,10 +51,12 @@ def _estimated(q, k, v, scale, sb, num_selected, window, init_blocks, local_bloc
     check_decode_args("nsa_attention", decode_topk, decode_page)
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
-    if 1 < nq < nk:
-        raise ValueError(f"nsa_attention: selection={scoring[0]!r} runs prefill (q_len == kv_len) and one-token "
-                         "decode; "
-                         f"got q_len {nq} < kv_len {nk}")
+    if not chunk_aligned(nq, nk, sb):  # a multi-token call off the block grid: exact attention, said by the route
+        out, lse = exact_attention(q, k, v, causal=True, scale=scale, return_lse=True, backend=backend)
+        if not return_lse:
+            return out
+        none = torch.full_like(lse, float("-inf"))
+        return out, torch.stack([none, lse, none], -1)
     past = max(0, local_blocks - 1)  # NSA's local blocks count the own block
     acc = acc_dtype(q.dtype)
     window_off = gates[2] == 0  # a window gated off is not computed (its keys are the local blocks' anyway)
@@ -68,8 +79,8 @@ def _estimated(q, k, v, scale, sb, num_selected, window, init_blocks, local_bloc
         from ..flex import flex_band, supports
         if backend == "flex" and supports(q, k, v, 128, return_lse):  # the window as a band, on flex too
             o_w, l_w = flex_band(q, k, v, window, 0, scale, return_lse)
-        else:
-            parts = [band_attention(q[bi], k[bi], v[bi], 0, window - 1, 0, 0, scale) for bi in range(b)]
+        else:  # a prefill chunk's rows start at position nk - nq
+            parts = [band_attention(q[bi], k[bi], v[bi], nk - nq, window - 1, 0, 0, scale) for bi in range(b)]
             o_w, l_w = torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
     out = _gated_sum(gates[1], o_s, gates[2], o_w, acc).to(q.dtype)
     if not return_lse:
