@@ -35,6 +35,11 @@
 # MoBA and NSA at the shipped configs' params beside SDPA at 32k and 131k (decode_moba.json, decode_nsa.json), and
 # Llama-3.1-8B's architecture at 128k with `bench generate --compile`, unpatched and llama-3.1-8b-moba-hybrid
 # (decode_llama8b.json).
+# `bash scripts/gpu_check.sh million` (at most 9 minutes with its step limits): Llama-3.1-8B's architecture with
+# random weights, every layer on llama-3.1-8b-moba-hybrid (topk 32: its budget raised with the length), prompts
+# of 128k, 256k and 512k tokens prefilled in chunks of 32k (--prefill-chunk), bf16 cache, the unpatched model
+# beside it at every length (million_llama8b.json: TTFT, decode ms/token, peak GPU memory per row). 1M tokens
+# needs an 8-bit KV cache (bf16: 128 GiB of cache beside 16 GB of weights), not built yet: MILLION_CTX adds it.
 set -u
 OUT=${OUT:-runs/gpu}
 SUITE=${1:-issue40}
@@ -194,6 +199,19 @@ decode() {
     --no-progress --out "$TMP/e2e"
   cp "$TMP/e2e/results.json" "$OUT/decode_llama8b.json"
 }
+million() {
+  local CTX=${MILLION_CTX:-131072,262144,524288} SEL="--set topk=32" CHUNK=32768
+  if [ "${DRY_RUN:-0}" = 1 ]; then
+    export LONGPATCH_ARCH_OVERRIDES='{"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512,
+      "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}'
+    CTX=1024,2048; SEL="--set chunk_size=64 --set topk=4"; CHUNK=512
+  fi
+  step ${E2E_LIMIT:-530} $LP bench generate --model llama-3.1-8b --random-weights --config llama-3.1-8b-moba-hybrid \
+    $SEL --contexts $CTX --prefill-chunk $CHUNK --new-tokens 8 --repeats 1 --no-plots --no-progress \
+    --out "$TMP/million"
+  cp "$TMP/million/results.json" "$OUT/million_llama8b.json"
+}
+if [ "$SUITE" = million ]; then million 2>&1 | tee "$OUT/log.txt"; exit; fi
 if [ "$SUITE" = decode ]; then decode 2>&1 | tee "$OUT/log.txt"; exit; fi
 if [ "$SUITE" = scoring ]; then scoring 2>&1 | tee "$OUT/log.txt"; exit; fi
 if [ "$SUITE" = prefill ]; then prefill 2>&1 | tee "$OUT/log.txt"; exit; fi
