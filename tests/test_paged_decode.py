@@ -194,3 +194,30 @@ def test_auto_compile_only_where_every_patched_step_is_graph_safe():
     assert graph_safe([LayerRoute(0, get_method("moba"), {**MOBA, "topk": 3})])
     assert not graph_safe([LayerRoute(0, get_method("moba"), {"chunk_size": 16, "topk": 3})])
     assert safe._valid_auto_compile_criteria.graph_safe and not gate._valid_auto_compile_criteria.graph_safe
+
+
+@pytest.mark.parametrize("method, params", [("moba", {**MOBA, "topk": 3}), ("nsa", NSA)])
+def test_a_chunked_prefill_into_a_static_cache_builds_the_step_after_every_chunk(method, params):
+    """generate(prefill_chunk_size=...) on a static cache: each chunk runs the selection, the step state is built
+    again after each one (from all the keys written so far and the last chunk's lists), and the compiled steps
+    give the tokens and logits of the same chunked prefill on a dynamic cache."""
+    model = _llama({"method": method, "params": params, "layers": "all"})
+    route = model.longpatch.routes[0]
+    ids = torch.randint(1, 100, (1, 112), generator=torch.Generator().manual_seed(6))
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(ids),
+              return_dict_in_generate=True, output_logits=True, prefill_chunk_size=32)
+    from transformers import DynamicCache
+    dynamic = model.generate(ids, past_key_values=DynamicCache(config=model.config), **kw)
+    model.longpatch.reset_stats()
+    compile_config = CompileConfig(fullgraph=True, backend="eager", dynamic=False)
+    compile_config._compile_all_devices = True
+    built = []
+    prepare = route.prepare_step
+    route.prepare_step = lambda key, n, rows: (built.append(n), prepare(key, n, rows))
+    compiled = model.generate(ids, cache_implementation="static", compile_config=compile_config, **kw)
+    assert built == [32, 64, 96, 112] and route.paged is not None  # built again after every chunk
+    prefill = model.longpatch.breakdown()["patched"]["prefill"]
+    assert prefill["method"]["calls"] >= 2 * 3  # the chunks after the first ran the method in both layers
+    assert torch.equal(compiled.sequences, dynamic.sequences)
+    for a, b in zip(compiled.logits, dynamic.logits):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=0)

@@ -96,8 +96,9 @@ def _make_attention(base: str):
             segments, why = _segments(attention_mask, query, key, causal, kwargs)
         if segments is not None:  # a padded or packed batch: each sequence alone
             out = route.run_ragged(segments, query, key, value, causal=causal, scale=scaling)
-            if _static_prefill(segments, query, key):
-                route.prepare_step(key, query.shape[2], query.shape[0])
+            filled = _static_prefill(segments, query, key)
+            if filled:
+                route.prepare_step(key, filled, query.shape[0])
             return out.transpose(1, 2).contiguous(), None
         path = route.choose(query.shape[2], key.shape[2], why, causal=causal)
         if path == "original":
@@ -119,12 +120,17 @@ def _say_compiled() -> None:
               "torch.compile")
 
 
-def _static_prefill(segments, query, key) -> bool:
-    """Whether a call was a prefill of every row's first q_len keys into a longer buffer (a static cache's
-    first call): the calls after it can run a method's graph-safe step."""
+def _static_prefill(segments, query, key) -> int:
+    """The keys every row holds after a prefill, or a prefill chunk, into a longer buffer (a static cache's
+    first calls: every row's first n keys, the queries the last q_len of them), or 0 for another call: the
+    calls after it can run a method's graph-safe step, on state built from those n keys (a later chunk
+    builds it again, with the keys it added and its lists)."""
     q_len, kv_len = query.shape[2], key.shape[2]
-    return kv_len > q_len and len(segments) == query.shape[0] and all(
-        s == ragged.Segment(s.row, 0, q_len, 0, q_len) for s in segments)
+    if len(segments) != query.shape[0] or not segments:
+        return 0
+    n = segments[0].k1
+    ok = q_len <= n < kv_len and all(s == ragged.Segment(s.row, 0, q_len, 0, n) for s in segments)
+    return n if ok else 0
 
 
 def _static_extent(mask, kwargs, b: int):
@@ -232,6 +238,11 @@ class _AutoCompile:
         self.model, self.graph_safe = model, graph_safe(routes)
 
     def __call__(self, model_kwargs, generation_config) -> bool:
+        # transformers asks the same before compiling a chunked prefill's forward (generate(prefill_chunk_size=
+        # ...), from its `_prefill`): the chunks run the methods' selections, which choose blocks on the host,
+        # so they stay eager; the decode steps after them compile
+        if sys._getframe(1).f_code.co_name == "_prefill":
+            return False
         return self.graph_safe and type(self.model)._valid_auto_compile_criteria(self.model, model_kwargs,
                                                                                  generation_config)
 
