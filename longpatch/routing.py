@@ -109,13 +109,14 @@ class LayerRoute:
 
     def _warn_chunk(self, q_len: int, kv_len: int, path: str) -> None:
         """Once per method: a call of several queries against a longer cache (a prefill chunk, a multi-token
-        step) ran exact attention because the method has no such call, or the chunk does not start on one of
-        its blocks (not where its own settings make it exact, e.g. top-k covering every chunk)."""
+        step) ran exact attention because the method has no such call, or none of its queries reaches a block
+        start (not where its own settings make it exact, e.g. top-k covering every chunk)."""
+        from .methods.selection import off_grid_rows
         block = self.bound.chunk_block() if self.bound is not None else None
         if path == "exact":
             why = "which it does not run"
-        elif block and (kv_len - q_len) % block:
-            why = f"that do not start on one of its blocks of {block} keys (chunk sizes: a multiple of {block})"
+        elif block and off_grid_rows(q_len, kv_len, block) == q_len:
+            why = f"none of whose queries reaches the start of one of its blocks of {block} keys"
         else:
             return
         warn_once(f"chunk:{self.method.name}", f"longpatch: '{self.method.name}' runs exact attention on calls of "

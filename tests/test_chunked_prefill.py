@@ -136,16 +136,32 @@ def test_the_executor_takes_a_chunk_and_refuses_lists_that_do_not_fit():
         block_sparse_prefill(q[:, :, 100:], k, v, lists, 32, 0.25)
 
 
-@pytest.mark.parametrize("method", ["moba", "nsa"])
-def test_a_chunk_off_the_block_grid_runs_exact_attention(method):
+def _moba(q, k, v, **kw):
+    return moba_attention(q, k, v, chunk_size=32, topk=3, selection="hybrid", estimate_queries=16, score_stride=8,
+                          **kw)
+
+
+def _nsa(q, k, v, **kw):
+    return nsa_attention(q, k, v, select_block=32, num_selected=3, window=32, gates=(0.0, 0.75, 0.25),
+                         selection="hybrid", estimate_queries=16, score_stride=8, **kw)
+
+
+@pytest.mark.parametrize("op", [_moba, _nsa])
+def test_a_chunk_off_the_block_grid_runs_its_first_rows_exactly_and_the_rest_chunked(op):
+    """A chunk starting at position 100 (blocks of 32): rows 100-127 before the first block start are exact
+    attention, the rows from 128 on are the chunk that starts there (LSEs joined alike); a call of a few
+    queries none of which reaches a block start is exact."""
     q, k, v = qkv(256, seed=7)
-    if method == "moba":
-        out = moba_attention(q[:, :, 100:], k, v, chunk_size=32, topk=3, selection="hybrid", estimate_queries=16,
-                             score_stride=8)
-    else:
-        out = nsa_attention(q[:, :, 100:], k, v, select_block=32, num_selected=3, window=32,
-                            gates=(0.0, 0.75, 0.25), selection="hybrid", estimate_queries=16, score_stride=8)
-    torch.testing.assert_close(out, exact_attention(q[:, :, 100:], k, v), atol=1e-5, rtol=0)
+    out, lse = op(q[:, :, 100:], k, v, return_lse=True)
+    want_head, want_lse = exact_attention(q[:, :, 100:128], k[:, :, :128], v[:, :, :128], return_lse=True)
+    torch.testing.assert_close(out[:, :, :28], want_head, atol=1e-5, rtol=0)
+    rest, rest_lse = op(q[:, :, 128:], k, v, return_lse=True)
+    torch.testing.assert_close(out[:, :, 28:], rest, atol=0, rtol=0)
+    torch.testing.assert_close(lse[:, :, 28:], rest_lse.to(lse.dtype), atol=0, rtol=0)
+    assert lse.shape[:3] == (1, 4, 156)
+    few = op(q[:, :, 120:124], k[:, :, :124], v[:, :, :124])
+    torch.testing.assert_close(few, exact_attention(q[:, :, 120:124], k[:, :, :124], v[:, :, :124]), atol=1e-5,
+                               rtol=0)
 
 
 def _chunked_logits(model, ids, chunk):
@@ -180,9 +196,14 @@ def test_a_patched_models_chunks_run_the_method(caplog):
     assert prefill["method"]["calls"] == 4 * len(longpatch.patched_layers(model))
     assert "method_exact" not in prefill and "exact" not in prefill
     assert torch.isfinite(out).all()
+    model.longpatch.reset_stats()
     with caplog.at_level(logging.WARNING, logger="longpatch"):
-        _chunked_logits(model, ids, 40)  # chunks off the 16-key grid: exact, said once
-    assert caplog.text.count("do not start on one of its blocks of 16 keys") == 1
+        _chunked_logits(model, ids, 40)  # chunks off the 16-key grid: their first rows exact, the rest chunked
+    assert "runs exact attention" not in caplog.text
+    prefill = model.longpatch.breakdown()["patched"]["prefill"]
+    layers = len(longpatch.patched_layers(model))
+    assert prefill["method_exact"]["calls"] == layers  # the first chunk only: 40 tokens, 3 chunks, top-3 covers them
+    assert prefill["method"]["calls"] == 6 * layers
 
 
 def test_a_chunk_size_the_config_cannot_run_is_one_line():

@@ -398,10 +398,26 @@ def antidiagonal_scores(q, k, block: int, stride: int, scale: float) -> torch.Te
     return _normalised(out)
 
 
-def chunk_aligned(nq: int, n: int, block: int) -> bool:
-    """Whether ``nq`` queries against ``n`` keys are a prefill (nq = n), a one-token step, or a prefill chunk
-    that starts on a block: the calls a query-aware selection runs (others run exact attention)."""
-    return nq == n or nq <= 1 or (n - nq) % block == 0
+def off_grid_rows(nq: int, n: int, block: int) -> int:
+    """The rows of a prefill chunk (1 < nq < n: the queries the last nq positions of n keys) before its first
+    block start, which a query-aware selection cannot list blocks for (the ops run them as exact attention,
+    ``split_rows``): 0 for a prefill, a one-token step or a chunk that starts on a block; nq where no row of
+    the chunk reaches a block start (a few-token step)."""
+    if nq <= 1 or nq == n:
+        return 0
+    return min(nq, -(n - nq) % block)
+
+
+def split_rows(q, k, v, head: int, exact, rest, return_lse: bool):
+    """A prefill chunk whose first ``head`` rows come before its first block start: those rows by ``exact``
+    (q rows, and the keys up to the last of them), the others by ``rest`` (a chunk on the block grid); the
+    outputs (and LSEs) joined along the rows."""
+    upto = k.shape[2] - q.shape[2] + head
+    a = exact(q[:, :, :head], k[:, :, :upto], v[:, :, :upto])
+    b = rest(q[:, :, head:], k, v)
+    if not return_lse:
+        return torch.cat([a, b], 2)
+    return torch.cat([a[0], b[0]], 2), torch.cat([a[1], b[1].to(a[1].dtype)], 2)
 
 
 def _first_block(n: int, nq: int, block: int) -> int:

@@ -13,9 +13,9 @@ from ..selection import (
     SCORINGS,
     check_applicable,
     check_stride_config,
-    chunk_aligned,
     estimate_params,
     estimated_pairs,
+    off_grid_rows,
     page_size,
     scoring_of,
 )
@@ -55,10 +55,10 @@ def _run(q, k, v, *, causal=True, scale=None, backend="auto", buffers=None, stat
 
 def _exact_when(q_len: int, kv_len: int, params: dict) -> bool:
     """Where moba_attention short-cuts to exact attention: top-k covers every chunk (and, with a query-aware
-    selection, a prefill chunk that does not start on a chunk)."""
+    selection, a call of a few queries none of which reaches a chunk start)."""
     C = params["chunk_size"]
-    unaligned = params.get("selection", "gate") != "gate" and not chunk_aligned(q_len, kv_len, C)
-    return unaligned or params["topk"] >= math.ceil(kv_len / C)
+    off_grid = params.get("selection", "gate") != "gate" and 1 < q_len == off_grid_rows(q_len, kv_len, C)
+    return off_grid or params["topk"] >= math.ceil(kv_len / C)
 
 
 def _exact_params(n: int, params: dict) -> dict:

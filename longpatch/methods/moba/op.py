@@ -15,10 +15,11 @@ from ..selection import (
     SCORINGS,
     check_decode_args,
     check_estimate_args,
-    chunk_aligned,
     decode_kept,
+    off_grid_rows,
     prefill_blocks,
     scoring_of,
+    split_rows,
 )
 from .cpu import (
     DEFAULT_CHUNK_SIZE,
@@ -134,8 +135,15 @@ def _estimated(q, k, v, causal, scale, C, topk, mass, scoring, local_blocks, kep
         out = q.new_zeros(q.shape)
         lse = torch.full((b, hq, 0), float("-inf"), dtype=torch.float32, device=q.device)
         return (out, lse) if return_lse else out
-    if topk >= math.ceil(nk / C) or not chunk_aligned(nq, nk, C):
+    head = off_grid_rows(nq, nk, C)
+    if topk >= math.ceil(nk / C) or head == nq:
         return exact_attention(q, k, v, causal=True, scale=scale, return_lse=return_lse, backend=backend)
+    if head:  # a chunk off the chunk grid: its rows before the first chunk start (< C) exactly, then the rest
+        return split_rows(q, k, v, head, lambda *x: exact_attention(*x, causal=True, scale=scale, return_lse=return_lse,
+                                                                    backend=backend),
+                          lambda *x: _estimated(*x, causal, scale, C, topk, mass, scoring, local_blocks, kept,
+                                                decode_topk, decode_page, state, return_lse, backend, max_share),
+                          return_lse)
     if nq == 1 and nk > 1:
         kept = decode_kept(state, q, k, C, topk - 1, local_blocks, scale, kept=kept, decode_topk=decode_topk,
                            decode_page=decode_page)
@@ -180,9 +188,9 @@ def moba_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
     chunk size; a chunk ranks by its best page), its own chunk and the ``local_blocks`` before it,
     reading only those rows. The prompt's last query is the first such step: its chunk's list gets
     the ``decode_topk`` chunks it reads most (``selection.final_row_blocks``, exact). Causal only. A
-    prefill chunk (1 < q_len < kv_len: the queries are the last q_len positions) that starts on a chunk
-    runs the selection for its query chunks among every past chunk (``selection.py``); one that does not
-    runs exact attention.
+    prefill chunk (1 < q_len < kv_len: the queries are the last q_len positions) runs the selection for its
+    query chunks among every past chunk (``selection.py``); where it does not start on a chunk, its rows
+    before the first chunk start (fewer than chunk_size) run exact attention.
     """
     check_qkv(q, k, v, causal)
     check_int("moba_attention: chunk_size", chunk_size, 1)

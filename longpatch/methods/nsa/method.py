@@ -13,9 +13,9 @@ from ..paged import StepSpec
 from ..selection import (
     check_applicable,
     check_stride_config,
-    chunk_aligned,
     estimate_params,
     estimated_pairs,
+    off_grid_rows,
     page_size,
     scoring_of,
 )
@@ -79,12 +79,12 @@ def _chunk_block(params: dict) -> int | None:
 
 
 def _exact_when(q_len: int, kv_len: int, params: dict) -> bool:
-    """Where nsa_attention runs exact attention: with a query-aware selection, a multi-token call against a
-    longer cache (a prefill chunk) that does not start on a select block."""
+    """Where nsa_attention runs exact attention: with a query-aware selection, a call of a few queries against
+    a longer cache none of which reaches a select block start."""
     if params["selection"] == "compressed":
         return False
     sb = fit_params(kv_len, *(params[name] for name in _SIZES))[2]
-    return not chunk_aligned(q_len, kv_len, sb)
+    return 1 < q_len == off_grid_rows(q_len, kv_len, sb)
 
 
 def _gates_ok(x) -> bool:

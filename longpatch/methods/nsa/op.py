@@ -23,10 +23,11 @@ from ..selection import (
     SCORINGS,
     check_decode_args,
     check_estimate_args,
-    chunk_aligned,
     decode_kept,
+    off_grid_rows,
     prefill_blocks,
     scoring_of,
+    split_rows,
 )
 from .blocks import TRAINING_FREE_GATES, check_params, fit_params, nsa_compress, num_compressed
 from .cpu import decode_one, fast_forward, gated_sum
@@ -51,12 +52,19 @@ def _estimated(q, k, v, scale, sb, num_selected, window, init_blocks, local_bloc
     check_decode_args("nsa_attention", decode_topk, decode_page)
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
-    if not chunk_aligned(nq, nk, sb):  # a multi-token call off the block grid: exact attention, said by the route
-        out, lse = exact_attention(q, k, v, causal=True, scale=scale, return_lse=True, backend=backend)
-        if not return_lse:
-            return out
-        none = torch.full_like(lse, float("-inf"))
-        return out, torch.stack([none, lse, none], -1)
+    head = off_grid_rows(nq, nk, sb)
+    if head:  # a prefill chunk off the block grid: its rows before the first block start (< sb) exactly
+        def exact(qh, kh, vh):
+            out, lse = exact_attention(qh, kh, vh, causal=True, scale=scale, return_lse=True, backend=backend)
+            none = torch.full_like(lse, float("-inf"))
+            return (out, torch.stack([none, lse, none], -1)) if return_lse else out
+
+        if head == nq:
+            return exact(q, k, v)
+        return split_rows(q, k, v, head, exact,
+                          lambda *x: _estimated(*x, scale, sb, num_selected, window, init_blocks, local_blocks, gates,
+                                                mass, scoring, decode_topk, decode_page, state, return_lse, backend,
+                                                max_share), return_lse)
     past = max(0, local_blocks - 1)  # NSA's local blocks count the own block
     acc = acc_dtype(q.dtype)
     window_off = gates[2] == 0  # a window gated off is not computed (its keys are the local blocks' anyway)
