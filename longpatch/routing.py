@@ -74,6 +74,8 @@ class LayerRoute:
             return "original"
         if q_len == kv_len:
             return "method" if q_len >= self.min_seq_len else "exact"
+        if q_len > 1 and self.method.takes_chunks:  # a prefill chunk, which the method's prefill runs
+            return "method"
         return "method" if self.method.decode is not None else "exact"
 
     def run(self, path: str, q, k, v, *, causal: bool, scale: float | None, original=None, state: dict | None = None):

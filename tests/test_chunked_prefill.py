@@ -216,3 +216,20 @@ def test_a_chunk_size_the_config_cannot_run_is_one_line():
         with pytest.raises(ConfigError, match=why) as e:
             check_prefill_chunk(cfg, bad)
         assert "\n" not in str(e.value)
+
+
+def test_hyper_runs_a_prefill_chunk_and_decodes_exactly():
+    """hyper has no decode: a chunk runs its prefill (the keys before the queries one more rectangle), a
+    one-token step exact attention."""
+    from longpatch.methods import get_method
+    from longpatch.ops import hyper_attention
+    from longpatch.routing import LayerRoute
+
+    params = {"block_size": 16, "sample_size": 16, "min_seq_len": 32}
+    q, k, v = qkv(256, seed=8)
+    route = LayerRoute(0, get_method("hyper"), params)
+    assert route.choose(128, 256) == "method" and route.choose(1, 256) == "exact"
+    out = route.run("method", q[:, :, 128:], k, v, causal=True, scale=None)
+    want = hyper_attention(q[:, :, 128:], k, v, lsh_dirs=route.bound.buffers["lsh_dirs"], **params)
+    torch.testing.assert_close(out, want, atol=0, rtol=0)
+    assert not torch.allclose(out, exact_attention(q[:, :, 128:], k, v), atol=1e-3)

@@ -163,20 +163,29 @@ def test_torch_compile_of_a_patched_model_says_once_that_it_cannot_be_faster(cap
     torch._dynamo.reset()
 
 
-def test_a_chunked_prefill_that_runs_exact_attention_says_so(caplog):
+@pytest.mark.parametrize("method, params, says", [
+    ("probe", {}, True),  # a prefill-only method: its chunks run exact attention, said once
+    ("hyper", {"block_size": 16, "sample_size": 16, "min_seq_len": 32}, False),  # hyper runs its chunks
+])
+def test_a_chunked_prefill_that_runs_exact_attention_says_so(method, params, says, caplog):
+    import helpers  # noqa: F401  (registers the probe method)
     from transformers import DynamicCache
 
     model = tiny_model("llama")
-    longpatch.patch_model(model, {"method": "hyper", "params": {"block_size": 16, "sample_size": 16,
-                                                                "min_seq_len": 32}, "layers": "all"})
-    common._warned.discard("chunk:hyper")
+    longpatch.patch_model(model, {"method": method, "params": params, "layers": "all"})
+    common._warned.discard(f"chunk:{method}")
     ids = torch.randint(3, 256, (1, 256))
     with caplog.at_level(logging.WARNING, logger="longpatch"), torch.no_grad():
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, min_new_tokens=3, do_sample=False)
         assert "prefill_chunk_size" not in caplog.text  # a one-call prefill and one-token steps: nothing to say
+        model.longpatch.reset_stats()
         # a cache given: transformers 5.0 chunks a prefill only into one it is handed
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, min_new_tokens=3, do_sample=False,
                        prefill_chunk_size=64, past_key_values=DynamicCache())
-    assert caplog.text.count("'hyper' runs exact attention") == 1, caplog.text
+    assert caplog.text.count(f"'{method}' runs exact attention") == int(says), caplog.text
     chunks = model.longpatch.breakdown()["patched"]["prefill"]
-    assert chunks["exact"]["calls"] > 0  # what the warning says: the later chunks ran exact attention
+    layers = len(longpatch.patched_layers(model))
+    if says:  # what the warning says: the later chunks ran exact attention
+        assert chunks["exact"]["calls"] == 3 * layers
+    else:  # hyper: chunks of 64 against 128-256 keys approximate their rectangle of earlier keys
+        assert chunks["method"]["calls"] == 4 * layers and "exact" not in chunks

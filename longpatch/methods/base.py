@@ -144,6 +144,9 @@ class Method:
     # attention on them (a query-aware selection chooses per query block), or None where any chunk runs
     # (the chunk size must then be a multiple of it: ``config.check_prefill_chunk``)
     chunk_block: Callable[[dict], int | None] | None = None
+    # takes_chunks: ``prefill`` also runs a prefill chunk (1 < q_len < kv_len, the queries the last positions of
+    # the keys), for a method without ``decode`` (hyper): such calls run it instead of exact attention
+    takes_chunks: bool = False
 
     def __post_init__(self):
         if self.exact_params is None:  # callers call it without a check: None means "no exact setting"
@@ -194,8 +197,10 @@ class BoundMethod:
 
     def __call__(self, q, k, v, *, causal: bool = True, scale: float | None = None, backend: str = "auto",
                  state: dict | None = None, buffers: dict | None = None):
-        """Prefill when q_len == kv_len, else the method's decode; ``state`` reaches stateful methods only."""
-        fn = self.method.prefill if q.shape[2] == k.shape[2] else self.method.decode
+        """Prefill when q_len == kv_len (or a chunk, for a method that ``takes_chunks``), else the method's
+        decode; ``state`` reaches stateful methods only."""
+        chunk = self.method.takes_chunks and 1 < q.shape[2] < k.shape[2]
+        fn = self.method.prefill if q.shape[2] == k.shape[2] or chunk else self.method.decode
         if fn is None:
             raise ValueError(f"method '{self.method.name}' has no decode (q_len < kv_len runs exact attention)")
         extra = {"state": state} if self.method.stateful else {}

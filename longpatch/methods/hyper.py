@@ -450,6 +450,7 @@ HYPER = register_method(Method(
     summary="HyperAttention: sortLSH (Gray-ordered buckets) diagonal blocks + uniform column sampling; "
             "causal by recursion",
     prefill=_prefill,
+    takes_chunks=True,  # hyper_attention runs q_len < kv_len: the keys before the queries are one more rectangle
     params={
         "block_size": positive_int("rows per diagonal block of the LSH-sorted Q/K (exact attention inside a block)",
                                    256),
