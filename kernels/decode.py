@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LOG2E, interpreted, max_combine, mm, sum_combine
+from .common import LOG2E, interpreted, mm
 
 
 @triton.jit
@@ -77,13 +77,15 @@ def _split_kernel(Q, K, V, Blocks, Length, Start, OPart, LsePart,
             kv_mask = n_ok[:, None] & d_ok[None, :]
             kt = tl.load(k_base + pos[:, None] * skn + offs_d[None, :], mask=kv_mask, other=0.0)
             vt = tl.load(v_base + pos[:, None] * svn + offs_d[None, :], mask=kv_mask, other=0.0)
-            s = tl.where(n_ok[None, :], mm(q, tl.trans(kt), PREC) * qk_scale, float("-inf"))  # log2 domain
+            # log2 domain; cast: where torch.compile captures this kernel, the float qk_scale arrives as fp64
+            # (inductor types Python floats so), which would change the loop-carried softmax state's type
+            s = tl.where(n_ok[None, :], (mm(q, tl.trans(kt), PREC) * qk_scale).to(tl.float32), float("-inf"))
             # every tile holds a key in [lo, end) (n_lo's tile holds lo < end; later ones start past lo, below
             # end): m_new is finite, exp2 gives no NaN
-            m_new = tl.maximum(m_i, tl.reduce(s, 1, max_combine))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
             p = tl.math.exp2(s - m_new[:, None])
             alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.reduce(p, 1, sum_combine)
+            l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + mm(p.to(vt.dtype), vt, PREC)
             m_i = m_new
     seen = l_i > 0.0
@@ -110,12 +112,12 @@ def _combine_kernel(OPart, LsePart, Out, Lse, SPLITS, D,
         lse2 = tl.load(LsePart + row * SPLITS + s, mask=s_ok, other=float("-inf"))
         o = tl.load(OPart + (row * SPLITS + s)[:, None] * D + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :],
                     other=0.0)
-        m_new = tl.maximum(m, tl.reduce(lse2, 0, max_combine))
+        m_new = tl.maximum(m, tl.max(lse2, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing attended so far: weights 0, no NaN
         w = tl.math.exp2(lse2 - m_safe)
         alpha = tl.math.exp2(m - m_safe)
-        total = total * alpha + tl.reduce(w, 0, sum_combine)
-        acc = acc * alpha + tl.reduce(w[:, None] * o, 0, sum_combine)
+        total = total * alpha + tl.sum(w, 0)
+        acc = acc * alpha + tl.sum(w[:, None] * o, 0)
         m = m_new
     seen = total > 0.0
     t_safe = tl.where(seen, total, 1.0)

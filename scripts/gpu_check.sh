@@ -40,6 +40,10 @@
 # of 128k, 256k and 512k tokens prefilled in chunks of 32k (--prefill-chunk), bf16 cache, the unpatched model
 # beside it at every length (million_llama8b.json: TTFT, decode ms/token, peak GPU memory per row). 1M tokens
 # needs an 8-bit KV cache (bf16: 128 GiB of cache beside 16 GB of weights), not built yet: MILLION_CTX adds it.
+# `bash scripts/gpu_check.sh figures` (DEADLINE seconds, default 540; PARTS, default "decode prefill", any of
+# decode, prefill, llama): the decode suite's profile and `bench decode` at 131k, the prefill suite's hybrid calls
+# (MoBA 32k-262k, NSA 32k-131k) and scoring kernel, and Llama-3.1-8B's compiled decode at 128k, in one call
+# that ends by the deadline; `decode` is PARTS="decode llama" of it.
 set -u
 OUT=${OUT:-runs/gpu}
 SUITE=${1:-issue40}
@@ -53,7 +57,13 @@ else
 fi
 TMP=$(mktemp -d)
 LP="$PY -m longpatch"
-step() { local limit=$1; shift; echo "=== $* (limit ${limit}s)"; local t0=$SECONDS
+# DEADLINE (seconds from the start): no step runs past it, whatever its own limit (a lease's suites)
+step() { local limit=$1; shift
+  if [ -n "${DEADLINE:-}" ]; then
+    local left=$((DEADLINE - SECONDS)); [ "$left" -lt "$limit" ] && limit=$left
+    if [ "$limit" -lt 10 ]; then echo "=== skipped (deadline): $*"; return; fi
+  fi
+  echo "=== $* (limit ${limit}s)"; local t0=$SECONDS
   timeout "$limit" "$@"; echo "=== rc=$? in $((SECONDS - t0))s"; }
 issue40() {
   if [ "${DRY_RUN:-0}" = 1 ]; then
@@ -115,13 +125,13 @@ hybrid_attention() {
   # bench attention of the hybrid selections at the shipped configs' params (MoBA, NSA) against SDPA at lengths
   # $1, with the error on inputs whose dominant key sits n/3 back; $2: the files' prefix
   local M="--device cuda --dtype bfloat16 --heads 32 --kv-heads 8 --head-dim 128 --mode causal --repeats 5 --no-memory"
-  local L=$1
-  if [ "${DRY_RUN:-0}" = 1 ]; then M="--heads 4 --kv-heads 2 --head-dim 64 --mode causal --repeats 1 --no-memory"; L=4096; fi
+  local L=$1 LN=${3:-$1}
+  if [ "${DRY_RUN:-0}" = 1 ]; then M="--heads 4 --kv-heads 2 --head-dim 64 --mode causal --repeats 1 --no-memory"; L=4096; LN=4096; fi
   local H="--set selection=hybrid --set mass=0.9 --set estimate_queries=64 --set score_stride=16"
   step ${SCORING_LIMIT:-150} $LP bench attention $M --seq-lens $L --methods moba $H --set chunk_size=256 --set topk=16 \
     --set local_blocks=1 --out "$TMP/moba"
   cp "$TMP/moba/attention_bench.json" "$OUT/$2_moba.json"
-  step ${SCORING_LIMIT:-150} $LP bench attention $M --seq-lens $L --methods nsa $H --set compress_block=32 \
+  step ${SCORING_LIMIT:-150} $LP bench attention $M --seq-lens $LN --methods nsa $H --set compress_block=32 \
     --set compress_stride=16 --set select_block=256 --set num_selected=16 --set window=256 --set init_blocks=1 \
     --set local_blocks=2 --set 'gates=[0.0, 0.9, 0.1]' --out "$TMP/nsa"
   cp "$TMP/nsa/attention_bench.json" "$OUT/$2_nsa.json"
@@ -137,11 +147,11 @@ dev, dt = torch.device('$DEV'), getattr(torch, '$DT')
 rows = []
 for n in [int(x) for x in '$NS'.split(',')]:
     q = torch.randn(1, $H, n, $D, device=dev, dtype=dt); k = torch.randn(1, $HK, n, $D, device=dev, dtype=dt)
-    row = {'n': n}
-    for name, flag in (('torch_form_ms', False), ('kernel_ms', None)):
+    row, outs = {'n': n}, []
+    for name, flag in (('torch_form_ms', False), ('kernel_ms', True)):
         selection.FUSED_SCORES = flag
         f = (lambda: selection.antidiagonal_scores(q, k, 256, 16, $D ** -0.5)) if dev.type == 'cuda' else \\
-            (lambda: (selection.antidiagonal_scores_fused if flag is None else selection.antidiagonal_scores)(q, k, 256, 16, $D ** -0.5))
+            (lambda: (selection.antidiagonal_scores_fused if flag else selection.antidiagonal_scores)(q, k, 256, 16, $D ** -0.5))
         f(); ts = []
         for _ in range(5):
             if dev.type == 'cuda': torch.cuda.synchronize()
@@ -149,6 +159,14 @@ for n in [int(x) for x in '$NS'.split(',')]:
             if dev.type == 'cuda': torch.cuda.synchronize()
             ts.append((time.perf_counter() - t) * 1e3)
         row[name] = sorted(ts)[2]
+        if n <= 32768: outs.append(f())
+    if len(outs) == 2:  # the kernel against the torch form on the GPU: score rows, and each row's top 16 blocks
+        a, b = outs
+        both = torch.isfinite(a) & torch.isfinite(b)  # causal: the blocks after the query's are masked in both
+        row['max_abs_diff'] = float(torch.where(both, a - b, 0).abs().max()); t = min(16, a.shape[-1])
+        row['masked_alike'] = bool((torch.isfinite(a) == torch.isfinite(b)).all())
+        ta, tb = a.topk(t, -1).indices, b.topk(t, -1).indices
+        row['top16_overlap'] = float((ta.unsqueeze(-1) == tb.unsqueeze(-2)).any(-1).float().mean())
     print(row, flush=True); rows.append(row)
 json.dump(rows, open('$OUT/scoring_kernel.json', 'w'), indent=1)
 "
@@ -173,20 +191,10 @@ prefill() {
   cp "$TMP/e2e/results.json" "$OUT/prefill_llama8b.json"
 }
 decode() {
-  local DRY=""
-  [ "${DRY_RUN:-0}" = 1 ] && DRY="--dry-run --steps 3"
-  step ${PROFILE_LIMIT:-120} $PY scripts/gpu_decode_profile.py $DRY --out "$OUT/decode_profile.json"
-  local M="--device cuda --dtype bfloat16 --heads 32 --kv-heads 8 --head-dim 128 --cache-lens 32768,131072 --repeats 50"
-  if [ "${DRY_RUN:-0}" = 1 ]; then M="--heads 4 --kv-heads 2 --head-dim 32 --cache-lens 8192 --repeats 3"; fi
-  local H="--set selection=hybrid --set mass=0.9 --set estimate_queries=64 --set score_stride=16 --set decode_page=4"
-  H="$H --set decode_topk=16 --steps eager,graph,compiled --no-errors"
-  step ${DECODE_LIMIT:-90} $LP bench decode $M --methods moba $H --set chunk_size=256 --set topk=16 \
-    --set local_blocks=1 --out "$TMP/dmoba"
-  cp "$TMP/dmoba/decode_bench.json" "$OUT/decode_moba.json"
-  step ${DECODE_LIMIT:-90} $LP bench decode $M --methods nsa $H --set compress_block=32 --set compress_stride=16 \
-    --set select_block=256 --set num_selected=16 --set window=256 --set init_blocks=1 --set local_blocks=2 \
-    --set 'gates=[0.0, 0.9, 0.1]' --out "$TMP/dnsa"
-  cp "$TMP/dnsa/decode_bench.json" "$OUT/decode_nsa.json"
+  # the decode figures: PARTS="decode llama" of figures() below, with no deadline of its own
+  DEADLINE=${DEADLINE:-100000} PARTS="decode llama" figures
+}
+decode_llama() {
   local CTX=131072 SEL=""
   if [ "${DRY_RUN:-0}" = 1 ]; then
     export LONGPATCH_ARCH_OVERRIDES='{"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512,
@@ -198,6 +206,34 @@ decode() {
     --config llama-3.1-8b-moba-hybrid $SEL --contexts $CTX --new-tokens 16 --repeats 1 --compile --no-plots \
     --no-progress --out "$TMP/e2e"
   cp "$TMP/e2e/results.json" "$OUT/decode_llama8b.json"
+}
+figures() {
+  # the GPU figures of one call (DEADLINE, default 540 s: no step runs past it): PARTS (default
+  # "decode prefill") picks them. decode: the decode step's profile and the split-K kernel's bandwidth, bench
+  # decode of MoBA and NSA at 131k (eager, graph-safe, compiled) beside SDPA; prefill: the hybrid selections at
+  # 32k-262k beside SDPA and the scoring kernel against its torch form; llama: Llama-3.1-8B's architecture at
+  # 128k, unpatched and llama-3.1-8b-moba-hybrid, TTFT and the compiled static-cache decode step
+  DEADLINE=${DEADLINE:-540}
+  local PARTS=${PARTS:-decode prefill}
+  local DRY="" M="--device cuda --dtype bfloat16 --heads 32 --kv-heads 8 --head-dim 128 --cache-lens 131072 --repeats 50"
+  if [ "${DRY_RUN:-0}" = 1 ]; then DRY="--dry-run --steps 3"; M="--heads 4 --kv-heads 2 --head-dim 32 --cache-lens 8192 --repeats 3"; fi
+  if [[ " $PARTS " == *" decode "* ]]; then
+    step ${PROFILE_LIMIT:-130} $PY scripts/gpu_decode_profile.py $DRY --out "$OUT/decode_profile.json"
+    local H="--set selection=hybrid --set mass=0.9 --set estimate_queries=64 --set score_stride=16 --set decode_page=4"
+    H="$H --set decode_topk=16 --steps eager,graph,compiled --no-errors"
+    step ${DECODE_LIMIT:-80} $LP bench decode $M --methods moba $H --set chunk_size=256 --set topk=16 \
+      --set local_blocks=1 --out "$TMP/dmoba"
+    cp "$TMP/dmoba/decode_bench.json" "$OUT/decode_moba.json"
+    step ${DECODE_LIMIT:-80} $LP bench decode $M --methods nsa $H --set compress_block=32 --set compress_stride=16 \
+      --set select_block=256 --set num_selected=16 --set window=256 --set init_blocks=1 --set local_blocks=2 \
+      --set 'gates=[0.0, 0.9, 0.1]' --out "$TMP/dnsa"
+    cp "$TMP/dnsa/decode_bench.json" "$OUT/decode_nsa.json"
+  fi
+  if [[ " $PARTS " == *" prefill "* ]]; then
+    SCORING_LIMIT=${SCORING_LIMIT:-110} hybrid_attention 32768,131072,262144 prefill 32768,131072
+    SCORING_LIMIT=60 scoring_kernel
+  fi
+  if [[ " $PARTS " == *" llama "* ]]; then decode_llama; fi
 }
 million() {
   local CTX=${MILLION_CTX:-131072,262144,524288} SEL="--set topk=32" CHUNK=32768
@@ -211,6 +247,7 @@ million() {
     --out "$TMP/million"
   cp "$TMP/million/results.json" "$OUT/million_llama8b.json"
 }
+if [ "$SUITE" = figures ]; then figures 2>&1 | tee "$OUT/log.txt"; exit; fi
 if [ "$SUITE" = million ]; then million 2>&1 | tee "$OUT/log.txt"; exit; fi
 if [ "$SUITE" = decode ]; then decode 2>&1 | tee "$OUT/log.txt"; exit; fi
 if [ "$SUITE" = scoring ]; then scoring 2>&1 | tee "$OUT/log.txt"; exit; fi

@@ -6,7 +6,7 @@ dispatch of CUDA half inputs to the kernel, and bad tiles refused."""
 import pytest
 import torch
 
-from longpatch.methods import gpu_scores
+from longpatch.methods import gpu_scores, selection
 from longpatch.methods.selection import antidiagonal_scores, antidiagonal_scores_fused, select_blocks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -109,3 +109,14 @@ def test_kernel_scores_a_prefill_chunk_as_the_prefills_rows(n, block, stride, of
     scale = 16 ** -0.5
     whole = antidiagonal_scores(q, k, block, stride, scale)
     _close(antidiagonal_scores_fused(q[:, :, off:], k, block, stride, scale), whole[:, :, off // block:], 1e-6)
+
+
+def test_cuda_default_takes_the_kernel_only_up_to_its_measured_cut(monkeypatch):
+    # auto: the kernel up to FUSED_SCORES_MAX_KEYS keys (faster there on an H200), the torch form above
+    monkeypatch.setattr(selection, "FUSED_SCORES", None)
+    cut = selection.FUSED_SCORES_MAX_KEYS
+    assert selection.fused_scores_available(cut) and not selection.fused_scores_available(cut + 1)
+    monkeypatch.setattr(selection, "FUSED_SCORES", True)
+    assert selection.fused_scores_available(4 * cut)
+    monkeypatch.setattr(selection, "FUSED_SCORES", False)
+    assert not selection.fused_scores_available(16)

@@ -221,3 +221,20 @@ def test_a_chunked_prefill_into_a_static_cache_builds_the_step_after_every_chunk
     assert torch.equal(compiled.sequences, dynamic.sequences)
     for a, b in zip(compiled.logits, dynamic.logits):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=0)
+
+
+def test_half_precision_bounds_rank_as_float32_ones():
+    # bf16 bounds are multiplied as they are (no float32 copy): the best-bounded blocks stay those of the
+    # float32 bounds where they stand apart (a key matching the query lifts its block's bound)
+    from longpatch.methods.selection import bound_blocks, page_minmax
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 4, 1, 32, generator=g)
+    k = torch.randn(1, 2, 1024, 32, generator=g)
+    for h, pos in ((0, 700), (1, 130)):
+        k[0, h, pos] = 4 * q[0, 2 * h].squeeze(0)  # a needle for each KV group
+    mins, maxs = page_minmax(k, 4)
+    full = bound_blocks(q, mins, maxs, 3, pages=16)
+    half = bound_blocks(q.bfloat16(), mins.bfloat16(), maxs.bfloat16(), 3, pages=16)
+    assert half.shape == full.shape
+    assert half[0, 0, 0] == 700 // 64 and half[0, 1, 0] == 130 // 64
+    assert torch.equal(half.sort(-1).values, full.sort(-1).values)

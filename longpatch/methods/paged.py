@@ -86,7 +86,7 @@ def paged_attention(q, k, v, blocks: torch.Tensor, length: torch.Tensor, block: 
     """``paged_attention_torch``'s result: on CUDA the fused split-K kernel (two launches), elsewhere
     the torch twin."""
     if q.is_cuda and kernel_available():
-        from ...kernels.decode import paged_decode
+        from ..kernels.decode import paged_decode
         return paged_decode(q, k, v, blocks, length, block, scale, start=start)
     return paged_attention_torch(q, k, v, blocks, length, block, scale, start)
 

@@ -357,7 +357,7 @@ def antidiagonal_scores(q, k, block: int, stride: int, scale: float) -> torch.Te
     gpu = gpu_scores.applies(q)  # half-precision tiles, scaled after their products (gpu_scores.py)
     acc = q.dtype if gpu else acc_dtype(q.dtype)
     kt = _key_tiles(k, nt, stride, acc)
-    if gpu and fused_scores_available():
+    if gpu and fused_scores_available(n):
         return _normalised(_fused_block_scores(q, kt, nt, stride, per, scale, q0))
     out = torch.zeros(b, hk, nb - q0, nb, dtype=torch.float32, device=q.device)
     c = torch.arange(nt, device=q.device)
@@ -448,16 +448,21 @@ def _normalised(out: torch.Tensor) -> torch.Tensor:
     return out.masked_fill(i.view(1, -1) > i[nb - mq:].view(-1, 1), float("-inf"))
 
 
-# The antidiagonal scoring of CUDA half-precision inputs: None, the Triton kernel where triton imports;
-# False: the torch form (score rows; the GPU benchmark's before/after switch)
+# The antidiagonal scoring of CUDA half-precision inputs: None (auto), the Triton kernel where triton imports and
+# the keys are at most FUSED_SCORES_MAX_KEYS, else the torch form (score rows, tiled); True: the kernel at
+# every length; False: the torch form. Why the cut: on an H200 (bf16, 32 query heads over 8 KV heads, d 128)
+# the kernel took 3.3 / 43.7 / 175 ms at 32k / 131k / 262k keys where the torch form took 3.6 / 34.1 / 124:
+# the kernel computes the strided products twice (its row maximum and sum, then the probabilities), the
+# torch form once through cuBLAS
 FUSED_SCORES: bool | None = None
+FUSED_SCORES_MAX_KEYS = 65536
 
 
-def fused_scores_available() -> bool:
-    """Whether the antidiagonal scoring's Triton kernel (``longpatch.kernels.scores``) runs: triton
-    importable and ``FUSED_SCORES`` not False. The CUDA path takes it; the CPU keeps the torch form
-    above (its twin)."""
-    if FUSED_SCORES is False:
+def fused_scores_available(n: int = 0) -> bool:
+    """Whether the antidiagonal scoring's Triton kernel (``longpatch.kernels.scores``) runs for ``n`` keys:
+    triton importable and ``FUSED_SCORES`` True, or None with n at most ``FUSED_SCORES_MAX_KEYS``. The CUDA
+    path takes it; the CPU keeps the torch form above (its twin)."""
+    if FUSED_SCORES is False or (FUSED_SCORES is None and n > FUSED_SCORES_MAX_KEYS):
         return False
     try:
         import triton  # noqa: F401
@@ -792,10 +797,15 @@ def best_page_bounds(q, mins: torch.Tensor, maxs: torch.Tensor, pages: int) -> t
     one-token query's q·k (the maximum over the KV group's query heads; ``bound_blocks``)."""
     b, hq, _, d = q.shape
     hk, npg = mins.shape[1], mins.shape[2]
-    qg = q.reshape(b, hk, hq // hk, d).to(acc_dtype(q.dtype))
+    # half-precision bounds (a bf16/fp16 cache's) are multiplied as they are, the products accumulated in float32
+    # by the matmul itself: a float32 copy of them would be most of a GPU step's memory traffic (the bounds of
+    # pages of 4 keys are half the K cache's bytes); the bounds come out rounded to the half type, which only
+    # near-ties of the ranking feel
+    half = mins.dtype in (torch.float16, torch.bfloat16)
+    qg = q.reshape(b, hk, hq // hk, d).to(mins.dtype if half else acc_dtype(q.dtype))
     # max(q_f min_f, q_f max_f) is q_f max_f where q_f >= 0, else q_f min_f: two products, no [.., np, d] temporary
-    bound = qg.clamp(min=0) @ maxs.to(qg.dtype).transpose(-1, -2) \
-        + qg.clamp(max=0) @ mins.to(qg.dtype).transpose(-1, -2)
+    bound = (qg.clamp(min=0) @ maxs.to(qg.dtype).transpose(-1, -2)).float() \
+        + (qg.clamp(max=0) @ mins.to(qg.dtype).transpose(-1, -2)).float()
     return bound.amax(2).view(b, hk, npg // pages, pages).amax(-1)
 
 
