@@ -149,7 +149,8 @@ def kernel_bandwidth(q, k, v, sync, cuda: bool) -> dict:
     err = (call()[0].float() - paged_attention_torch(q, k, v, blocks, length, 256, d ** -0.5)[0].float()).abs().max()
     read = 2 * b * hk * listed * 256 * d * k.element_size()
     bandwidth = copy_bandwidth(k.device)
-    return {"case": "paged_decode kernel (CUDA graph replay)" if cuda else "paged twin (cpu)", "blocks": listed, "ms": ms,
+    return {"case": "paged_decode kernel (CUDA graph replay)" if cuda else "paged twin (cpu)", "blocks": listed,
+            "ms": ms,
             "bytes_read": read, "gb_per_s": read / ms / 1e6, "copy_gb_per_s": bandwidth / 1e9,
             "of_copy_bandwidth": read / (ms / 1e3) / bandwidth, "max_abs_err_vs_twin": float(err)}
 
