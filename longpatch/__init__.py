@@ -18,11 +18,13 @@ from .errors import ConfigError, LongpatchError, UnsupportedModelError
 from .loading import from_pretrained, load_model
 from .memory import keep_freed_memory
 from .patching import PatchReport, patch_model, patched, patched_layers, redraw_buffers, timing, unpatch_model
+from .quantized import QuantizedCache
 from .specs import Spec, resolve
 
 __version__ = "0.1.0"
 __all__ = [
     "ConfigError", "GrowingCache", "LoadSpec", "LongpatchError", "PatchConfig", "PatchReport", "Spec",
     "UnsupportedModelError", "demo_model_path", "from_pretrained", "keep_freed_memory", "load_config", "load_model",
-    "patch_model", "patched", "patched_layers", "read_config", "redraw_buffers", "resolve", "timing", "unpatch_model",
+    "patch_model", "patched", "patched_layers", "QuantizedCache",
+    "read_config", "redraw_buffers", "resolve", "timing", "unpatch_model",
 ]

@@ -149,6 +149,13 @@ def tokenizer_option():
                         help="name or path, or 'bytes' for tiny:* models (default: the model's)")
 
 
+def kv_cache_option():
+    return typer.Option(None, "--cache", metavar="int8|fp8",
+                        help="keep the KV cache in 8 bits (longpatch.quantized.QuantizedCache: one scale per row; fp8 "
+                             "e4m3 on a GPU of compute capability 8.9 or later); default: the model's own, full "
+                             "precision")
+
+
 def prefill_chunk_option(what: str):
     return typer.Option(None, "--prefill-chunk", metavar="N",
                         help=f"{what} in chunks of N tokens against the KV cache (chunked prefill; default: one "
@@ -517,6 +524,7 @@ def eval_ppl(
     loss_chunk: int = typer.Option(1024, "--loss-chunk", help="positions per LM-head chunk of the loss"),
     prefill_chunk: Optional[int] = prefill_chunk_option("each document through the model (every position's "
                                                         "logits scored as in one forward)"),
+    cache: Optional[str] = kv_cache_option(),
     progress: bool = typer.Option(True, "--progress/--no-progress"),
 ):
     """LongBench perplexity and attention speed for one layer count or a sweep (resumable)."""
@@ -527,7 +535,7 @@ def eval_ppl(
                  data=data, out=out, sets=set_, device_map=device_map, num_processes=num_processes,
                  sequence_parallel=sequence_parallel, strict=strict, trust_remote_code=trust_remote_code,
                  tokenizer=tokenizer, warmup=warmup, loss_chunk=loss_chunk, prefill_chunk=prefill_chunk,
-                 progress=progress)
+                 cache=cache, progress=progress)
 
 
 @command(eval_app, "needle")
@@ -554,6 +562,7 @@ def eval_needle(
                                    help="prompts generated together in one left-padded batch (each row's "
                                         "answer is what its prompt gives alone)"),
     prefill_chunk: Optional[int] = prefill_chunk_option("each prompt's prefill"),
+    cache: Optional[str] = kv_cache_option(),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code"),
     progress: bool = typer.Option(True, "--progress/--no-progress"),
 ):
@@ -564,7 +573,7 @@ def eval_needle(
                      sets=set_, template=template, lengths=lengths,
                      depths=depths, trials=trials, filler=filler, seed=seed, out=out, tokenizer=tokenizer,
                      num_processes=num_processes, batch_size=batch_size, prefill_chunk=prefill_chunk,
-                     trust_remote_code=trust_remote_code, progress=progress)
+                     cache=cache, trust_remote_code=trust_remote_code, progress=progress)
     if results:
         print_results(results)
         console.print(f"written to {out}: results.json, results.csv, {', '.join(results['files']['heatmaps'])}",
@@ -695,6 +704,9 @@ def bench_decode(
                               help="eager (the method's decode on the cache so far), graph (the graph-safe step of "
                                    "a static cache: MoBA's and NSA's query-aware selections), compiled (that step "
                                    "under torch.compile; CUDA graphs on a GPU)"),
+    cache: Optional[str] = typer.Option(None, "--cache", metavar="int8|fp8",
+                                        help="the methods read the cache as 8-bit rows (longpatch.quantized; the "
+                                             "eager step), exact attention its full-precision form"),
 ):
     """Time one decode step against caches of each length (decode state given) vs exact decode.
 
@@ -712,7 +724,7 @@ def bench_decode(
                      out_dir=out,
                      method_params=method_params_from_sets(("exact", *names), set_),
                      kv_heads=kv_heads, batch=batch, dtype=dtype, errors=errors, device=device,
-                     steps=tuple(x.strip() for x in steps.split(",") if x.strip()))
+                     steps=tuple(x.strip() for x in steps.split(",") if x.strip()), cache=cache)
 
 
 @command(bench_app, "generate")
@@ -732,8 +744,10 @@ def bench_generate(
     cache: Optional[str] = typer.Option(None, "--cache",
                                         help="KV cache of the decode steps: growing (longpatch.cache.GrowingCache, "
                                              "no per-token copy; the default), dynamic (transformers' DynamicCache, "
-                                             "which copies the whole cache every token) or static (transformers' "
-                                             "StaticCache, preallocated; the default with --compile)"),
+                                             "which copies the whole cache every token), static (transformers' "
+                                             "StaticCache, preallocated; the default with --compile), int8 or fp8 "
+                                             "(longpatch.quantized.QuantizedCache: 8-bit rows, one scale per row; "
+                                             "fp8 e4m3 on a GPU of compute capability 8.9 or later)"),
     compile_: bool = typer.Option(False, "--compile",
                                   help="decode steps under torch.compile with a static cache (CUDA graphs on a GPU), "
                                        "unpatched and patched alike; each row's compile in its untimed warm-up"),
@@ -747,6 +761,9 @@ def bench_generate(
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code"),
     plots: bool = typer.Option(True, "--plots/--no-plots"),
     progress: bool = typer.Option(True, "--progress/--no-progress"),
+    unpatched_up_to: Optional[int] = typer.Option(None, "--unpatched-up-to", metavar="N",
+                                                  help="run the unpatched model at contexts up to N tokens only "
+                                                       "(longer ones: the patched rows alone, no speedups)"),
     random_weights: bool = typer.Option(False, "--random-weights",
                                         help="--model names a shipped architecture (llama-3.1-8b, qwen2.5-7b, "
                                              "glm-4-9b), built offline with random weights and random prompt ids"),
@@ -762,7 +779,7 @@ def bench_generate(
                                  tokenizer=tokenizer, filler=filler, repeats=repeats, warmup=warmup,
                                  trust_remote_code=trust_remote_code, progress=progress, plots=plots, cache=cache,
                                  batch_size=batch_size, random_weights=random_weights, compiled=compile_,
-                                 prefill_chunk=prefill_chunk)
+                                 prefill_chunk=prefill_chunk, unpatched_up_to=unpatched_up_to)
     print_table(results)
     files = [RESULTS_FILE, results["files"]["csv"]] + [f for f in [results["files"]["plot"]] if f]
     console.print(f"written to {out}: {', '.join(files)}", markup=False)

@@ -37,9 +37,9 @@
 # (decode_llama8b.json).
 # `bash scripts/gpu_check.sh million` (at most 9 minutes with its step limits): Llama-3.1-8B's architecture with
 # random weights, every layer on llama-3.1-8b-moba-hybrid (topk 32: its budget raised with the length), prompts
-# of 128k, 256k and 512k tokens prefilled in chunks of 32k (--prefill-chunk), bf16 cache, the unpatched model
-# beside it at every length (million_llama8b.json: TTFT, decode ms/token, peak GPU memory per row). 1M tokens
-# needs an 8-bit KV cache (bf16: 128 GiB of cache beside 16 GB of weights), not built yet: MILLION_CTX adds it.
+# of 128k, 256k and 512k tokens, then 1M, prefilled in chunks of 32k (--prefill-chunk) into the 8-bit KV cache
+# (--cache int8), the unpatched model beside it up to 256k (million_llama8b.json, million_big_llama8b.json:
+# TTFT, decode ms/token, peak GPU memory and the cache's MiB per row).
 # `bash scripts/gpu_check.sh figures` (DEADLINE seconds, default 540; PARTS, default "decode prefill", any of
 # decode, prefill, llama): the decode suite's profile and `bench decode` at 131k, the prefill suite's hybrid calls
 # (MoBA 32k-262k, NSA 32k-131k) and scoring kernel, and Llama-3.1-8B's compiled decode at 128k, in one call
@@ -236,16 +236,21 @@ figures() {
   if [[ " $PARTS " == *" llama "* ]]; then decode_llama; fi
 }
 million() {
-  local CTX=${MILLION_CTX:-131072,262144,524288} SEL="--set topk=32" CHUNK=32768
+  # 128k-512k, then 1M alone (each its own record: a row cut off by the limit loses only itself); the 8-bit KV
+  # cache (MILLION_CACHE, default int8; "growing" for bf16); the unpatched model up to 256k (UNPATCHED_UP_TO)
+  local CTX=${MILLION_CTX:-131072,262144,524288} BIG=${MILLION_BIG:-1048576} SEL="--set topk=32" CHUNK=32768
+  local UP=${UNPATCHED_UP_TO:-262144}
   if [ "${DRY_RUN:-0}" = 1 ]; then
     export LONGPATCH_ARCH_OVERRIDES='{"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512,
       "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}'
-    CTX=1024,2048; SEL="--set chunk_size=64 --set topk=4"; CHUNK=512
+    CTX=1024,2048; BIG=4096; SEL="--set chunk_size=64 --set topk=4"; CHUNK=512; UP=1024
   fi
-  step ${E2E_LIMIT:-530} $LP bench generate --model llama-3.1-8b --random-weights --config llama-3.1-8b-moba-hybrid \
-    $SEL --contexts $CTX --prefill-chunk $CHUNK --new-tokens 8 --repeats 1 --no-plots --no-progress \
-    --out "$TMP/million"
+  local G="--model llama-3.1-8b --random-weights --config llama-3.1-8b-moba-hybrid $SEL --prefill-chunk $CHUNK"
+  G="$G --cache ${MILLION_CACHE:-int8} --unpatched-up-to $UP --new-tokens 8 --repeats 1 --no-plots --no-progress"
+  step ${E2E_LIMIT:-300} $LP bench generate $G --contexts $CTX --out "$TMP/million"
   cp "$TMP/million/results.json" "$OUT/million_llama8b.json"
+  step ${BIG_LIMIT:-240} $LP bench generate $G --contexts $BIG --warmup 0 --out "$TMP/million_big"
+  cp "$TMP/million_big/results.json" "$OUT/million_big_llama8b.json"
 }
 if [ "$SUITE" = figures ]; then figures 2>&1 | tee "$OUT/log.txt"; exit; fi
 if [ "$SUITE" = million ]; then million 2>&1 | tee "$OUT/log.txt"; exit; fi

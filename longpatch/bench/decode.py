@@ -105,10 +105,12 @@ def run_decode_bench(methods=("moba",), cache_lens=DEFAULT_CACHE_LENS, heads: in
                      repeats: int = 20, out_dir: str | os.PathLike = "runs/bench_decode",
                      method_params: dict[str, dict] | None = None, kv_heads: int | None = None, batch: int = 1,
                      dtype: str = "float32", errors: bool = True, progress: bool = True,
-                     device: str = "cpu", steps: tuple[str, ...] = ("eager",)) -> list[dict]:
+                     device: str = "cpu", steps: tuple[str, ...] = ("eager",), cache: str | None = None) -> list[dict]:
     """Time one decode step of each method against caches of ``cache_lens`` tokens, vs exact
     attention in the same run; returns one row per (method, step, cache length), writes JSON + PNG.
-    ``steps``: which of ``STEPS`` to time (the graph-safe ones only for methods whose params have one)."""
+    ``steps``: which of ``STEPS`` to time (the graph-safe ones only for methods whose params have one).
+    ``cache``: "int8" or "fp8": the methods read the cache as 8-bit rows (``quantized.QuantizedKV``; the eager
+    step only), exact attention its full-precision form (the baseline a user has without longpatch)."""
     from ..methods.exact import exact_attention
 
     tdtype = torch_dtype(dtype)
@@ -123,6 +125,12 @@ def run_decode_bench(methods=("moba",), cache_lens=DEFAULT_CACHE_LENS, heads: in
     if bad or not steps:
         raise ConfigError(f"--steps: got {','.join(steps) or '(none)'}; allowed: a comma-separated subset of "
                           f"{', '.join(STEPS)}")
+    if cache is not None:
+        from ..quantized import QuantizedKV, check_format, quantize
+        check_format(cache, dev)
+        if set(steps) != {"eager"}:
+            raise ConfigError(f"--cache {cache} with --steps {','.join(steps)}: the graph-safe steps read a static "
+                              "cache's full-precision buffer; allowed: --steps eager")
     decoders = {m: _decoder(m, method_params.get(m) or {}, head_dim) for m in names}
     console = wide_console(120)
     rows: list[dict] = []
@@ -130,10 +138,14 @@ def run_decode_bench(methods=("moba",), cache_lens=DEFAULT_CACHE_LENS, heads: in
         for n in cache_lens:
             q, k, v = _inputs(batch, heads, kv_heads, n, head_dim, tdtype, device=dev)
             exact_ms, _, ref = time_calls(partial(exact, q, k, v), repeats, sync)
+            if cache is not None:  # the methods' cache: 8-bit rows (exact's reference stays full precision)
+                k, v = (QuantizedKV(*quantize(t, cache), t.dtype) for t in (k, v))
             if errors:
                 qs, ks, vs = (t.to(dev) for t in structured_inputs(batch, kv_heads, n, head_dim, tdtype))
                 qs = qs[:, :, -1:].repeat_interleave(heads // kv_heads, 1)
                 ref_s = exact(qs, ks, vs)
+                if cache is not None:
+                    ks, vs = (QuantizedKV(*quantize(t, cache), t.dtype) for t in (ks, vs))
             for name in names:
                 call, make_state, resolved, bound = decoders[name]
                 if "eager" in steps:
@@ -143,7 +155,7 @@ def run_decode_bench(methods=("moba",), cache_lens=DEFAULT_CACHE_LENS, heads: in
                     sync()
                     init_ms = (time.perf_counter() - t0) * 1e3
                     ms = time_calls(partial(call, q, k, v, state), repeats, sync)[0]
-                    row = dict(method=name, step="eager", cache_len=n, heads=heads, kv_heads=kv_heads,
+                    row = dict(method=name, step="eager", cache=cache, cache_len=n, heads=heads, kv_heads=kv_heads,
                                head_dim=head_dim, batch=batch, dtype=dtype, params=resolved, decode_ms=ms,
                                exact_ms=exact_ms, speedup=exact_ms / ms,
                                init_state_ms=init_ms if state is not None else None,

@@ -20,7 +20,8 @@ patched, prefills the same way, and the records say which (``prefill_chunk``; No
 Peak memory: the process's peak resident set (VmHWM, reset before each generation through
 /proc/self/clear_refs; without it getrusage's ru_maxrss, the peak of the whole process so far), as
 peak_rss_mib, and its increase over the resident set at the start of the generation (KV cache and
-activations) as rss_increase_mib; on CUDA also torch.cuda.max_memory_allocated (peak_cuda_mib).
+activations) as rss_increase_mib; on CUDA also torch.cuda.max_memory_allocated (peak_cuda_mib). cache_mib: what
+the KV cache holds at the end of the generation (its rows; an 8-bit cache's rows and scales).
 Where the process keeps freed memory (``memory.keep_freed_memory``, the CLI's default), the resident set
 does not shrink after a row, so a row's peak is the high-water mark of every row before it too: the
 table says so under it, and ``LONGPATCH_KEEP_FREED_MEMORY=0`` measures each row's own.
@@ -67,14 +68,16 @@ PLOT_FILE = "generate.png"
 UNPATCHED = "exact"  # the row of the model without a patch: the baseline's one name in every output
 COMMAND = "bench generate"  # marks its --out (outdir.claim_out)
 # --cache: longpatch.cache.GrowingCache, transformers' DynamicCache, transformers' StaticCache (the whole
-# generation preallocated: the layout a CUDA graph of the step needs)
-CACHES = ("growing", "dynamic", "static")
+# generation preallocated: the layout a CUDA graph of the step needs), longpatch.quantized.QuantizedCache (8-bit
+# rows: int8, or fp8 e4m3 on a GPU that has it)
+CACHES = ("growing", "dynamic", "static", "int8", "fp8")
 # --compile: the decode step's forward under torch.compile (CUDA graphs on a GPU: mode reduce-overhead), as
 # transformers' generate() compiles a static cache's steps; tests swap in backend "eager" (no codegen)
 COMPILE_OPTIONS = {"dynamic": False, "fullgraph": False}
 CSV_COLUMNS = ["config", "method", "layers", "context", "batch", "new_tokens", "prefill_chunk", "ttft_s",
                "decode_ms_per_token", "decode_tokens_per_s", "tokens_per_s", "total_s", "ttft_speedup",
-               "decode_speedup", "peak_rss_mib", "rss_increase_mib", "peak_cuda_mib", "tokens_match_exact", "warmup_s",
+               "decode_speedup", "peak_rss_mib", "rss_increase_mib", "peak_cuda_mib", "cache_mib", "tokens_match_exact",
+               "warmup_s",
                "dense_floor_ms", "of_floor"]
 
 
@@ -236,6 +239,9 @@ def greedy_generate(model, ids: torch.Tensor, new_tokens: int, cache: str = "dyn
     if cache == "growing" and takes_cache_objects(model):
         from ..cache import GrowingCache
         keep = {**keep, cache_arg: GrowingCache(reserve=new_tokens)}
+    elif cache in ("int8", "fp8") and takes_cache_objects(model):
+        from ..quantized import QuantizedCache
+        keep = {**keep, cache_arg: QuantizedCache(fmt=cache, reserve=new_tokens)}
     elif cache == "static" and takes_cache_objects(model):
         from transformers.cache_utils import StaticCache
         size = capacity or ids.shape[1] + new_tokens
@@ -262,8 +268,26 @@ def greedy_generate(model, ids: torch.Tensor, new_tokens: int, cache: str = "dyn
             sync()
             steps.append(time.perf_counter() - t0)
             tokens.append(tok)
+        held = cache_bytes(past)
         del past
-    return {"tokens": torch.cat(tokens, 1)[0].tolist(), "ttft_s": ttft, "step_s": steps, "rows": ids.shape[0]}
+    return {"tokens": torch.cat(tokens, 1)[0].tolist(), "ttft_s": ttft, "step_s": steps, "rows": ids.shape[0],
+            "cache_bytes": held}
+
+
+def cache_bytes(past) -> int | None:
+    """Bytes of the keys and values a KV cache holds at the end of a generation (its rows, not its spare
+    capacity; an 8-bit cache's rows and scales), or None for a cache this cannot read (a model's own tuples)."""
+    if hasattr(past, "stored_bytes"):
+        return past.stored_bytes()
+    layers = getattr(past, "layers", None)
+    if layers is None:
+        return None
+    total = 0
+    for layer in layers:
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if keys is not None and values is not None:  # a static cache's: its whole preallocated buffer
+            total += keys.nbytes + values.nbytes
+    return total
 
 
 def compiled_step(model):
@@ -311,6 +335,7 @@ def summarize(runs: list[dict]) -> dict:
             "tokens_per_s": rows * new_tokens / total, "batch": rows, "total_s": total,
             "peak_rss_mib": mem.peak_rss_mib,
             "rss_increase_mib": mem.rss_increase_mib, "peak_cuda_mib": mem.peak_cuda_mib,
+            "cache_mib": None if runs[0].get("cache_bytes") is None else runs[0]["cache_bytes"] / 2 ** 20,
             "tokens": runs[0]["tokens"]}
 
 
@@ -348,7 +373,7 @@ def run_generate_bench(model: str, config=None, layer_counts=None, contexts="819
                        warmup: int = 1, trust_remote_code: bool = False, progress: bool = True,
                        plots: bool = True, cache: str | None = None, batch_size: int = 1,
                        random_weights: bool = False, compiled: bool = False,
-                       prefill_chunk: int | None = None) -> dict:
+                       prefill_chunk: int | None = None, unpatched_up_to: int | None = None) -> dict:
     """Greedy generation after a prompt of each context length, unpatched and patched per each config
     and layer count, in one run. model: what --model takes; config: one config, 'a,b' or a list;
     layer_counts: a sweep as eval ppl's (None: each config's layers); layers: which layers every config
@@ -366,6 +391,8 @@ def run_generate_bench(model: str, config=None, layer_counts=None, contexts="819
 
     ctx = parse_contexts(contexts)
     check_int("--new-tokens", new_tokens, 2, MAX_TOKENS)
+    if unpatched_up_to is not None:
+        check_int("--unpatched-up-to", unpatched_up_to, 1, MAX_TOKENS)
     check_int("--repeats", repeats, 1, MAX_VALUES)
     check_int("--warmup", warmup, 0, MAX_VALUES)
     check_int("--batch-size", batch_size, 1, MAX_VALUES)
@@ -387,6 +414,9 @@ def run_generate_bench(model: str, config=None, layer_counts=None, contexts="819
     texts = filler_texts(filler)
 
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    if cache in ("int8", "fp8"):  # a format the device lacks: one line before the model loads
+        from ..quantized import check_format
+        check_format(cache, device)
     loaded, tok = random_model(str(model), spec.load.dtype, device) if random_weights else load_model(spec.load)
     loaded = loaded.to(device).eval()
     _say_if_beyond_positions(loaded, ctx[-1] + new_tokens)
@@ -417,7 +447,7 @@ def run_generate_bench(model: str, config=None, layer_counts=None, contexts="819
         raise ConfigError(f"--compile: {type(loaded).__name__} keeps its own KV cache, not transformers' static "
                           "cache; allowed: models of transformers' own classes (Llama, Qwen2, ...)")
     records = _run(loaded, points, ids, ctx, new_tokens, repeats, warmup, device, progress, cache, batch_size,
-                   compiled, prefill_chunk)
+                   compiled, prefill_chunk, unpatched_up_to)
     bandwidth = copy_bandwidth(device)
     weights, per_token = weight_bytes(loaded), kv_bytes_per_token(loaded)
     for rec in records:  # how close each row's step comes to the dense step's memory floor
@@ -466,9 +496,10 @@ def _say_if_beyond_positions(model, longest: int) -> None:
 
 def _run(model, points, ids: list[int], contexts: list[int], new_tokens: int, repeats: int, warmup: int,
          device, progress: bool, cache: str, batch_size: int = 1, compiled: bool = False,
-         prefill_chunk: int | None = None) -> list[dict]:
+         prefill_chunk: int | None = None, unpatched_up_to: int | None = None) -> list[dict]:
     """Context by context, the unpatched model then each patched configuration: rows compared with each
-    other are measured minutes apart at most, not a whole sweep apart (load drifts on shared machines)."""
+    other are measured minutes apart at most, not a whole sweep apart (load drifts on shared machines).
+    ``unpatched_up_to``: the unpatched model runs at contexts up to this only (longer rows: no speedups)."""
     from tqdm.auto import tqdm
 
     from ..patching import patch_model, unpatch_model
@@ -489,6 +520,9 @@ def _run(model, points, ids: list[int], contexts: list[int], new_tokens: int, re
             # move by tens of percent over minutes) reaches every row alike instead of one row
             for rep in range(repeats):
                 for i, (label, point) in enumerate(points):
+                    if point is None and unpatched_up_to is not None and n > unpatched_up_to:
+                        bar.update(1)
+                        continue
                     bar.set_description(f"{label} {point.label if point else ''} {n}".replace("  ", " "))
                     if point is not None:
                         patch_model(model, point.cfg)
@@ -517,6 +551,8 @@ def _run(model, points, ids: list[int], contexts: list[int], new_tokens: int, re
                             unpatch_model(model)
                     bar.update(1)
             for i, (label, point) in enumerate(points):
+                if not runs[i]:  # the unpatched model above --unpatched-up-to
+                    continue
                 records.append(((i, n), _record(label, point, n, new_tokens, summarize(runs[i]), base,
                                                    _summed_paths(runs[i]) if point is not None else None)))
                 records[-1][1]["prefill_chunk"] = prefill_chunk
@@ -554,7 +590,10 @@ def _record(label: str, point: Point | None, n: int, new_tokens: int, row: dict,
         rec.update(paths=None, ttft_speedup=1.0, decode_speedup=1.0, tokens_match_exact=None)
         return rec
     rec["paths"] = paths
-    ref = base[n]
+    ref = base.get(n)
+    if ref is None:  # no unpatched row at this context
+        rec.update(ttft_speedup=None, decode_speedup=None, tokens_match_exact=None)
+        return rec
     rec["ttft_speedup"] = ref["ttft_s"] / rec["ttft_s"]
     rec["decode_speedup"] = ref["decode_ms_per_token"] / rec["decode_ms_per_token"]
     # how many leading greedy tokens equal the unpatched model's at this context
@@ -569,12 +608,17 @@ def _series(r: dict) -> str:
     return UNPATCHED if r["method"] is None else f"{r['config']} ({r['layers']} layers)"
 
 
+def _times(x) -> str:
+    return "–" if x is None else f"{x:.2f}×"
+
+
 def print_table(results: dict, console=None) -> None:
     from rich.console import Console
     from rich.markup import escape
 
+    held = results["meta"].get("cache") in ("int8", "fp8")  # an 8-bit cache: what it held beside the rows
     cols = ["config", "layers", "context", "TTFT s", "TTFT speedup", "decode ms/token", "decode speedup",
-            "tokens/s", "peak RSS MiB", "same tokens"]
+            "tokens/s", "peak RSS MiB"] + (["cache MiB"] if held else []) + ["same tokens"]
     cuda = any(r.get("peak_cuda_mib") is not None for r in results["records"])
     cols += ["peak CUDA MiB"] if cuda else []
     floors = any(r.get("dense_floor_ms") is not None for r in results["records"])
@@ -585,8 +629,9 @@ def print_table(results: dict, console=None) -> None:
     for r in results["records"]:
         same = "–" if r["tokens_match_exact"] is None else f"{r['tokens_match_exact']}/{r['new_tokens']}"
         c = [escape(r["config"]), str(r["layers"]), str(r["context"]), fmt(r["ttft_s"], ".3f"),
-             fmt(r["ttft_speedup"], ".2f") + "×", fmt(r["decode_ms_per_token"], ".2f"),
-             fmt(r["decode_speedup"], ".2f") + "×", fmt(r["tokens_per_s"], ".1f"), fmt(r["peak_rss_mib"], ".0f"), same]
+             _times(r["ttft_speedup"]), fmt(r["decode_ms_per_token"], ".2f"), _times(r["decode_speedup"]),
+             fmt(r["tokens_per_s"], ".1f"), fmt(r["peak_rss_mib"], ".0f")] + \
+            ([fmt(r.get("cache_mib"), ".1f")] if held else []) + [same]
         c += [fmt(r.get("peak_cuda_mib"), ".0f")] if cuda else []
         if floors:
             c += ["–" if r.get("of_floor") is None else f"{r['of_floor']:.2f}"]

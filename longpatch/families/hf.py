@@ -21,6 +21,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from .. import ragged
 from ..errors import UnsupportedModelError
 from ..methods.common import causal_mask, warn_once
+from ..quantized import QuantizedKV, full_precision
 from ..routing import LayerRoute, attach_buffers, detach_buffers
 from .base import AttentionCall, register_family
 
@@ -78,6 +79,9 @@ def _make_attention(base: str):
             return fn(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
 
         route: LayerRoute | None = getattr(module, ROUTE_ATTR, None)
+        if isinstance(key, QuantizedKV) and not (route is not None and route.bound is not None
+                                                 and query.shape[2] == 1 and route.bound.reads_quantized()):
+            key, value = full_precision(key, value)  # an 8-bit cache read whole: dequantized once for this call
         if route is None:
             return original()
         why = _unsupported(module, None, dropout, key.shape[2], kwargs)

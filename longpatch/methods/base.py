@@ -147,6 +147,10 @@ class Method:
     # takes_chunks: ``prefill`` also runs a prefill chunk (1 < q_len < kv_len, the queries the last positions of
     # the keys), for a method without ``decode`` (hyper): such calls run it instead of exact attention
     takes_chunks: bool = False
+    # reads_quantized(params) -> True where these params' one-token step reads an 8-bit KV cache in place
+    # (``quantized.QuantizedKV``: dequantizing only the rows it attends); other calls get the layer's cache
+    # dequantized once per call
+    reads_quantized: Callable[[dict], bool] | None = None
 
     def __post_init__(self):
         if self.exact_params is None:  # callers call it without a check: None means "no exact setting"
@@ -228,6 +232,10 @@ class BoundMethod:
     def chunk_block(self) -> int | None:
         """The block a chunked prefill's chunks must start on for these params (``Method.chunk_block``), or None."""
         return None if self.method.chunk_block is None else self.method.chunk_block(self.params)
+
+    def reads_quantized(self) -> bool:
+        """Whether a one-token step of these params reads an 8-bit KV cache in place (``Method.reads_quantized``)."""
+        return self.method.reads_quantized is not None and bool(self.method.reads_quantized(self.params))
 
     def exact_at(self, q_len: int, kv_len: int) -> bool:
         """Whether a call of this shape computes exact attention (``Method.exact_when``)."""

@@ -146,7 +146,9 @@ def block_sparse_decode(q, k, v, kept: torch.Tensor, block: int, local_blocks: i
     without the fused kernel or under autograd, by gathering them into one masked call. backend
     "flex": one FlexAttention call over the blocks (``flex.flex_decode``: no host round-trip; lse
     None without ``need_lse``), where it runs."""
-    if backend == "flex":
+    from ..quantized import QuantizedKV
+    quantized = isinstance(k, QuantizedKV)  # an 8-bit cache: the listed blocks gathered, dequantized (below)
+    if backend == "flex" and not quantized:
         from .flex import flex_decode, supports
         if supports(q, k, v, block, need_lse):
             return flex_decode(q, k, v, kept, block, local_blocks, scale, need_lse)
@@ -158,7 +160,7 @@ def block_sparse_decode(q, k, v, kept: torch.Tensor, block: int, local_blocks: i
     local = local.view(1, 1, -1).expand(b, hk, -1)
     kept = kept.masked_fill((kept >= own - local_blocks) | (kept > own), -1)  # listed once, and causal
     sel = torch.cat([local, kept], -1)  # [b, hk, L]
-    if spans_ok(q, k, v):
+    if not quantized and spans_ok(q, k, v):
         groups = [(bi, hi, merge_spans([(j * block, min(nk, j * block + block)) for j in ids if j >= 0]))
                   for bi, per_head in enumerate(sel.tolist()) for hi, ids in enumerate(per_head)]
         if q.dtype == torch.float32 and sum(len(spans) for *_, spans in groups) > _ROWS_AFTER * len(groups):
@@ -168,6 +170,9 @@ def block_sparse_decode(q, k, v, kept: torch.Tensor, block: int, local_blocks: i
         return attend_spans(q, k, v, groups, scale)
     tok = (sel.clamp(min=0).unsqueeze(-1) * block + torch.arange(block, device=q.device)).flatten(-2)
     valid = ((sel >= 0).unsqueeze(-1).expand(-1, -1, -1, block).flatten(-2)) & (tok <= t)
+    if quantized:
+        from ..quantized import attend_blocks
+        return attend_blocks(q, k, v, sel, block, valid, scale)
     ks, vs = gather_blocks(k, sel, block), gather_blocks(v, sel, block)  # [b, hk, L*block, d]
     bias = torch.zeros(valid.shape, dtype=torch.float32, device=q.device).masked_fill(~valid, float("-inf"))
     out, lse = attend(q.view(b, hk, g, d), ks, vs, scale, mask=bias.unsqueeze(2))

@@ -21,11 +21,13 @@ from typing import Sequence
 
 import torch
 
+from ...cache import cache_argument
 from ...config import check_prefill_chunk
 from ...errors import ConfigError, check_int
 from ...options import MAX_TOKENS, MAX_VALUES, parse_ints
 from ...outdir import claim_out, write_csv, write_json
 from ...patching import total_seconds
+from ...quantized import QuantizedCache, check_format
 from ..launch import Dist, run_sharded
 from ..ppl.scoring import check_configs_chunk, prefill_shapes
 from ..records import PLAN_FILE, read_plan, read_records, seconds_by_path
@@ -60,6 +62,8 @@ class NeedleSpec(RunSpec):
     haystacks. batch_size: prompts generated together in one left-padded batch (same results as 1).
     prefill_chunk: each prompt prefilled this many tokens at a time (None: one forward); a multiple of every
     config's method block (config.check_prefill_chunk).
+    cache: "int8" or "fp8": each generation keeps its KV cache in 8 bits (quantized.QuantizedCache); None: the
+    model's own full-precision cache.
     """
 
     COMMAND = "eval needle"
@@ -72,6 +76,7 @@ class NeedleSpec(RunSpec):
     seed: int = 0
     batch_size: int = 1
     prefill_chunk: int | None = None
+    cache: str | None = None
 
     def __post_init__(self):
         super().__post_init__()
@@ -79,6 +84,8 @@ class NeedleSpec(RunSpec):
         check_int("--seed", self.seed, 0)
         check_int("--batch-size", self.batch_size, 1)
         check_prefill_chunk(None, self.prefill_chunk)  # an int >= 1; each config's multiple: needle()
+        if self.cache is not None:
+            check_format(self.cache)
         if isinstance(self.lengths, (list, tuple)):
             self.lengths = list(self.lengths)
 
@@ -143,13 +150,15 @@ def _evaluate(model, spec: NeedleSpec, tmpl: N.Template, lengths: list[int], dep
     identity = {"model": name, "template": tmpl.name, "filler": filler, "seed": spec.seed, "task": "needle"}
     if spec.prefill_chunk is not None:  # chunked runs get their own config ids (one-shot ids stay what they were)
         identity["prefill_chunk"] = spec.prefill_chunk
+    if spec.cache is not None:  # likewise runs with an 8-bit cache
+        identity["cache"] = spec.cache
     points = labelled_points(prep, spec, n_layers, identity)
     if dist.main:
         claim_out(out, spec.COMMAND)
         write_json(out / PLAN_FILE, {"model": name, "dtype": model_dtype(model), "template": tmpl.name,
                                      "filler": filler, "lengths": lengths,
                                      "depths": depths, "trials": spec.trials, "seed": spec.seed,
-                                     "prefill_chunk": spec.prefill_chunk,
+                                     "prefill_chunk": spec.prefill_chunk, "cache": spec.cache,
                                      "points": [dict(p.describe(), config=label) for label, p in points]})
     device, eos = input_device(model), tokenizer.eos_token_id
     shapes = generation_shapes((len(w.prompt.ids), N.answer_tokens(tokenizer, w.prompt.expected)) for w in work)
@@ -157,25 +166,31 @@ def _evaluate(model, spec: NeedleSpec, tmpl: N.Template, lengths: list[int], dep
         shapes = {s for s in shapes if s[0] == 1} | set().union(
             *(prefill_shapes(len(w.prompt.ids), spec.prefill_chunk) for w in work))
     chunk = spec.prefill_chunk
+    if spec.cache is not None:
+        check_format(spec.cache, device)
     run_generations(model, points, work[dist.rank::dist.world], out, dist, spec.progress and dist.main, "eval needle",
                     lambda label, p, w: _generate(model, tokenizer, label, p, w, device, eos, dist.rank, run_id,
-                                                  chunk),
+                                                  chunk, spec.cache),
                     shapes, batch=spec.batch_size,
                     many=lambda label, p, ws: _generate_batch(model, tokenizer, label, p, ws, device, eos, dist.rank,
-                                                              run_id, chunk))
+                                                              run_id, chunk, spec.cache))
     dist.barrier()
     if dist.mode == "spawned" or not dist.main:
         return {}
     return summarize(out, plots=spec.plots)
 
 
-def _chunked(prefill_chunk: int | None) -> dict:
-    """generate()'s kwargs for a chunked prefill (none without one: generate() as it always ran)."""
-    return {} if prefill_chunk is None else {"prefill_chunk_size": prefill_chunk}
+def _generate_kwargs(model, prefill_chunk: int | None, cache: str | None) -> dict:
+    """generate()'s kwargs for a chunked prefill and an 8-bit KV cache (a new one per generation); none without
+    either: generate() as it always ran."""
+    kwargs = {} if prefill_chunk is None else {"prefill_chunk_size": prefill_chunk}
+    if cache is not None:
+        kwargs[cache_argument(model)] = QuantizedCache(config=model.config, fmt=cache)
+    return kwargs
 
 
 def _generate(model, tokenizer, label: str, point: Point, w: Trial, device, eos, rank: int, run_id: str,
-              prefill_chunk: int | None = None) -> dict:
+              prefill_chunk: int | None = None, cache: str | None = None) -> dict:
     """One greedy generation and its record (generate() runs both the prefill, chunked with prefill_chunk, and
     the decode path)."""
     model.longpatch.reset_stats()
@@ -184,7 +199,8 @@ def _generate(model, tokenizer, label: str, point: Point, w: Trial, device, eos,
     with torch.no_grad():
         gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                              max_new_tokens=N.answer_tokens(tokenizer, w.prompt.expected),
-                             pad_token_id=eos if eos is not None else 0, **_chunked(prefill_chunk))
+                             pad_token_id=eos if eos is not None else 0,
+                             **_generate_kwargs(model, prefill_chunk, cache))
     seconds = time.perf_counter() - t0
     predicted = tokenizer.decode(gen[0, ids.shape[1]:].tolist(), skip_special_tokens=True)
     stats = model.longpatch.breakdown()
@@ -193,17 +209,17 @@ def _generate(model, tokenizer, label: str, point: Point, w: Trial, device, eos,
             "predicted": predicted, "correct": N.judge(predicted, w.prompt.expected), "config_id": point.config_id,
             "label": point.label, "digest": w.digest, "needle_token": w.prompt.needle_token, "seconds": seconds,
             "attention": stats, "attention_seconds": total_seconds(stats), "rank": rank, "run_id": run_id,
-            "prefill_chunk": prefill_chunk}
+            "prefill_chunk": prefill_chunk, "cache": cache}
 
 
 def _generate_batch(model, tokenizer, label: str, point: Point, ws: list[Trial], device, eos, rank: int,
-                    run_id: str, prefill_chunk: int | None = None) -> list[dict]:
+                    run_id: str, prefill_chunk: int | None = None, cache: str | None = None) -> list[dict]:
     """Greedy generations of several prompts in one left-padded batch, one record each; each row's tokens
     are those of its prompt alone (generate_rows); seconds and attention stats are the batch's, shared
     evenly between its records."""
     rows, seconds, stats = timed_rows(model, [w.prompt.ids for w in ws],
                                       [N.answer_tokens(tokenizer, w.prompt.expected) for w in ws], device, eos,
-                                      **_chunked(prefill_chunk))
+                                      **_generate_kwargs(model, prefill_chunk, cache))
     out = []
     for w, new in zip(ws, rows):
         predicted = tokenizer.decode(new, skip_special_tokens=True)
@@ -213,7 +229,7 @@ def _generate_batch(model, tokenizer, label: str, point: Point, ws: list[Trial],
                     "config_id": point.config_id, "label": point.label, "digest": w.digest,
                     "needle_token": w.prompt.needle_token, "seconds": seconds, "batch": len(ws), "attention": stats,
                     "attention_seconds": total_seconds(stats), "rank": rank, "run_id": run_id,
-                    "prefill_chunk": prefill_chunk})
+                    "prefill_chunk": prefill_chunk, "cache": cache})
     return out
 
 

@@ -53,6 +53,7 @@ from ...errors import ConfigError, LongpatchError, check_int
 from ...options import MAX_TOKENS
 from ...outdir import claim_out, write_json
 from ...patching import total_seconds
+from ...quantized import check_format
 from ..launch import Dist, run_sequence_parallel, run_sharded
 from ..longbench.data import load_longbench, report_problems, resolve_subsets
 from ..records import PLAN_FILE, RecordLog, announce_resume, read_records, records_file
@@ -99,6 +100,9 @@ class PerplexitySpec(RunSpec):
     document over N processes (longpatch.parallel, docs/distributed.md); not with num_processes.
     prefill_chunk: each document fed through the KV cache this many tokens at a time (None: one forward);
     a multiple of every config's method block (config.check_prefill_chunk); not with sequence_parallel.
+    cache: "int8" or "fp8": each document goes through an 8-bit KV cache (quantized.QuantizedCache), in one
+    chunk without prefill_chunk, so every attention call reads the 8-bit keys and values; not with
+    sequence_parallel. None: the full-precision forward (through a full-precision cache when chunked).
     """
 
     COMMAND = "eval ppl"
@@ -112,6 +116,7 @@ class PerplexitySpec(RunSpec):
     loss_chunk: int = 1024
     sequence_parallel: int = 1
     prefill_chunk: int | None = None
+    cache: str | None = None
 
     def __post_init__(self):
         super().__post_init__()
@@ -131,6 +136,11 @@ class PerplexitySpec(RunSpec):
             raise ConfigError(f"--prefill-chunk {self.prefill_chunk} cannot be combined with --sequence-parallel "
                               f"{self.sequence_parallel}: each process holds a slice of the document, not its "
                               "prefix; use one of them")
+        if self.cache is not None:
+            check_format(self.cache)
+            if self.sequence_parallel > 1:
+                raise ConfigError(f"--cache {self.cache} cannot be combined with --sequence-parallel "
+                                  f"{self.sequence_parallel}: each process holds a slice of the document, not a cache")
         check_int("--warmup", self.warmup, 0)
         if self.max_docs is not None:
             check_int("--max-docs", self.max_docs, 1)
@@ -187,6 +197,9 @@ def _evaluate(model, spec: PerplexitySpec, dist: Dist, run_id: str) -> dict:
     identity = {"model": model_name, "seq_len": spec.seq_len, "tokenizer": tok_id}
     if spec.prefill_chunk is not None:  # chunked runs get their own config ids (one-shot ids stay what they were)
         identity["prefill_chunk"] = spec.prefill_chunk
+    if spec.cache is not None:  # likewise runs through an 8-bit cache
+        identity["cache"] = spec.cache
+        check_format(spec.cache, input_device(model))
     labelled = labelled_points(prep, spec, n_layers, identity)
     points = [p for _, p in labelled]
     if len(prep.patches) > 1:  # several configs: the table and plots tell their points apart by config
@@ -199,7 +212,7 @@ def _evaluate(model, spec: PerplexitySpec, dist: Dist, run_id: str) -> dict:
         claim_out(out, spec.COMMAND)
         write_json(out / PLAN_FILE, {
             "model": model_name, "dtype": model_dtype(model), "tokenizer": tok_id, "seq_len": spec.seq_len,
-            "prefill_chunk": spec.prefill_chunk,
+            "prefill_chunk": spec.prefill_chunk, "cache": spec.cache,
             "data": lb.source, "subsets": wanted,
             "max_docs": spec.max_docs, "num_layers": n_layers,
             "baseline_id": config_id(dict(identity, dtype=prep.load.dtype,
@@ -214,7 +227,7 @@ def _evaluate(model, spec: PerplexitySpec, dist: Dist, run_id: str) -> dict:
                         "(add 0 to --layer-counts)")
     mine = docs if dist.mode == "sequence" else docs[dist.rank::dist.world]  # sequence: every rank, every doc
     _run(model, points, mine, out, dist, spec.warmup, spec.loss_chunk, spec.progress and dist.main, run_id,
-         spec.prefill_chunk)
+         spec.prefill_chunk, spec.cache)
     dist.barrier()
     if dist.mode == "spawned" or not dist.main:
         return {}
@@ -222,7 +235,7 @@ def _evaluate(model, spec: PerplexitySpec, dist: Dist, run_id: str) -> dict:
 
 
 def _run(model, points: list[Point], docs: list[Doc], out: Path, dist: Dist, warmup: int, chunk: int,
-         progress: bool, run_id: str, prefill_chunk: int | None = None) -> None:
+         progress: bool, run_id: str, prefill_chunk: int | None = None, cache: str | None = None) -> None:
     from tqdm.auto import tqdm
 
     sequence = dist.mode == "sequence"
@@ -237,7 +250,7 @@ def _run(model, points: list[Point], docs: list[Doc], out: Path, dist: Dist, war
         evaluate = _evaluate_document_sp
     else:
         def evaluate(model, input_ids, chunk):
-            return evaluate_document(model, input_ids, chunk, prefill_chunk=prefill_chunk)
+            return evaluate_document(model, input_ids, chunk, prefill_chunk=prefill_chunk, cache=cache)
     todo = [(p, [d for d in docs if (p.config_id, d.subset, d.doc_id, d.digest) not in done]) for p in points]
     total = sum(len(ds) for _, ds in todo)
     already = len(points) * len(docs) - total
@@ -256,7 +269,7 @@ def _run(model, points: list[Point], docs: list[Doc], out: Path, dist: Dist, war
         nll = result["nll_mean"]
         bar.set_postfix(ppl=f"{math.exp(nll):.3f}" if math.isfinite(nll) else "nan")
         return dict(_record(point, doc, result, model.longpatch.breakdown(), dist.rank, run_id,
-                            model.longpatch.layer_work()), prefill_chunk=prefill_chunk)
+                            model.longpatch.layer_work()), prefill_chunk=prefill_chunk, cache=cache)
 
     # every document is one prefill of its seq_len tokens (the sequence-parallel ones too, per head group), or
     # its chunks; interleaved, each document's configurations run side by side, so their speedups share the load

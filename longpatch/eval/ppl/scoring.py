@@ -115,16 +115,19 @@ def prefill_shapes(n: int, chunk: int | None) -> set[tuple[int, int]]:
     return {(e - s, e) for s, e in chunk_bounds(n, chunk)}
 
 
-def chunked_hidden_states(model, input_ids: torch.Tensor, chunk: int | None) -> torch.Tensor:
+def chunked_hidden_states(model, input_ids: torch.Tensor, chunk: int | None, cache: str | None = None) -> torch.Tensor:
     """final_hidden_states of input_ids [1, s], the model run on ``chunk`` tokens at a time against its KV
     cache (a chunked prefill; None or chunk >= s: one forward). Each chunk's positions continue the
     earlier ones' (position_ids given: a model keeping its own cache may otherwise restart them at 0), so
     for exact attention the result is one forward's, up to float rounding, and every position's logits
-    (the chunk's last one predicting the next chunk's first token) score as they would there."""
+    (the chunk's last one predicting the next chunk's first token) score as they would there. ``cache``: "int8"
+    or "fp8": through an 8-bit KV cache (quantized.QuantizedCache; one chunk without ``chunk``), whose rows
+    every attention call reads."""
     bounds = chunk_bounds(input_ids.shape[1], chunk)
-    if len(bounds) == 1:
+    if len(bounds) == 1 and cache is None:
         return final_hidden_states(model, input_ids)
     from ...cache import GrowingCache, cache_argument, takes_cache_objects
+    from ...quantized import QuantizedCache
 
     # transformers' own classes write each chunk's keys and values into the Cache object in place, so their
     # forward can stop at the LM head as final_hidden_states does; a model that keeps its own tuple cache
@@ -132,7 +135,12 @@ def chunked_hidden_states(model, input_ids: torch.Tensor, chunk: int | None) -> 
     in_place = takes_cache_objects(model)
     name = cache_argument(model)
     # GrowingCache: the whole document's room allocated once, not the cache copied by every chunk
-    past = GrowingCache(config=model.config, reserve=bounds[-1][1] - bounds[0][1]) if in_place else None
+    if cache is not None and not in_place:
+        raise ConfigError(f"--cache {cache}: {type(model).__name__} keeps its own KV cache (not transformers' Cache "
+                          "objects); run it without --cache")
+    room = bounds[-1][1] - bounds[0][1]
+    past = None if not in_place else GrowingCache(config=model.config, reserve=room) if cache is None else \
+        QuantizedCache(config=model.config, fmt=cache, reserve=room)
     takes_cache_position = "cache_position" in inspect.signature(model.forward).parameters  # transformers < 5.2x
     parts = []
     for s, e in bounds:
@@ -209,7 +217,7 @@ def _sync() -> None:
 
 
 def evaluate_document(model, input_ids: torch.Tensor, chunk: int = 1024, next_ids: torch.Tensor | None = None,
-                      prefill_chunk: int | None = None) -> dict:
+                      prefill_chunk: int | None = None, cache: str | None = None) -> dict:
     """One document [1, s] on the model as it is: NLL sum/mean over s-1 tokens and wall times.
 
     next_ids [1, 1]: the token that follows input_ids (a sequence-parallel slice, whose last position
@@ -219,10 +227,10 @@ def evaluate_document(model, input_ids: torch.Tensor, chunk: int = 1024, next_id
     # no_grad, not inference_mode, for a chunked prefill: its chunks get attention masks (queries against a
     # longer cache), which the patched layers read once per forward (ragged.memo, keyed by the mask's version
     # counter); an inference tensor has none, and each layer would read it again
-    with torch.inference_mode() if prefill_chunk is None else torch.no_grad():
+    with torch.inference_mode() if prefill_chunk is None and cache is None else torch.no_grad():
         _sync()
         t0 = time.perf_counter()
-        hidden = chunked_hidden_states(model, input_ids, prefill_chunk)
+        hidden = chunked_hidden_states(model, input_ids, prefill_chunk, cache)
         _sync()
         t1 = time.perf_counter()
         if next_ids is not None:  # token_nll scores every position but the last: add a placeholder row

@@ -149,4 +149,6 @@ MOBA = register_method(_MoBAMethod(
     couples_heads=_couples_heads,
     graph_step=_graph_step,
     chunk_block=_chunk_block,
+    # the query-aware selections' step: bounds, listed blocks and window read from the 8-bit rows
+    reads_quantized=lambda params: _chunk_block(params) is not None,
 ))

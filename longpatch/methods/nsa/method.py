@@ -184,4 +184,6 @@ NSA = register_method(_NSAMethod(
     couples_heads=True,  # blocks are selected per KV group (the sum of its query heads' scores)
     graph_step=_graph_step,
     chunk_block=_chunk_block,
+    # the query-aware selections' step: bounds, listed blocks and window read from the 8-bit rows
+    reads_quantized=lambda params: _chunk_block(params) is not None,
 ))

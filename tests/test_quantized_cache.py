@@ -1,0 +1,199 @@
+"""The 8-bit KV cache (longpatch.quantized): rows quantized once within their error bound; a QuantizedKV that
+slices and gathers without dequantizing the rest and behaves as its dequantized tensor under any other op;
+generation through it (unpatched and patched) close to the full-precision cache; a query-aware MoBA/NSA decode
+step that dequantizes only the rows it reads; the CLI's --cache; bad formats in one line."""
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from typer.testing import CliRunner
+
+import longpatch
+from longpatch import cli
+from longpatch.errors import ConfigError
+from longpatch.methods import common
+from longpatch.methods.common import gather_blocks
+from longpatch.quantized import QuantizedCache, QuantizedKV, check_format, dequantize, quantize
+from longpatch.testing.tiny import tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+MOBA = {"chunk_size": 16, "topk": 3, "selection": "hybrid", "mass": 0.9, "estimate_queries": 8, "score_stride": 4}
+NSA = {"compress_block": 16, "compress_stride": 8, "select_block": 16, "num_selected": 3, "window": 32,
+       "selection": "hybrid", "mass": 0.9, "estimate_queries": 8, "score_stride": 4}
+
+
+def rows(n=64, h=2, d=16, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, h, n, d, generator=g) * torch.linspace(0.1, 8, n).view(1, 1, n, 1)  # rows of every size
+    x[0, 0, 3] = 0  # an all-zero row
+    return x.to(dtype)
+
+
+def test_int8_rows_are_within_half_a_step():
+    x = rows()
+    data, scale = quantize(x, "int8")
+    assert data.dtype == torch.int8 and scale.shape == (1, 2, 64, 1)
+    err = (dequantize(data, scale, x.dtype) - x).abs()
+    assert (err <= scale / 2 + 1e-6).all()
+    assert err[0, 0, 3].max() == 0  # zeros stay zeros
+    assert (err.amax(-1, keepdim=True) > 0).any()  # it does quantize
+
+
+def test_fp8_rows_keep_three_mantissa_bits():
+    x = rows()
+    data, scale = quantize(x, "fp8")
+    assert data.dtype == torch.float8_e4m3fn
+    back = dequantize(data, scale, x.dtype)
+    # e4m3: relative error at most 2^-4 for values in its normal range (above 2^-6 of the scale unit)
+    normal = x.abs() >= scale * 2 ** -6
+    assert ((back - x).abs() <= x.abs() * 2 ** -4 + 1e-6)[normal].all()
+
+
+def test_a_quantized_tensor_slices_gathers_and_computes_as_its_dequantized_self():
+    x = rows(80)
+    qkv = QuantizedKV(*quantize(x), x.dtype)
+    full = qkv.dequantize()
+    part = qkv[:, :, 10:40]
+    assert isinstance(part, QuantizedKV) and isinstance(qkv[0], QuantizedKV) and isinstance(qkv.detach(), QuantizedKV)
+    torch.testing.assert_close(part.dequantize(), full[:, :, 10:40], atol=0, rtol=0)
+    idx = torch.tensor([5, 0, 79])
+    torch.testing.assert_close(qkv.index_select(2, idx), full.index_select(2, idx), atol=0, rtol=0)
+    ids = torch.tensor([[[2, -1, 4], [0, 1, 3]]])
+    got, want = gather_blocks(qkv, ids, 16), gather_blocks(full, ids, 16)
+    valid = (ids >= 0).repeat_interleave(16, -1)
+    torch.testing.assert_close(got[valid], want[valid], atol=0, rtol=0)
+    q = torch.randn(1, 4, 3, 16)
+    torch.testing.assert_close(F.scaled_dot_product_attention(q, qkv, qkv, enable_gqa=True),
+                               F.scaled_dot_product_attention(q, full, full, enable_gqa=True))
+    assert torch.equal(qkv.sum(-1), full.sum(-1))
+
+
+def _gen(model, ids, cache, steps=8):
+    with torch.no_grad():
+        return model.generate(ids, max_new_tokens=steps, do_sample=False, cache=cache,
+                              output_logits=True, return_dict_in_generate=True)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_an_unpatched_model_generates_through_it_close_to_full_precision(fmt):
+    model = tiny_model("llama")
+    ids = torch.randint(3, 256, (1, 120), generator=torch.Generator().manual_seed(1))
+    full = _gen(model, ids, None)
+    cache = QuantizedCache(config=model.config, fmt=fmt)
+    q8 = _gen(model, ids, cache)
+    tol = 0.02 if fmt == "int8" else 0.15
+    torch.testing.assert_close(q8.logits[0], full.logits[0], atol=tol, rtol=0)
+    assert isinstance(cache.layers[0].keys, QuantizedKV) and cache.layers[0].keys.shape[2] == 127
+    if fmt == "int8":
+        assert torch.equal(q8.sequences, full.sequences)
+
+
+def test_it_holds_a_quarter_of_a_float32_cache_plus_its_scales():
+    model = tiny_model("llama")
+    ids = torch.randint(3, 256, (1, 100))
+    cache = QuantizedCache(config=model.config, reserve=64)
+    _gen(model, ids, cache, steps=4)
+    layer = cache.layers[0]
+    b, h, n, d = layer.keys.shape
+    assert n == 103
+    assert cache.stored_bytes() == len(cache.layers) * 2 * b * h * n * (d + 4)  # int8 rows, a float32 scale each
+    assert layer._bufs[0].shape[2] >= 100 + 64  # the reserve: no reallocation during generation
+
+
+@pytest.mark.parametrize("method, params", [("moba", MOBA), ("nsa", NSA)])
+def test_a_patched_step_reads_only_the_rows_it_attends(method, params, monkeypatch):
+    model = tiny_model("llama")
+    longpatch.patch_model(model, {"method": method, "layers": "all", "params": {**params, "decode_topk": 2}})
+    ids = torch.randint(3, 256, (1, 640), generator=torch.Generator().manual_seed(2))
+    full = _gen(model, ids, None, steps=6)
+    counted = {"whole": 0, "blocks": 0}
+    whole, blocks = QuantizedKV.dequantize, common.gather_blocks
+
+    def count_whole(self):
+        counted["whole"] += self.numel()
+        return whole(self)
+
+    def count_blocks(x, ids, block, out=None):
+        got = blocks(x, ids, block, out)
+        if x.dtype == torch.int8:  # the 8-bit rows the step gathers (their scales aside)
+            counted["blocks"] += got.numel()
+        return got
+    monkeypatch.setattr(QuantizedKV, "dequantize", count_whole)
+    monkeypatch.setattr(common, "gather_blocks", count_blocks)
+    cache = QuantizedCache(config=model.config)
+    with torch.no_grad():
+        out = model(ids, cache=cache, use_cache=True)
+        tok = out.logits[:, -1:].argmax(-1)
+        out = model(tok, cache=cache, use_cache=True)  # the first step summarises the cache's pages (bounds) once
+        tok = out.logits[:, -1:].argmax(-1)
+        counted.update(whole=0, blocks=0)
+        for _ in range(5):
+            out = model(tok, cache=cache, use_cache=True)
+            tok = out.logits[:, -1:].argmax(-1)
+    layers = len(longpatch.patched_layers(model))
+    cache_elems = cache.layers[0].keys.numel()
+    # per layer and step: the listed blocks of K and V (own, local, the prefill's 2, the step's 2 best-bounded: at
+    # most 8 of the cache's 41 blocks of 16) and a few rows, never the whole cache
+    row = cache_elems // cache.layers[0].keys.shape[2]
+    assert 0 < counted["blocks"] <= 5 * layers * 2 * 8 * 16 * row
+    # and slices: NSA's window, the new key's page (each a few rows of 645)
+    assert counted["whole"] <= 5 * layers * 2 * (params.get("window", 0) + 16) * row
+    q8 = _gen(model, ids, QuantizedCache(config=model.config), steps=6)
+    assert torch.equal(q8.sequences, full.sequences)
+
+
+def test_a_cropped_cache_is_taken_up_again():
+    model = tiny_model("llama")
+    ids = torch.randint(3, 256, (1, 60))
+    cache = QuantizedCache(config=model.config)
+    with torch.no_grad():
+        model(ids, cache=cache, use_cache=True)
+        cache.crop(-20)  # the last 20 rows dropped
+        out = model(ids[:, 40:41], cache=cache, use_cache=True)
+    assert isinstance(cache.layers[0].keys, QuantizedKV) and cache.layers[0].keys.shape[2] == 41
+    assert torch.isfinite(out.logits).all()
+
+
+def test_bad_formats_are_one_line(tmp_path):
+    with pytest.raises(ConfigError, match="cache format: got 'int4'; allowed: 'int8', 'fp8'"):
+        QuantizedCache(fmt="int4")
+    check_format("fp8", "cpu")  # the CPU stores e4m3 (and converts in software)
+    r = CliRunner().invoke(cli.app, ["eval", "needle", "--model", "demo", "--cache", "int4", "--out",
+                                     str(tmp_path / "n")])
+    assert r.exit_code == 2 and "cache format: got 'int4'" in r.output and "Traceback" not in r.output
+    assert not (tmp_path / "n").exists()
+
+
+def test_bench_generate_reports_the_cache_it_held(tmp_path):
+    args = ["bench", "generate", "--model", "tiny:llama", "--tokenizer", "bytes", "--config", "demo-moba-32k",
+            "--set", "chunk_size=16", "--set", "topk=3", "--layers", "all", "--contexts", "256", "--new-tokens", "4",
+            "--warmup", "0", "--no-plots", "--no-progress"]
+    got = {}
+    for cache in ("growing", "int8"):
+        r = CliRunner().invoke(cli.app, [*args, "--cache", cache, "--out", str(tmp_path / cache)])
+        assert r.exit_code == 0, r.output
+        got[cache] = json.loads((tmp_path / cache / "results.json").read_text())["records"]
+    for full, q8 in zip(got["growing"], got["int8"]):
+        assert q8["cache_mib"] < 0.5 * full["cache_mib"]  # float32 model: a quarter plus the scales
+
+
+def test_attention_over_listed_8bit_blocks_is_attention_over_their_dequantized_rows():
+    from longpatch.quantized import attend_blocks
+    k8 = QuantizedKV(*quantize(rows(96)), torch.float32)
+    v8 = QuantizedKV(*quantize(rows(96, seed=1)), torch.float32)
+    q = torch.randn(1, 4, 1, 16, generator=torch.Generator().manual_seed(3))
+    ids = torch.tensor([[[0, 3, -1], [5, 1, 2]]])
+    valid = (ids >= 0).repeat_interleave(16, -1)
+    valid[0, 1, :8] = False
+    out, lse = attend_blocks(q, k8, v8, ids, 16, valid, 0.25)
+    ks, vs = gather_blocks(k8.dequantize(), ids, 16), gather_blocks(v8.dequantize(), ids, 16)
+    s = (q.reshape(1, 2, 2, 16).double() @ ks.double().transpose(-1, -2) * 0.25).masked_fill(~valid.unsqueeze(2),
+                                                                                            float("-inf"))
+    want = (torch.softmax(s, -1) @ vs.double()).reshape(1, 4, 1, 16)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), torch.logsumexp(s, -1).reshape(1, 4, 1), atol=1e-5, rtol=1e-5)
+    none = torch.zeros_like(valid)
+    out, lse = attend_blocks(q, k8, v8, ids, 16, none, 0.25)  # no valid key: zeros and lse -inf
+    assert (out == 0).all() and torch.isneginf(lse).all()
