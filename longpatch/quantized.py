@@ -122,6 +122,19 @@ class QuantizedKV(torch.Tensor):
         return func(*tree_map(plain, args), **tree_map(plain, kwargs))
 
 
+# Reused buffers for the gathered rows converted to floats, by (name, dtype, device): a step writes into memory
+# it wrote before; fresh memory is several times slower to write on a CPU (its pages faulted in each time)
+_WORKSPACE: dict = {}
+
+
+def _workspace(name: str, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    key = (name, dtype, like.device)
+    buf = _WORKSPACE.get(key)
+    if buf is None or buf.numel() < like.numel():
+        buf = _WORKSPACE[key] = torch.empty(like.numel(), dtype=dtype, device=like.device)
+    return buf[:like.numel()].view(like.shape).copy_(like)
+
+
 def attend_blocks(q, k: QuantizedKV, v: QuantizedKV, ids: torch.Tensor, block: int, valid: torch.Tensor,
                   scale: float):
     """(out [b, hq, 1, d] in q's dtype, lse [b, hq, 1] float32) of one query per head over the rows of the listed
@@ -136,12 +149,12 @@ def attend_blocks(q, k: QuantizedKV, v: QuantizedKV, ids: torch.Tensor, block: i
     k8, ks = gather_blocks(k.q8, ids, block), gather_blocks(k.scale, ids, block)  # [b, hk, R, d], [b, hk, R, 1]
     v8, vs = gather_blocks(v.q8, ids, block), gather_blocks(v.scale, ids, block)
     qg = q.reshape(b, hk, hq // hk, d).to(acc)
-    s = (qg @ k8.to(acc).transpose(-1, -2)) * (ks.to(acc).transpose(-1, -2) * scale)  # [b, hk, g, R]
+    s = (qg @ _workspace("k", k8, acc).transpose(-1, -2)) * (ks.to(acc).transpose(-1, -2) * scale)  # [b, hk, g, R]
     s = s.masked_fill(~valid.unsqueeze(2), float("-inf"))
     top = s.amax(-1, keepdim=True).clamp(min=-1e30)  # a row with no valid key: zeros out, lse -inf
     p = torch.exp(s - top)
     total = p.sum(-1, keepdim=True)
-    out = ((p * vs.to(acc).transpose(-1, -2)) @ v8.to(acc)) / total.clamp(min=1e-30)
+    out = ((p * vs.to(acc).transpose(-1, -2)) @ _workspace("v", v8, acc)) / total.clamp(min=1e-30)
     lse = (top + total.log()).squeeze(-1)
     return out.reshape(b, hq, 1, d).to(q.dtype), lse.reshape(b, hq, 1).float()
 
