@@ -109,8 +109,9 @@ def run_decode_bench(methods=("moba",), cache_lens=DEFAULT_CACHE_LENS, heads: in
     """Time one decode step of each method against caches of ``cache_lens`` tokens, vs exact
     attention in the same run; returns one row per (method, step, cache length), writes JSON + PNG.
     ``steps``: which of ``STEPS`` to time (the graph-safe ones only for methods whose params have one).
-    ``cache``: "int8" or "fp8": the methods read the cache as 8-bit rows (``quantized.QuantizedKV``; the eager
-    step only), exact attention its full-precision form (the baseline a user has without longpatch)."""
+    ``cache``: "int8" or "fp8": each method's eager step also reads the cache as 8-bit rows
+    (``quantized.QuantizedKV``), timed right after its full-precision row; exact attention reads the
+    full-precision cache (the baseline a user has without longpatch)."""
     from ..methods.exact import exact_attention
 
     tdtype = torch_dtype(dtype)
@@ -138,32 +139,35 @@ def run_decode_bench(methods=("moba",), cache_lens=DEFAULT_CACHE_LENS, heads: in
         for n in cache_lens:
             q, k, v = _inputs(batch, heads, kv_heads, n, head_dim, tdtype, device=dev)
             exact_ms, _, ref = time_calls(partial(exact, q, k, v), repeats, sync)
-            if cache is not None:  # the methods' cache: 8-bit rows (exact's reference stays full precision)
-                k, v = (QuantizedKV(*quantize(t, cache), t.dtype) for t in (k, v))
+            caches = [(None, k, v)]
+            if cache is not None:  # the methods' cache also as 8-bit rows (exact's reference stays full precision)
+                caches.append((cache, *(QuantizedKV(*quantize(t, cache), t.dtype) for t in (k, v))))
             if errors:
                 qs, ks, vs = (t.to(dev) for t in structured_inputs(batch, kv_heads, n, head_dim, tdtype))
                 qs = qs[:, :, -1:].repeat_interleave(heads // kv_heads, 1)
                 ref_s = exact(qs, ks, vs)
+                structured = {None: (ks, vs)}
                 if cache is not None:
-                    ks, vs = (QuantizedKV(*quantize(t, cache), t.dtype) for t in (ks, vs))
+                    structured[cache] = tuple(QuantizedKV(*quantize(t, cache), t.dtype) for t in (ks, vs))
             for name in names:
                 call, make_state, resolved, bound = decoders[name]
-                if "eager" in steps:
+                for held, kc, vc in caches if "eager" in steps else ():  # full precision, then 8-bit
                     sync()
                     t0 = time.perf_counter()
-                    state = make_state(k, v)
+                    state = make_state(kc, vc)
                     sync()
                     init_ms = (time.perf_counter() - t0) * 1e3
-                    ms = time_calls(partial(call, q, k, v, state), repeats, sync)[0]
-                    row = dict(method=name, step="eager", cache=cache, cache_len=n, heads=heads, kv_heads=kv_heads,
+                    ms = time_calls(partial(call, q, kc, vc, state), repeats, sync)[0]
+                    row = dict(method=name, step="eager", cache=held, cache_len=n, heads=heads, kv_heads=kv_heads,
                                head_dim=head_dim, batch=batch, dtype=dtype, params=resolved, decode_ms=ms,
                                exact_ms=exact_ms, speedup=exact_ms / ms,
                                init_state_ms=init_ms if state is not None else None,
-                               err_random=rel_err(call(q, k, v, state), ref))
+                               err_random=rel_err(call(q, kc, vc, state), ref))
                     if errors:
-                        row["err_structured"] = rel_err(call(qs, ks, vs, make_state(ks, vs)), ref_s)
+                        kq, vq = structured[held]
+                        row["err_structured"] = rel_err(call(qs, kq, vq, make_state(kq, vq)), ref_s)
                     rows.append(row)
-                    _say(progress, console, name, "eager", n, ms, exact_ms)
+                    _say(progress, console, name, "eager" if held is None else f"eager, {held} cache", n, ms, exact_ms)
                 for kind in [x for x in steps if x != "eager"]:
                     fn = graph_step_call(bound, q, k, v, kind == "compiled")
                     if fn is None:
@@ -200,7 +204,8 @@ def _say(progress: bool, console, name: str, step: str, n: int, ms: float, exact
 def print_table(rows: list[dict], console=None) -> None:
     cols = ["method", "step", "cache", "decode ms", "exact ms", "speedup", "init_state ms", "err random",
             "err structured"]
-    cells = [[r["method"], r.get("step", "eager"), str(r["cache_len"]), fmt(r["decode_ms"], ".3f"),
+    cells = [[r["method"], r.get("step", "eager") + (f", {r['cache']} cache" if r.get("cache") else ""),
+              str(r["cache_len"]), fmt(r["decode_ms"], ".3f"),
               fmt(r["exact_ms"], ".3f"),
               fmt(r["speedup"], ".1f") + "×", fmt(r.get("init_state_ms"), ".1f"), fmt(r.get("err_random"), ".3f"),
               fmt(r.get("err_structured"), ".3f")] for r in rows]
@@ -216,11 +221,14 @@ def plot(rows: list[dict], path) -> None:
     exact = sorted({(r["cache_len"], r["exact_ms"]) for r in rows})
     if exact:
         ax_t.plot(*zip(*exact), marker="o", color=method_color("exact"), label="exact")
-    for m, st in sorted({(r["method"], r.get("step", "eager")) for r in rows}):
+    def kind(r):
+        return r.get("step", "eager") + (f", {r['cache']} cache" if r.get("cache") else "")
+
+    for m, st in sorted({(r["method"], kind(r)) for r in rows}):
         pts = sorted((r["cache_len"], r["decode_ms"], r["speedup"]) for r in rows
-                     if r["method"] == m and r.get("step", "eager") == st)
+                     if r["method"] == m and kind(r) == st)
         xs, ts, ss = zip(*pts)
-        label, style = (m, "-") if st == "eager" else (f"{m} ({st})", "--" if st == "graph" else ":")
+        label, style = (m, "-") if st == "eager" else (f"{m} ({st})", "--" if st.startswith("graph") else ":")
         ax_t.plot(xs, ts, marker="o", label=label, color=method_color(m), linestyle=style)
         ax_s.plot(xs, ss, marker="o", label=label, color=method_color(m), linestyle=style)
         annotate_speedups(ax_s, zip(xs, ss))
