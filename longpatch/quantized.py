@@ -68,7 +68,7 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> t
 class QuantizedKV(torch.Tensor):
     """A [b, h, n, d] tensor of dtype ``dtype`` held as 8-bit rows and per-row scales. Slicing and
     indexing along the leading dims stay 8-bit (views of the rows); ``index_select`` along those dims
-    dequantizes only the rows it picks; ``gather_blocks`` (what a decode step attends) likewise; any
+    dequantizes only the rows it picks, as ``methods.common.gather_blocks`` does the listed blocks; any
     other torch operation sees the dequantized tensor (one full dequantization per operation)."""
 
     @staticmethod
@@ -91,14 +91,6 @@ class QuantizedKV(torch.Tensor):
         """``index_select(dim, index)`` along a leading dim, dequantizing only the picked rows."""
         return dequantize(self.q8.index_select(dim, index), self.scale.index_select(dim, index), self.dtype)
 
-    def gather_blocks(self, ids: torch.Tensor, block: int) -> torch.Tensor:
-        """``methods.common.gather_blocks`` of the dequantized tensor, dequantizing only the listed blocks'
-        rows: [b, h, n, d], ids [b, h, S] -> [b, h, S * block, d] (ids of -1 and rows past n - 1 read
-        another row, which callers mask)."""
-        from .methods.common import gather_blocks  # block-sized copies of the 8-bit rows and of their scales
-
-        return dequantize(gather_blocks(self.q8, ids, block), gather_blocks(self.scale, ids, block), self.dtype)
-
     @property
     def nbytes_stored(self) -> int:
         return self.q8.numel() * self.q8.element_size() + self.scale.numel() * self.scale.element_size()
@@ -120,43 +112,6 @@ class QuantizedKV(torch.Tensor):
         def plain(t):
             return t.dequantize() if isinstance(t, QuantizedKV) else t
         return func(*tree_map(plain, args), **tree_map(plain, kwargs))
-
-
-# Reused buffers for the gathered rows converted to floats, by (name, dtype, device): a step writes into memory
-# it wrote before; fresh memory is several times slower to write on a CPU (its pages faulted in each time)
-_WORKSPACE: dict = {}
-
-
-def _workspace(name: str, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    key = (name, dtype, like.device)
-    buf = _WORKSPACE.get(key)
-    if buf is None or buf.numel() < like.numel():
-        buf = _WORKSPACE[key] = torch.empty(like.numel(), dtype=dtype, device=like.device)
-    return buf[:like.numel()].view(like.shape).copy_(like)
-
-
-def attend_blocks(q, k: QuantizedKV, v: QuantizedKV, ids: torch.Tensor, block: int, valid: torch.Tensor,
-                  scale: float):
-    """(out [b, hq, 1, d] in q's dtype, lse [b, hq, 1] float32) of one query per head over the rows of the listed
-    blocks ``ids`` [b, hk, L] of an 8-bit cache, rows where ``valid`` [b, hk, L * block] only. The rows are
-    gathered 8-bit and their scales folded into the scores (a key's) and the probabilities (a value's): no
-    dequantized copy of them is written."""
-    from .methods.common import acc_dtype, gather_blocks
-
-    b, hq, _, d = q.shape
-    hk = k.shape[1]
-    acc = acc_dtype(q.dtype)
-    k8, ks = gather_blocks(k.q8, ids, block), gather_blocks(k.scale, ids, block)  # [b, hk, R, d], [b, hk, R, 1]
-    v8, vs = gather_blocks(v.q8, ids, block), gather_blocks(v.scale, ids, block)
-    qg = q.reshape(b, hk, hq // hk, d).to(acc)
-    s = (qg @ _workspace("k", k8, acc).transpose(-1, -2)) * (ks.to(acc).transpose(-1, -2) * scale)  # [b, hk, g, R]
-    s = s.masked_fill(~valid.unsqueeze(2), float("-inf"))
-    top = s.amax(-1, keepdim=True).clamp(min=-1e30)  # a row with no valid key: zeros out, lse -inf
-    p = torch.exp(s - top)
-    total = p.sum(-1, keepdim=True)
-    out = ((p * vs.to(acc).transpose(-1, -2)) @ _workspace("v", v8, acc)) / total.clamp(min=1e-30)
-    lse = (top + total.log()).squeeze(-1)
-    return out.reshape(b, hq, 1, d).to(q.dtype), lse.reshape(b, hq, 1).float()
 
 
 def full_precision(*tensors):

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 import longpatch
 from longpatch import cli
 from longpatch.errors import ConfigError
-from longpatch.methods import common
+from longpatch.methods import blocksparse, common
 from longpatch.methods.common import gather_blocks
 from longpatch.quantized import QuantizedCache, QuantizedKV, check_format, dequantize, quantize
 from longpatch.testing.tiny import tiny_model
@@ -122,6 +122,7 @@ def test_a_patched_step_reads_only_the_rows_it_attends(method, params, monkeypat
         return got
     monkeypatch.setattr(QuantizedKV, "dequantize", count_whole)
     monkeypatch.setattr(common, "gather_blocks", count_blocks)
+    monkeypatch.setattr(blocksparse, "gather_blocks", count_blocks)
     cache = QuantizedCache(config=model.config)
     with torch.no_grad():
         out = model(ids, cache=cache, use_cache=True)
@@ -180,7 +181,7 @@ def test_bench_generate_reports_the_cache_it_held(tmp_path):
 
 
 def test_attention_over_listed_8bit_blocks_is_attention_over_their_dequantized_rows():
-    from longpatch.quantized import attend_blocks
+    from longpatch.methods.blocksparse import attend_quantized_blocks as attend_blocks
     k8 = QuantizedKV(*quantize(rows(96)), torch.float32)
     v8 = QuantizedKV(*quantize(rows(96, seed=1)), torch.float32)
     q = torch.randn(1, 4, 1, 16, generator=torch.Generator().manual_seed(3))

@@ -222,9 +222,9 @@ def gather_blocks(x: torch.Tensor, ids: torch.Tensor, block: int, out: torch.Ten
     gathering the same rows one by one, and any layout whose rows are contiguous is read in place
     (a GrowingCache's views included). ``out``: a buffer of b * hk * S * block * d elements to
     write into (a reused workspace is several times faster to write than a fresh tensor)."""
-    from ..quantized import QuantizedKV
-    if isinstance(x, QuantizedKV):  # an 8-bit cache: only the listed blocks' rows are dequantized
-        return x.gather_blocks(ids, block)
+    from ..quantized import QuantizedKV, dequantize
+    if isinstance(x, QuantizedKV):  # an 8-bit cache: the listed blocks' 8-bit rows and scales, dequantized alone
+        return dequantize(gather_blocks(x.q8, ids, block), gather_blocks(x.scale, ids, block), x.dtype)
     b, hk, n, d = x.shape
     S = ids.shape[-1]
     nb = n // block  # complete blocks

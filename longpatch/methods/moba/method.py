@@ -91,6 +91,11 @@ def _chunk_block(params: dict) -> int | None:
     return None if params["selection"] == "gate" else params["chunk_size"]
 
 
+def _reads_quantized(params: dict) -> bool:
+    """Whether these params' one-token step reads an 8-bit cache in place: the query-aware selections'."""
+    return _chunk_block(params) is not None
+
+
 def _couples_heads(params: dict) -> bool:
     """The query heads of a KV group select chunks together: shared_selection (the sum of their gate
     scores) and the query-aware selections (estimated per group)."""
@@ -150,5 +155,5 @@ MOBA = register_method(_MoBAMethod(
     graph_step=_graph_step,
     chunk_block=_chunk_block,
     # the query-aware selections' step: bounds, listed blocks and window read from the 8-bit rows
-    reads_quantized=lambda params: _chunk_block(params) is not None,
+    reads_quantized=_reads_quantized,
 ))

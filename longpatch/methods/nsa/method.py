@@ -78,6 +78,11 @@ def _chunk_block(params: dict) -> int | None:
     return None if params["selection"] == "compressed" else params["select_block"]
 
 
+def _reads_quantized(params: dict) -> bool:
+    """Whether these params' one-token step reads an 8-bit cache in place: the query-aware selections'."""
+    return _chunk_block(params) is not None
+
+
 def _exact_when(q_len: int, kv_len: int, params: dict) -> bool:
     """Where nsa_attention runs exact attention: with a query-aware selection, a call of a few queries against
     a longer cache none of which reaches a select block start."""
@@ -185,5 +190,5 @@ NSA = register_method(_NSAMethod(
     graph_step=_graph_step,
     chunk_block=_chunk_block,
     # the query-aware selections' step: bounds, listed blocks and window read from the 8-bit rows
-    reads_quantized=lambda params: _chunk_block(params) is not None,
+    reads_quantized=_reads_quantized,
 ))
