@@ -108,15 +108,16 @@ class QuantizedKV(torch.Tensor):
                 return QuantizedKV(func(x.q8, *rest, **kwargs), func(x.scale, *rest, **kwargs), x.dtype)
         if func is _aten.index_select.default and isinstance(x, QuantizedKV) and args[1] % x.dim() != x.dim() - 1:
             return x.index_rows(args[1], args[2])
+        return func(*tree_map(_plain, args), **tree_map(_plain, kwargs))
 
-        def plain(t):
-            return t.dequantize() if isinstance(t, QuantizedKV) else t
-        return func(*tree_map(plain, args), **tree_map(plain, kwargs))
+
+def _plain(t):
+    return t.dequantize() if isinstance(t, QuantizedKV) else t
 
 
 def full_precision(*tensors):
     """The tensors, each ``QuantizedKV`` dequantized (a call that reads the whole cache does it once)."""
-    return tuple(t.dequantize() if isinstance(t, QuantizedKV) else t for t in tensors)
+    return tuple(_plain(t) for t in tensors)
 
 
 class QuantizedLayer(DynamicLayer):

@@ -32,7 +32,7 @@
 # 128k and 256k beside the unpatched model (prefill_llama8b.json).
 # `bash scripts/gpu_check.sh decode` (about 7 minutes): a decode step's profile with the graph-safe and compiled
 # steps and the split-K kernel's bandwidth (decode_profile.json), `bench decode --steps eager,graph,compiled` of
-# MoBA and NSA at the shipped configs' params beside SDPA at 32k and 131k (decode_moba.json, decode_nsa.json), and
+# MoBA and NSA at the shipped configs' params beside SDPA at 131k (decode_moba.json, decode_nsa.json), and
 # Llama-3.1-8B's architecture at 128k with `bench generate --compile`, unpatched and llama-3.1-8b-moba-hybrid
 # (decode_llama8b.json).
 # `bash scripts/gpu_check.sh million` (at most 9 minutes with its step limits): Llama-3.1-8B's architecture with
