@@ -5,24 +5,24 @@
 # throughput.json (eval needle at batch 1/4/8), attention.json/.png, decode.json/.png, generate.json.
 # Each step has its own time limit, so that one failing step leaves the others' results.
 #
-# Issue 40 (the default: `bash scripts/gpu_check.sh`, about 6 minutes): backend flex against the torch path on
+# flex (the default: `bash scripts/gpu_check.sh`, about 6 minutes): backend flex against the torch path on
 # the GPU (scripts/gpu_flex_check.py -> flex_check.json), FlexAttention vs SDPA vs the
 # Triton kernels (prefill at 32k/131k, decode at 131k, NSA's peak memory, compile times:
 # scripts/gpu_flex.py -> flex.json), the kernels vs their twins in bf16 (kernels_bf16.json) and
 # Llama-3.1-8B's architecture with random weights end to end at 32k/64k/128k, unpatched and every layer
 # on MoBA's query-aware selection (e2e_llama8b.json). `bash scripts/gpu_check.sh all`: the earlier set
-# below as well (about 12 more minutes). DRY_RUN=1 runs the issue-40 steps tiny on the CPU (no GPU, no
+# below as well (about 12 more minutes). DRY_RUN=1 runs the flex steps tiny on the CPU (no GPU, no
 # install): flex on the compiled CPU path, a 2-layer llama, no kernels.
-# Needles (`bash scripts/gpu_check.sh needles`, or its old name issue41; about 4 minutes on an H100): the 32k passkey and code needle
+# Needles (`bash scripts/gpu_check.sh needles`; about 4 minutes on an H100): the 32k passkey and code needle
 # grids (40 prompts each) of demo-moba-32k and demo-nsa-32k on the GPU path (backend auto: flex), every
 # layer, exact beside them, compared prompt by prompt with the CPU's records in docs/img/heldout
 # (scripts/needle_agreement.py -> needle_agreement_{passkey,code}.json); TRIALS=2 halves it (20 prompts each).
-# DRY_RUN=1: one 1024-token prompt. `bash scripts/gpu_check.sh issue40+41`: both in one lease (SKIP_KERNELS=1
+# DRY_RUN=1: one 1024-token prompt. `bash scripts/gpu_check.sh flex+needles`: both in one call (SKIP_KERNELS=1
 # leaves out the kernels' bf16 check, e.g. when an earlier call of the lease measured it).
 # FLEX_LIMIT, E2E_LIMIT, NEEDLE_LIMIT: the steps' time limits in seconds (200, 170, 240 per template).
 # `bash scripts/gpu_check.sh selection` (about 6.5 minutes on an H100, at most 8.4 with its step limits): the
 # query-aware selections' GPU form against the CPU code (gpu_flex_check.py without the demo logits), the flex
-# table (gpu_flex.py), a decode step's profile (gpu_decode_profile.py), issue 41's needles (TRIALS, default
+# table (gpu_flex.py), a decode step's profile (gpu_decode_profile.py), the needles (TRIALS, default
 # 2; their agreements, not their records) and Llama-3.1-8B's architecture at 128k only.
 # `bash scripts/gpu_check.sh scoring` (about 3 minutes on an H200): `bench attention` of the hybrid selections at
 # demo-moba-32k's and demo-nsa-32k's params, 32k and 131k, beside SDPA (scoring_moba.json, scoring_nsa.json), and
@@ -46,7 +46,7 @@
 # that ends by the deadline; `decode` is PARTS="decode llama" of it.
 set -u
 OUT=${OUT:-runs/gpu}
-SUITE=${1:-issue40}
+SUITE=${1:-flex}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 if [ "${DRY_RUN:-0}" = 1 ]; then
@@ -65,7 +65,7 @@ step() { local limit=$1; shift
   fi
   echo "=== $* (limit ${limit}s)"; local t0=$SECONDS
   timeout "$limit" "$@"; echo "=== rc=$? in $((SECONDS - t0))s"; }
-issue40() {
+flex() {
   if [ "${DRY_RUN:-0}" = 1 ]; then
     step 300 $PY scripts/gpu_flex_check.py --device cpu --lengths 1100 --demo-len 600 --out "$OUT/flex_check.json"
     step 600 $PY scripts/gpu_flex.py --dry-run --repeats 2 --out "$OUT/flex.json"
@@ -90,13 +90,13 @@ issue40() {
     --no-progress --out "$TMP/e2e"
   cp "$TMP/e2e/results.json" "$OUT/e2e_llama8b.json"
 }
-issue41() {
+needles() {
   local G="--model demo --config demo-moba-32k,demo-nsa-32k --layer-counts 0,all --no-progress"
   if [ "${DRY_RUN:-0}" = 1 ]; then G="$G --lengths 1024 --depths 0.5 --trials 1"
   else G="$G --lengths 32768 --depths 0.05:0.95:0.1 --trials ${TRIALS:-4}"; fi
   for t in passkey code; do
     step ${NEEDLE_LIMIT:-240} $LP eval needle $G --template $t --out "$TMP/needle_$t"
-    # exact's CPU records, then the configs' re-run after issue 41's decode change (it changed their answers)
+    # exact's CPU records, then the configs' records since their decode step last changed (it changed their answers)
     $PY scripts/needle_agreement.py --reference docs/img/heldout/grid_$t/records.jsonl \
       docs/img/heldout/rerun/seed0_$t/records.jsonl --other "$TMP/needle_$t/records.jsonl" --out "$OUT/needle_agreement_$t.json"
     echo "=== agreement rc=$?"
@@ -115,7 +115,7 @@ selection() {
   step ${PROFILE_LIMIT:-45} $PY scripts/gpu_decode_profile.py $([ "${DRY_RUN:-0}" = 1 ] && echo --dry-run --steps 3) \
     --out "$OUT/decode_profile.json"
   # at most 8 files come back from a lease: the agreements, not the needle records
-  KEEP_RECORDS=0 TRIALS=${TRIALS:-2} NEEDLE_LIMIT=${NEEDLE_LIMIT:-90} issue41
+  KEEP_RECORDS=0 TRIALS=${TRIALS:-2} NEEDLE_LIMIT=${NEEDLE_LIMIT:-90} needles
   [ "${DRY_RUN:-0}" = 1 ] || step ${E2E_LIMIT:-70} $LP bench generate --model llama-3.1-8b --random-weights --method moba \
     --set selection=estimate --set chunk_size=256 --set topk=16 --set mass=0.9 --set local_blocks=1 --layers all \
     --contexts 131072 --new-tokens 8 --no-plots --no-progress --out "$TMP/e2e"
@@ -258,11 +258,11 @@ if [ "$SUITE" = decode ]; then decode 2>&1 | tee "$OUT/log.txt"; exit; fi
 if [ "$SUITE" = scoring ]; then scoring 2>&1 | tee "$OUT/log.txt"; exit; fi
 if [ "$SUITE" = prefill ]; then prefill 2>&1 | tee "$OUT/log.txt"; exit; fi
 if [ "$SUITE" = selection ]; then selection 2>&1 | tee "$OUT/log.txt"; exit; fi
-if [ "$SUITE" = issue40 ]; then issue40 2>&1 | tee "$OUT/log.txt"; exit; fi
-if [ "$SUITE" = needles ] || [ "$SUITE" = issue41 ]; then issue41 2>&1 | tee "$OUT/log.txt"; exit; fi
-if [ "$SUITE" = issue40+41 ]; then { issue40; issue41; } 2>&1 | tee "$OUT/log.txt"; exit; fi
+if [ "$SUITE" = flex ]; then flex 2>&1 | tee "$OUT/log.txt"; exit; fi
+if [ "$SUITE" = needles ]; then needles 2>&1 | tee "$OUT/log.txt"; exit; fi
+if [ "$SUITE" = flex+needles ]; then { flex; needles; } 2>&1 | tee "$OUT/log.txt"; exit; fi
 {
-  issue40  # the bf16 kernel check included
+  flex  # the bf16 kernel check included
   nvidia-smi -L
   step 300 python3 scripts/gpu_kernels.py --device cuda --n 4100 --head-dims 64 --dtypes float32 --grad-n 1024 \
     --out "$TMP/kf"

@@ -583,7 +583,7 @@ def test_decode_page_must_divide_the_block():
 
 
 def test_block_bounds_extend_as_blocks_fill_and_rebuild_for_another_cache():
-    from longpatch.methods.selection import block_bounds
+    from longpatch.methods.selection import block_bounds, page_minmax
 
     _, k, _ = qkv(70)
     state = {}
@@ -592,6 +592,11 @@ def test_block_bounds_extend_as_blocks_fill_and_rebuild_for_another_cache():
     mins, maxs = block_bounds(state, k, 16)  # two more full blocks: only those are read
     fresh = block_bounds({}, k, 16)
     assert torch.equal(mins, fresh[0]) and torch.equal(maxs, fresh[1])
+    ref = page_minmax(k[:, :, :64], 16)
+    assert torch.equal(mins, ref[0]) and torch.equal(maxs, ref[1])
+    # kept feature-major (a one-token query's product reads [d, pages] rows), appended in place
+    assert mins.stride(-2) == 1 and maxs.stride(-2) == 1
+    assert mins.data_ptr() == state["mins"].data_ptr()
     other = k.clone()
     other[:, :, 15] += 1.0  # another sequence in the same cache slot: its first block's closing row differs
     mins2, _ = block_bounds(state, other, 16)

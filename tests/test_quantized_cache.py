@@ -14,7 +14,8 @@ from longpatch import cli
 from longpatch.errors import ConfigError
 from longpatch.methods import blocksparse, common
 from longpatch.methods.common import gather_blocks
-from longpatch.quantized import QuantizedCache, QuantizedKV, check_format, dequantize, quantize
+from longpatch import quantized
+from longpatch.quantized import QuantizedCache, QuantizedKV, check_format, dequantize, quantize, row_width, unpack
 from longpatch.testing.tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -33,19 +34,28 @@ def rows(n=64, h=2, d=16, seed=0, dtype=torch.float32):
 
 def test_int8_rows_are_within_half_a_step():
     x = rows()
-    data, scale = quantize(x, "int8")
-    assert data.dtype == torch.int8 and scale.shape == (1, 2, 64, 1)
-    err = (dequantize(data, scale, x.dtype) - x).abs()
-    assert (err <= scale / 2 + 1e-6).all()
-    assert err[0, 0, 3].max() == 0  # zeros stay zeros
+    x[0, 1, 5] = -2.5  # a constant row
+    packed = quantize(x, "int8")
+    assert packed.dtype == torch.uint8 and packed.shape == (1, 2, 64, 16 + 8)  # codes, float32 scale and offset
+    codes, scale, offset = unpack(packed, "int8", 16)
+    assert codes.dtype == torch.uint8 and scale.shape == offset.shape == (1, 2, 64, 1)
+    # one step is the row's range / 255
+    torch.testing.assert_close(scale[0, 0, 10:], (x.amax(-1, keepdim=True) - x.amin(-1, keepdim=True))[0, 0, 10:] / 255)
+    err = (dequantize(packed, "int8", 16, x.dtype) - x).abs()
+    assert (err <= scale / 2 + 1e-5).all()
+    assert err[0, 0, 3].max() == 0 and err[0, 1, 5].max() == 0  # zeros and constant rows stay exact
     assert (err.amax(-1, keepdim=True) > 0).any()  # it does quantize
+    odd = rows(d=6)  # codes padded to a multiple of 4 bytes: the scale and offset stay aligned floats
+    assert quantize(odd).shape[-1] == row_width(6) == 16
+    assert ((dequantize(quantize(odd), "int8", 6, odd.dtype) - odd).abs() <= unpack(quantize(odd), "int8", 6)[1]).all()
 
 
 def test_fp8_rows_keep_three_mantissa_bits():
     x = rows()
-    data, scale = quantize(x, "fp8")
-    assert data.dtype == torch.float8_e4m3fn
-    back = dequantize(data, scale, x.dtype)
+    packed = quantize(x, "fp8")
+    codes, scale, offset = unpack(packed, "fp8", 16)
+    assert codes.dtype == torch.float8_e4m3fn and (offset == 0).all()
+    back = dequantize(packed, "fp8", 16, x.dtype)
     # e4m3: relative error at most 2^-4 for values in its normal range (above 2^-6 of the scale unit)
     normal = x.abs() >= scale * 2 ** -6
     assert ((back - x).abs() <= x.abs() * 2 ** -4 + 1e-6)[normal].all()
@@ -53,7 +63,7 @@ def test_fp8_rows_keep_three_mantissa_bits():
 
 def test_a_quantized_tensor_slices_gathers_and_computes_as_its_dequantized_self():
     x = rows(80)
-    qkv = QuantizedKV(*quantize(x), x.dtype)
+    qkv = QuantizedKV.of(x)
     full = qkv.dequantize()
     part = qkv[:, :, 10:40]
     assert isinstance(part, QuantizedKV) and isinstance(qkv[0], QuantizedKV) and isinstance(qkv.detach(), QuantizedKV)
@@ -98,7 +108,7 @@ def test_it_holds_a_quarter_of_a_float32_cache_plus_its_scales():
     layer = cache.layers[0]
     b, h, n, d = layer.keys.shape
     assert n == 103
-    assert cache.stored_bytes() == len(cache.layers) * 2 * b * h * n * (d + 4)  # int8 rows, a float32 scale each
+    assert cache.stored_bytes() == len(cache.layers) * 2 * b * h * n * (d + 8)  # 8-bit codes, float32 scale and offset
     assert layer._bufs[0].shape[2] >= 100 + 64  # the reserve: no reallocation during generation
 
 
@@ -109,18 +119,25 @@ def test_a_patched_step_reads_only_the_rows_it_attends(method, params, monkeypat
     ids = torch.randint(3, 256, (1, 640), generator=torch.Generator().manual_seed(2))
     full = _gen(model, ids, None, steps=6)
     counted = {"whole": 0, "blocks": 0}
-    whole, blocks = QuantizedKV.dequantize, common.gather_blocks
+    whole, blocks, bags = QuantizedKV.dequantize, common.gather_blocks, quantized.bag_sums
 
     def count_whole(self):
         counted["whole"] += self.numel()
         return whole(self)
 
+    hd = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
+
     def count_blocks(x, ids, block, out=None):
         got = blocks(x, ids, block, out)
-        if x.dtype == torch.int8:  # the 8-bit rows the step gathers (their scales aside)
-            counted["blocks"] += got.numel()
+        if x.dtype == torch.uint8:  # packed rows gathered (where fbgemm's bags do not apply)
+            counted["blocks"] += got.numel() // got.shape[-1] * hd
         return got
+
+    def count_bags(table, index, count, weights, d):  # rows read in place by fbgemm's bags (on a CPU)
+        counted["blocks"] += index.unique().numel() * d
+        return bags(table, index, count, weights, d)
     monkeypatch.setattr(QuantizedKV, "dequantize", count_whole)
+    monkeypatch.setattr(quantized, "bag_sums", count_bags)
     monkeypatch.setattr(common, "gather_blocks", count_blocks)
     monkeypatch.setattr(blocksparse, "gather_blocks", count_blocks)
     cache = QuantizedCache(config=model.config)
@@ -180,21 +197,29 @@ def test_bench_generate_reports_the_cache_it_held(tmp_path):
         assert q8["cache_mib"] < 0.5 * full["cache_mib"]  # float32 model: a quarter plus the scales
 
 
-def test_attention_over_listed_8bit_blocks_is_attention_over_their_dequantized_rows():
-    from longpatch.methods.blocksparse import attend_quantized_blocks as attend_blocks
-    k8 = QuantizedKV(*quantize(rows(96)), torch.float32)
-    v8 = QuantizedKV(*quantize(rows(96, seed=1)), torch.float32)
+@pytest.mark.parametrize("bags", [True, False])
+def test_attention_over_listed_8bit_rows_is_attention_over_their_dequantized_rows(bags, monkeypatch):
+    from longpatch.methods.blocksparse import attend_quantized_rows, block_sparse_decode
+    if not bags:  # where fbgemm's bags do not apply (a GPU, fp8): the listed blocks gathered and dequantized
+        monkeypatch.setattr(quantized, "_rowwise_op", lambda: None)
+    k8, v8 = QuantizedKV.of(rows(96)), QuantizedKV.of(rows(96, seed=1))
     q = torch.randn(1, 4, 1, 16, generator=torch.Generator().manual_seed(3))
-    ids = torch.tensor([[[0, 3, -1], [5, 1, 2]]])
-    valid = (ids >= 0).repeat_interleave(16, -1)
-    valid[0, 1, :8] = False
-    out, lse = attend_blocks(q, k8, v8, ids, 16, valid, 0.25)
-    ks, vs = gather_blocks(k8.dequantize(), ids, 16), gather_blocks(v8.dequantize(), ids, 16)
-    s = (q.reshape(1, 2, 2, 16).double() @ ks.double().transpose(-1, -2) * 0.25).masked_fill(~valid.unsqueeze(2),
-                                                                                            float("-inf"))
-    want = (torch.softmax(s, -1) @ vs.double()).reshape(1, 4, 1, 16)
-    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(lse.double(), torch.logsumexp(s, -1).reshape(1, 4, 1), atol=1e-5, rtol=1e-5)
-    none = torch.zeros_like(valid)
-    out, lse = attend_blocks(q, k8, v8, ids, 16, none, 0.25)  # no valid key: zeros and lse -inf
-    assert (out == 0).all() and torch.isneginf(lse).all()
+    kept = torch.tensor([[[0, 3, -1], [2, 1, -1]]])
+    got = block_sparse_decode(q, k8, v8, kept, 16, 0, 0.25)
+    assert (attend_quantized_rows(q, k8, v8, torch.zeros(1, 2, 1, dtype=torch.long), torch.ones(1, 2, 1, dtype=torch.bool),
+                                  0.25) is None) == (not bags)
+    # the definition: the own block (5, up to row 95) and the listed ones, over the dequantized rows, in float64
+    ks, vs = k8.dequantize().double(), v8.dequantize().double()
+    allowed = torch.zeros(2, 96, dtype=torch.bool)
+    for h, ids in enumerate(([0, 3, 5], [2, 1, 5])):
+        for j in ids:
+            allowed[h, j * 16:(j + 1) * 16] = True
+    s = (q.reshape(1, 2, 2, 16).double() @ ks.transpose(-1, -2) * 0.25).masked_fill(~allowed.view(1, 2, 1, 96),
+                                                                                  float("-inf"))
+    want = (torch.softmax(s, -1) @ vs).reshape(1, 4, 1, 16)
+    torch.testing.assert_close(got[0].double(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[1].double(), torch.logsumexp(s, -1).reshape(1, 4, 1), atol=1e-5, rtol=1e-5)
+    if bags:  # no valid key: zeros and lse -inf
+        out, lse = attend_quantized_rows(q, k8, v8, torch.zeros(1, 2, 4, dtype=torch.long),
+                                         torch.zeros(1, 2, 4, dtype=torch.bool), 0.25)
+        assert (out == 0).all() and torch.isneginf(lse).all()

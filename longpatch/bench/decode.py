@@ -127,7 +127,7 @@ def run_decode_bench(methods=("moba",), cache_lens=DEFAULT_CACHE_LENS, heads: in
         raise ConfigError(f"--steps: got {','.join(steps) or '(none)'}; allowed: a comma-separated subset of "
                           f"{', '.join(STEPS)}")
     if cache is not None:
-        from ..quantized import QuantizedKV, check_format, quantize
+        from ..quantized import QuantizedKV, check_format
         check_format(cache, dev)
         if set(steps) != {"eager"}:
             raise ConfigError(f"--cache {cache} with --steps {','.join(steps)}: the graph-safe steps read a static "
@@ -141,14 +141,14 @@ def run_decode_bench(methods=("moba",), cache_lens=DEFAULT_CACHE_LENS, heads: in
             exact_ms, _, ref = time_calls(partial(exact, q, k, v), repeats, sync)
             caches = [(None, k, v)]
             if cache is not None:  # the methods' cache also as 8-bit rows (exact's reference stays full precision)
-                caches.append((cache, *(QuantizedKV(*quantize(t, cache), t.dtype) for t in (k, v))))
+                caches.append((cache, *(QuantizedKV.of(t, cache) for t in (k, v))))
             if errors:
                 qs, ks, vs = (t.to(dev) for t in structured_inputs(batch, kv_heads, n, head_dim, tdtype))
                 qs = qs[:, :, -1:].repeat_interleave(heads // kv_heads, 1)
                 ref_s = exact(qs, ks, vs)
                 structured = {None: (ks, vs)}
                 if cache is not None:
-                    structured[cache] = tuple(QuantizedKV(*quantize(t, cache), t.dtype) for t in (ks, vs))
+                    structured[cache] = tuple(QuantizedKV.of(t, cache) for t in (ks, vs))
             for name in names:
                 call, make_state, resolved, bound = decoders[name]
                 for held, kc, vc in caches if "eager" in steps else ():  # full precision, then 8-bit

@@ -147,7 +147,7 @@ def block_sparse_decode(q, k, v, kept: torch.Tensor, block: int, local_blocks: i
     "flex": one FlexAttention call over the blocks (``flex.flex_decode``: no host round-trip; lse
     None without ``need_lse``), where it runs."""
     from ..quantized import QuantizedKV
-    quantized = isinstance(k, QuantizedKV)  # an 8-bit cache: the listed blocks gathered, dequantized (below)
+    quantized = isinstance(k, QuantizedKV) and isinstance(v, QuantizedKV)  # an 8-bit cache (below)
     if backend == "flex" and not quantized:
         from .flex import flex_decode, supports
         if supports(q, k, v, block, need_lse):
@@ -170,46 +170,42 @@ def block_sparse_decode(q, k, v, kept: torch.Tensor, block: int, local_blocks: i
         return attend_spans(q, k, v, groups, scale)
     tok = (sel.clamp(min=0).unsqueeze(-1) * block + torch.arange(block, device=q.device)).flatten(-2)
     valid = ((sel >= 0).unsqueeze(-1).expand(-1, -1, -1, block).flatten(-2)) & (tok <= t)
-    if quantized:
-        return attend_quantized_blocks(q, k, v, sel, block, valid, scale)
+    if quantized:  # on a CPU, read in place by fbgemm's bags; elsewhere gathered and dequantized below
+        got = attend_quantized_rows(q, k, v, tok.clamp(max=t), valid, scale)
+        if got is not None:
+            return got
     ks, vs = gather_blocks(k, sel, block), gather_blocks(v, sel, block)  # [b, hk, L*block, d]
     bias = torch.zeros(valid.shape, dtype=torch.float32, device=q.device).masked_fill(~valid, float("-inf"))
     out, lse = attend(q.view(b, hk, g, d), ks, vs, scale, mask=bias.unsqueeze(2))
     return out.reshape(b, hq, 1, d).to(q.dtype), lse.reshape(b, hq, 1)
 
 
-# Reused buffers for an 8-bit cache's gathered rows converted to floats, by (name, dtype, device): a step writes
-# into memory it wrote before; fresh memory is several times slower to write on a CPU (its pages faulted in)
-_WORKSPACE: dict = {}
-
-
-def _workspace(name: str, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    key = (name, dtype, like.device)
-    buf = _WORKSPACE.get(key)
-    if buf is None or buf.numel() < like.numel():
-        buf = _WORKSPACE[key] = torch.empty(like.numel(), dtype=dtype, device=like.device)
-    return buf[:like.numel()].view(like.shape).copy_(like)
-
-
-def attend_quantized_blocks(q, k, v, ids: torch.Tensor, block: int, valid: torch.Tensor, scale: float):
-    """(out [b, hq, 1, d] in q's dtype, lse [b, hq, 1] float32) of one query per head over the rows of the listed
-    blocks ``ids`` [b, hk, L] of an 8-bit cache (``quantized.QuantizedKV`` k and v), rows where ``valid``
-    [b, hk, L * block] only. The rows are gathered 8-bit and their scales folded into the scores (a key's) and
-    the probabilities (a value's): no dequantized copy of them is written."""
+def attend_quantized_rows(q, k, v, tok: torch.Tensor, valid: torch.Tensor, scale: float):
+    """(out [b, hq, 1, d] in q's dtype, lse [b, hq, 1] float32) of one query per head over the rows ``tok``
+    [b, hk, R] (positions; attended where ``valid``) of an 8-bit cache (``quantized.QuantizedKV`` k and v),
+    read in place by fbgemm's 8-bit embedding bags: the keys dequantized as they are gathered (one pass,
+    into a float32 [R, d] block per KV head), the values summed with the probabilities as weights straight
+    from their 8-bit rows. None where those bags do not apply (``quantized.rowwise_bags``): the caller
+    gathers and dequantizes the rows instead."""
+    from ..quantized import bag_sums, rowwise_bags
+    kt, vt = rowwise_bags(k), rowwise_bags(v)
+    if kt is None or vt is None:
+        return None
     b, hq, _, d = q.shape
-    hk = k.shape[1]
+    hk, dv, R = k.shape[1], v.shape[-1], tok.shape[-1]
+    g = hq // hk
     acc = acc_dtype(q.dtype)
-    k8, ks = gather_blocks(k.q8, ids, block), gather_blocks(k.scale, ids, block)  # [b, hk, R, d], [b, hk, R, 1]
-    v8, vs = gather_blocks(v.q8, ids, block), gather_blocks(v.scale, ids, block)
-    qg = q.reshape(b, hk, hq // hk, d).to(acc)
-    s = (qg @ _workspace("k", k8, acc).transpose(-1, -2)) * (ks.to(acc).transpose(-1, -2) * scale)  # [b, hk, g, R]
+    keys = bag_sums(kt[0], (tok + kt[1]).flatten(), b * hk * R, None, d).view(b, hk, R, d)
+    s = (q.reshape(b, hk, g, d).to(acc) @ keys.to(acc).transpose(-1, -2)) * scale  # [b, hk, g, R]
     s = s.masked_fill(~valid.unsqueeze(2), float("-inf"))
     top = s.amax(-1, keepdim=True).clamp(min=-1e30)  # a row with no valid key: zeros out, lse -inf
     p = torch.exp(s - top)
     total = p.sum(-1, keepdim=True)
-    out = ((p * vs.to(acc).transpose(-1, -2)) @ _workspace("v", v8, acc)) / total.clamp(min=1e-30)
+    rows = (tok + vt[1]).unsqueeze(2).expand(b, hk, g, R)  # each query head's bag: its KV head's rows
+    out = bag_sums(vt[0], rows.flatten(), b * hk * g, p.float().flatten(), dv).view(b, hk, g, dv)
+    out = out.to(acc) / total.clamp(min=1e-30)
     lse = (top + total.log()).squeeze(-1)
-    return out.reshape(b, hq, 1, d).to(q.dtype), lse.reshape(b, hq, 1).float()
+    return out.reshape(b, hq, 1, dv).to(q.dtype), lse.reshape(b, hq, 1).float()
 
 
 def _decode_rows(q, k, v, sel: torch.Tensor, block: int, scale: float, need_lse: bool):

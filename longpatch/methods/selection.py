@@ -781,8 +781,10 @@ def decode_kept(state: dict | None, q, k, block: int, max_blocks: int, local_blo
 def block_bounds(state: dict, k: torch.Tensor, page: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(mins, maxs) [b, hk, np, d]: per full page of ``page`` keys of the cache ``k``, its keys'
     elementwise minimum and maximum, kept in ``state`` and extended when a page fills
-    (``common.window_summaries``: each page is read once, rebuilt for another cache)."""
-    return window_summaries(state, ("mins", "maxs"), k, None, page, page, lambda kk, _: page_minmax(kk, page))
+    (``common.window_summaries``: each page is read once, rebuilt for another cache), stored feature-major
+    (``best_page_bounds`` multiplies them by one query per head)."""
+    return window_summaries(state, ("mins", "maxs"), k, None, page, page, lambda kk, _: page_minmax(kk, page),
+                            feature_major=True)
 
 
 def page_minmax(k: torch.Tensor, page: int) -> tuple[torch.Tensor, torch.Tensor]:

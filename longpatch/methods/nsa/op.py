@@ -80,8 +80,10 @@ def _estimated(q, k, v, scale, sb, num_selected, window, init_blocks, local_bloc
         o_w = torch.zeros_like(o_s)
         l_w = None if l_s is None else torch.full_like(l_s, float("-inf"))
     elif nq == 1 and nk > 1:
+        from ...quantized import full_precision
         w0 = max(0, nk - window)
-        o_w, l_w = attend(q.reshape(b, hk, hq // hk, d), k[:, :, w0:], v[:, :, w0:], scale)
+        kw, vw = full_precision(k[:, :, w0:], v[:, :, w0:])  # an 8-bit cache's window dequantized once, alone
+        o_w, l_w = attend(q.reshape(b, hk, hq // hk, d), kw, vw, scale)
         o_w, l_w = o_w.reshape(b, hq, 1, d), l_w.reshape(b, hq, 1)
     else:
         from ..flex import flex_band, supports
