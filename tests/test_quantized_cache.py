@@ -10,11 +10,10 @@ import torch.nn.functional as F
 from typer.testing import CliRunner
 
 import longpatch
-from longpatch import cli
+from longpatch import cli, quantized
 from longpatch.errors import ConfigError
 from longpatch.methods import blocksparse, common
 from longpatch.methods.common import gather_blocks
-from longpatch import quantized
 from longpatch.quantized import QuantizedCache, QuantizedKV, check_format, dequantize, quantize, row_width, unpack
 from longpatch.testing.tiny import tiny_model
 
@@ -206,8 +205,8 @@ def test_attention_over_listed_8bit_rows_is_attention_over_their_dequantized_row
     q = torch.randn(1, 4, 1, 16, generator=torch.Generator().manual_seed(3))
     kept = torch.tensor([[[0, 3, -1], [2, 1, -1]]])
     got = block_sparse_decode(q, k8, v8, kept, 16, 0, 0.25)
-    assert (attend_quantized_rows(q, k8, v8, torch.zeros(1, 2, 1, dtype=torch.long), torch.ones(1, 2, 1, dtype=torch.bool),
-                                  0.25) is None) == (not bags)
+    one = torch.zeros(1, 2, 1, dtype=torch.long)
+    assert (attend_quantized_rows(q, k8, v8, one, one == 0, 0.25) is None) == (not bags)
     # the definition: the own block (5, up to row 95) and the listed ones, over the dequantized rows, in float64
     ks, vs = k8.dequantize().double(), v8.dequantize().double()
     allowed = torch.zeros(2, 96, dtype=torch.bool)
