@@ -151,9 +151,9 @@ def tokenizer_option():
 
 def kv_cache_option():
     return typer.Option(None, "--cache", metavar="int8|fp8",
-                        help="keep the KV cache in 8 bits (longpatch.quantized.QuantizedCache: one scale per row; fp8 "
-                             "e4m3 on a GPU of compute capability 8.9 or later); default: the model's own, full "
-                             "precision")
+                        help="keep the KV cache in 8 bits (longpatch.quantized.QuantizedCache: a scale and offset "
+                             "per row; fp8 e4m3 on a GPU of compute capability 8.9 or later); default: the model's "
+                             "own, full precision")
 
 
 def prefill_chunk_option(what: str):
@@ -746,8 +746,8 @@ def bench_generate(
                                              "no per-token copy; the default), dynamic (transformers' DynamicCache, "
                                              "which copies the whole cache every token), static (transformers' "
                                              "StaticCache, preallocated; the default with --compile), int8 or fp8 "
-                                             "(longpatch.quantized.QuantizedCache: 8-bit rows, one scale per row; "
-                                             "fp8 e4m3 on a GPU of compute capability 8.9 or later)"),
+                                             "(longpatch.quantized.QuantizedCache: 8-bit rows, a scale and offset per "
+                                             "row; fp8 e4m3 on a GPU of compute capability 8.9 or later)"),
     compile_: bool = typer.Option(False, "--compile",
                                   help="decode steps under torch.compile with a static cache (CUDA graphs on a GPU), "
                                        "unpatched and patched alike; each row's compile in its untimed warm-up"),
