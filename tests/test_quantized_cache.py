@@ -69,6 +69,8 @@ def test_a_quantized_tensor_slices_gathers_and_computes_as_its_dequantized_self(
     part = qkv[:, :, 10:40]
     assert isinstance(part, QuantizedKV) and isinstance(qkv[0], QuantizedKV) and isinstance(qkv.detach(), QuantizedKV)
     torch.testing.assert_close(part.dequantize(), full[:, :, 10:40], atol=0, rtol=0)
+    every4 = QuantizedKV.of(rows(128))[:, :, 3::4]  # strided rows of a cache without spare capacity
+    torch.testing.assert_close(every4.dequantize(), QuantizedKV.of(rows(128)).dequantize()[:, :, 3::4], atol=0, rtol=0)
     idx = torch.tensor([5, 0, 79])
     torch.testing.assert_close(qkv.index_select(2, idx), full.index_select(2, idx), atol=0, rtol=0)
     ids = torch.tensor([[[2, -1, 4], [0, 1, 3]]])
