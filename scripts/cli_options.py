@@ -4,7 +4,7 @@
     python scripts/cli_options.py --docs     # rewrite the generated table in docs/configs.md
 
 tests/test_cli_options.py checks that the CLI, on whatever typer is installed, has exactly the options of
-the snapshot, that each `--help` lists them, and that docs/configs.md's table agrees (issue 39: typer 0.27
+the snapshot, that each `--help` lists them, and that docs/configs.md's table agrees (typer 0.27
 renamed options declared by their metavar alone).
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CI (issue 39): the tests that depend on the versions of longpatch's dependencies, in a venv per tested
+# CI: the tests that depend on the versions of longpatch's dependencies, in a venv per tested
 # environment besides CI's main one (the newest releases):
 #   floor      .ci/floor.txt      every range at its lowest version, Python 3.10
 #   gpu-image  .ci/gpu-image.txt  the lent GPU machines' torch/transformers/typer/click, Python 3.11
@@ -11,7 +11,7 @@ repo="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$repo"
 # CLI, patching (contract, families), loading, cache, one method each, one small eval, one bench.
 subset=(tests/test_dependencies.py tests/test_cli_options.py tests/test_cli_errors.py tests/test_contract.py
-        tests/test_patching.py tests/test_cache.py tests/test_user_round4.py tests/test_bench_generate.py tests/test_readme.py
+        tests/test_patching.py tests/test_cache.py tests/test_quantized_cache.py tests/test_user_round4.py tests/test_bench_generate.py tests/test_readme.py
         tests/test_moba.py tests/test_nsa.py tests/test_sparse.py tests/test_hyper.py tests/test_exact.py
         tests/test_eval_perplexity.py tests/test_eval_longbench.py::test_parquet_and_single_file)
 

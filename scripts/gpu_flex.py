@@ -6,14 +6,14 @@ the flex compile times.
     python scripts/gpu_flex.py --out runs/gpu/flex.json             # on a CUDA machine (bf16, 32/8 heads, d 128)
     python scripts/gpu_flex.py --dry-run --out /tmp/flex.json       # the same cases, tiny, on the CPU
 
-Cases (issue 40's table): moba and nsa with the query-aware selection (chunks/blocks of 256, at most
+Cases (docs/gpu.md's flex table): moba and nsa with the query-aware selection (chunks/blocks of 256, at most
 16, mass 0.9, selection estimate, NSA with demo-nsa-32k's params), sparse at its defaults, moba at
 the paper's defaults (its gate), NSA at the paper's defaults (memory), at 32k and 131k; decode at a
 131k cache (moba/nsa query-aware with decode_topk 8, sparse). Per case: median ms of the timed calls
 after an untimed first call (compiles), speedup over SDPA, the ideal speedup (exact's attended pairs
 / the method's, selection included) and achieved / ideal, the selection's own time (query-aware
 cases), the CUDA allocator's peak during one call beyond what was allocated before it. Also the hybrid
-selection of demo-moba-32k / demo-nsa-32k (issue 41), on flex only. The JSON is
+selection of demo-moba-32k / demo-nsa-32k, on flex only. The JSON is
 rewritten after every case, so a run cut short
 keeps what it measured; a case that fails records its error and the run goes on.
 """
@@ -40,7 +40,7 @@ from longpatch.ops import moba_attention, nsa_attention, sparse_attention  # noq
 MOBA_QA = dict(selection="estimate", chunk_size=256, topk=16, mass=0.9, estimate_queries=64, local_blocks=1)
 NSA_QA = dict(selection="estimate", compress_block=32, compress_stride=16, select_block=256, num_selected=16,
               window=256, init_blocks=1, local_blocks=2, gates=(0.0, 0.9, 0.1), mass=0.9, estimate_queries=64)
-# the hybrid selection of the bundled demo-moba-32k / demo-nsa-32k (issue 41): flex only, to keep the run short
+# the hybrid selection of the bundled demo-moba-32k / demo-nsa-32k: flex only, to keep the run short
 MOBA_HYB = {**MOBA_QA, "selection": "hybrid", "score_stride": 16}
 NSA_HYB = {**NSA_QA, "selection": "hybrid", "score_stride": 16}
 SPARSE = dict(window=1024, global_tokens=64)

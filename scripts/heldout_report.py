@@ -1,4 +1,4 @@
-"""One summary of the issue-41 measurements: needles kept of exact's, perplexity against exact, prefill
+"""One summary of the 32k configs' held-out measurements: needles kept of exact's, perplexity vs exact, prefill
 speedup and RULER per config, from the output directories of `eval needle`, `eval ppl`,
 `bench generate` and `eval ruler` (each run with exact in the same run: `--layer-counts 0,all`).
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Wheel smoke test (CI, issue 26): build the wheel, install it non-editable in a fresh venv, and run the CLI
+# Wheel smoke test (CI): build the wheel, install it non-editable in a fresh venv, and run the CLI
 # from outside the repo, so every import can only come from the wheel. An editable install hides a package
 # the wheel lacks (longpatch.parallel once was missing); this does not.
 #
