@@ -201,11 +201,15 @@ def _say(progress: bool, console, name: str, step: str, n: int, ms: float, exact
                       f"({exact_ms / ms:.1f}×)")
 
 
+def _step_label(r: dict) -> str:
+    """A row's step as the table and the plot name it: "eager", "graph", "compiled", or "eager, int8 cache"."""
+    return r.get("step", "eager") + (f", {r['cache']} cache" if r.get("cache") else "")
+
+
 def print_table(rows: list[dict], console=None) -> None:
     cols = ["method", "step", "cache", "decode ms", "exact ms", "speedup", "init_state ms", "err random",
             "err structured"]
-    cells = [[r["method"], r.get("step", "eager") + (f", {r['cache']} cache" if r.get("cache") else ""),
-              str(r["cache_len"]), fmt(r["decode_ms"], ".3f"),
+    cells = [[r["method"], _step_label(r), str(r["cache_len"]), fmt(r["decode_ms"], ".3f"),
               fmt(r["exact_ms"], ".3f"),
               fmt(r["speedup"], ".1f") + "×", fmt(r.get("init_state_ms"), ".1f"), fmt(r.get("err_random"), ".3f"),
               fmt(r.get("err_structured"), ".3f")] for r in rows]
@@ -221,12 +225,9 @@ def plot(rows: list[dict], path) -> None:
     exact = sorted({(r["cache_len"], r["exact_ms"]) for r in rows})
     if exact:
         ax_t.plot(*zip(*exact), marker="o", color=method_color("exact"), label="exact")
-    def kind(r):
-        return r.get("step", "eager") + (f", {r['cache']} cache" if r.get("cache") else "")
-
-    for m, st in sorted({(r["method"], kind(r)) for r in rows}):
+    for m, st in sorted({(r["method"], _step_label(r)) for r in rows}):
         pts = sorted((r["cache_len"], r["decode_ms"], r["speedup"]) for r in rows
-                     if r["method"] == m and kind(r) == st)
+                     if r["method"] == m and _step_label(r) == st)
         xs, ts, ss = zip(*pts)
         label, style = (m, "-") if st == "eager" else (f"{m} ({st})", "--" if st.startswith("graph") else ":")
         ax_t.plot(xs, ts, marker="o", label=label, color=method_color(m), linestyle=style)

@@ -332,9 +332,8 @@ def _appended(state: dict, name: str, olds: tuple, news: tuple, feature_major: t
     end = m + news[0].shape[2]
     filled, bufs = state.get(name, (None, ()))
     if filled != m or any(buf.shape[2] < end for buf in bufs):
-        bufs = []
+        bufs, cap = [], end + max(64, end // 4)
         for i, old in enumerate(olds):
-            cap = end + max(64, end // 4)
             if feature_major and feature_major[i]:
                 buf = old.new_empty((*old.shape[:2], old.shape[-1], cap)).transpose(-1, -2)
             else:
