@@ -276,11 +276,43 @@ def test_int8_products_only_where_the_cpu_multiplies_int8_fast(flags, fast, monk
     monkeypatch.setattr(selection, "CPUINFO", info)
     assert selection.cpu_int8_fast.__wrapped__() is fast
     monkeypatch.setattr(selection, "cpu_int8_fast", lambda: fast)
+    monkeypatch.setattr(selection, "int8_products_setting", lambda: None)  # the environment says "auto"
     x = torch.zeros(2, 2)
     assert selection._int8_applies(x) is fast
     for forced in (True, False):
         monkeypatch.setattr(selection, "INT8_PRODUCTS", forced)
         assert selection._int8_applies(x) is forced
+
+
+@pytest.mark.parametrize("value, forced", [(None, None), ("auto", None), ("on", True), ("1", True),
+                                           ("OFF", False), ("0", False)])
+def test_the_environment_chooses_the_int8_path_whatever_the_cpu(value, forced, monkeypatch):
+    """LONGPATCH_INT8_PRODUCTS pins the products' path (CI runs the suite at "on" and at "off", so both
+    paths are tested on every CPU); INT8_PRODUCTS, where a test sets it, wins over the environment."""
+    from longpatch.methods import selection
+
+    if value is None:
+        monkeypatch.delenv(selection.INT8_PRODUCTS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(selection.INT8_PRODUCTS_ENV, value)
+    assert selection.int8_products_setting.__wrapped__() is forced
+    monkeypatch.setattr(selection, "int8_products_setting", selection.int8_products_setting.__wrapped__)
+    monkeypatch.setattr(selection, "INT8_PRODUCTS", None)
+    x = torch.zeros(2, 2)
+    for cpu in (True, False):
+        monkeypatch.setattr(selection, "cpu_int8_fast", lambda cpu=cpu: cpu)
+        assert selection._int8_applies(x) is (cpu if forced is None else forced)
+    monkeypatch.setattr(selection, "INT8_PRODUCTS", not forced)
+    assert selection._int8_applies(x) is (not forced)
+
+
+def test_a_bad_int8_setting_is_one_line(monkeypatch):
+    from longpatch.errors import ConfigError
+    from longpatch.methods import selection
+
+    monkeypatch.setenv(selection.INT8_PRODUCTS_ENV, "yes please")
+    with pytest.raises(ConfigError, match=r"LONGPATCH_INT8_PRODUCTS='yes please': allowed values are auto, on, off"):
+        selection.int8_products_setting.__wrapped__()
 
 
 @pytest.mark.parametrize("n,mass,share", [(160, 0.8, 0.5), (150, 0.95, 1.0), (160, 0.6, 0.25)])

@@ -12,6 +12,14 @@ from longpatch.methods.selection import antidiagonal_scores, antidiagonal_scores
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+@pytest.fixture(autouse=True)
+def _float32_products(monkeypatch):
+    """The kernel multiplies in float32: the torch form it is held to takes its float32 products too,
+    whatever this CPU (or LONGPATCH_INT8_PRODUCTS) would choose (the int8 products are held to the
+    float32 ones within their rounding in tests/test_hybrid_selection.py)."""
+    monkeypatch.setattr(selection, "INT8_PRODUCTS", False)
+
+
 def _qkv(n, hq, hk, d, seed=0, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(1, hq, n, d, generator=g).to(dtype), torch.randn(1, hk, n, d, generator=g).to(dtype))

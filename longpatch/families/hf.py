@@ -94,24 +94,38 @@ def _make_attention(base: str):
                 out = route.run_step(query, key, value, *extent, scale=scaling)
                 return out.transpose(1, 2).contiguous(), None
         if route.method is not None and torch.compiler.is_compiling():
+            # every other call of a patched layer reads lengths, masks and block lists on the host and keeps
+            # decode state in Python: traced, dynamo would bake one call's values into the graph (wrong tokens
+            # on a padded batch) or fail; run outside the graph, it is the eager call, token for token
             _say_compiled()
-        segments = None
-        if why is None and route.method is not None:  # (an unpatched layer keeps the model's attention)
-            segments, why = _segments(attention_mask, query, key, causal, kwargs)
-        if segments is not None:  # a padded or packed batch: each sequence alone
-            out = route.run_ragged(segments, query, key, value, causal=causal, scale=scaling)
-            filled = _static_prefill(segments, query, key)
-            if filled:
-                route.prepare_step(key, filled, query.shape[0])
-            return out.transpose(1, 2).contiguous(), None
-        path = route.choose(query.shape[2], key.shape[2], why, causal=causal)
-        if path == "original":
-            return route.run(path, query, key, value, causal=causal, scale=scaling, original=original)
-        out = route.run(path, query, key, value, causal=causal, scale=scaling)
-        return out.transpose(1, 2).contiguous(), None
+            return _eager_outside_graph(route, why, original, query, key, value, attention_mask, causal, scaling,
+                                        kwargs)
+        return _eager(route, why, original, query, key, value, attention_mask, causal, scaling, kwargs)
 
     longpatch_attention.__name__ = f"{PREFIX}{base}"
     return longpatch_attention
+
+
+def _eager(route: LayerRoute, why, original, query, key, value, attention_mask, causal: bool, scaling, kwargs):
+    """A patched layer's call but for the graph-safe step: each sequence of a padded or packed batch alone,
+    else the path the route chooses (the method, exact attention or the model's own)."""
+    segments = None
+    if why is None and route.method is not None:  # (an unpatched layer keeps the model's attention)
+        segments, why = _segments(attention_mask, query, key, causal, kwargs)
+    if segments is not None:  # a padded or packed batch: each sequence alone
+        out = route.run_ragged(segments, query, key, value, causal=causal, scale=scaling)
+        filled = _static_prefill(segments, query, key)
+        if filled:
+            route.prepare_step(key, filled, query.shape[0])
+        return out.transpose(1, 2).contiguous(), None
+    path = route.choose(query.shape[2], key.shape[2], why, causal=causal)
+    if path == "original":
+        return route.run(path, query, key, value, causal=causal, scale=scaling, original=original)
+    out = route.run(path, query, key, value, causal=causal, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+_eager_outside_graph = torch.compiler.disable(_eager)
 
 
 @torch.compiler.disable
@@ -247,8 +261,21 @@ class _AutoCompile:
         # so they stay eager; the decode steps after them compile
         if sys._getframe(1).f_code.co_name == "_prefill":
             return False
-        return self.graph_safe and type(self.model)._valid_auto_compile_criteria(self.model, model_kwargs,
-                                                                                 generation_config)
+        if not self.graph_safe:
+            return False
+        if _padded(model_kwargs.get("attention_mask")):
+            # a padded batch's rows keep their own block lists (each from its own first key): their steps run
+            # eager, outside any graph (_eager_outside_graph), so a compile would add a graph break per patched
+            # layer and gain nothing
+            warn_once("padded compile", "longpatch: generate() does not compile the static-cache steps of a padded "
+                      "batch (its patched layers decode each row eagerly); this batch runs uncompiled")
+            return False
+        return type(self.model)._valid_auto_compile_criteria(self.model, model_kwargs, generation_config)
+
+
+def _padded(mask) -> bool:
+    """Whether a 2D attention mask hides any key (a padded batch); read once per generate() call."""
+    return isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.bool().all())
 
 
 def graph_safe(routes: list[LayerRoute]) -> bool:

@@ -24,7 +24,8 @@ tensor:
 Where it runs: a static cache's one-token steps (transformers' StaticCache hands every call its whole
 buffer) after a prefill into that buffer, on a GPU and under torch.compile; on the CPU eager the
 method's own step runs (it reads the listed rows in place, about 2x faster than this step's gathers).
-Padded batches keep the eager step (their rows' block lists start at their own first key).
+Padded batches keep the eager step (their rows' block lists start at their own first key): generate()
+does not compile their steps, and under a compile of the user's own it runs outside the graph (families/hf.py).
 
 It chooses what the eager step chooses (the same prefill list, the same bounds, the same ranking), so
 both give the same tokens; tests check that, and that the step compiles with ``fullgraph=True``.

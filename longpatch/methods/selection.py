@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -530,10 +531,24 @@ def _query_tiles(dst: torch.Tensor, src: torch.Tensor, tile0: int, stride: int, 
     dst[:, :, t0:].zero_()
 
 
-# The antidiagonal's products on a CPU in int8 (``_Int8Products``): None, where the CPU multiplies int8
-# fast (``cpu_int8_fast``); True: always (the int8 path's tests); False: float32 products
+# The antidiagonal's products on a CPU in int8 (``_Int8Products``): None, as the environment variable
+# LONGPATCH_INT8_PRODUCTS says (``int8_products_setting``); True: always; False: float32 products. The two
+# paths differ by the int8 rounding, so a test that compares against one of them pins it here, and CI runs
+# the suite with the variable at "on" and at "off" whatever its CPU would choose
 INT8_PRODUCTS: bool | None = None
+INT8_PRODUCTS_ENV = "LONGPATCH_INT8_PRODUCTS"
+_INT8_CHOICES = {"auto": None, "on": True, "1": True, "off": False, "0": False}
 CPUINFO = Path("/proc/cpuinfo")
+
+
+@functools.lru_cache(maxsize=None)
+def int8_products_setting() -> bool | None:
+    """LONGPATCH_INT8_PRODUCTS: "auto" (the default: int8 where ``cpu_int8_fast``), "on"/"1" or "off"/"0"."""
+    raw = os.environ.get(INT8_PRODUCTS_ENV, "auto")
+    value = raw.strip().lower()
+    if value not in _INT8_CHOICES:
+        raise ConfigError(f"{INT8_PRODUCTS_ENV}={raw[:40]!r}: allowed values are auto, on, off (or 1, 0)")
+    return _INT8_CHOICES[value]
 
 
 @functools.lru_cache(maxsize=None)
@@ -557,7 +572,10 @@ def _int8_applies(x: torch.Tensor) -> bool:
     region (its buffers are written through out= views)."""
     if torch.compiler.is_compiling() or x.device.type != "cpu" or x.dtype != torch.float32:
         return False  # (first: a compiled region must not trace the cpuinfo read)
-    return hasattr(torch, "_int_mm") and (cpu_int8_fast() if INT8_PRODUCTS is None else INT8_PRODUCTS)
+    if not hasattr(torch, "_int_mm"):
+        return False
+    forced = int8_products_setting() if INT8_PRODUCTS is None else INT8_PRODUCTS
+    return cpu_int8_fast() if forced is None else forced
 
 
 def _int8_rows(x: torch.Tensor, out_f: torch.Tensor, out_i: torch.Tensor) -> torch.Tensor:
