@@ -18,6 +18,7 @@ that keep their own tuple cache (ChatGLM2's remote code) do not use it.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -98,14 +99,17 @@ class GrowingLayer(DynamicLayer):
 class GrowingCache(DynamicCache):
     """``DynamicCache`` with ``GrowingLayer`` for its full-attention layers (sliding-window and
     other special layers stay as transformers makes them). ``reserve``: tokens of spare capacity
-    allocated with the prompt (e.g. ``max_new_tokens``), so generation never reallocates."""
+    allocated with the prompt (e.g. ``max_new_tokens``), so generation never reallocates; by keyword
+    (the first positional argument is the model's config, as DynamicCache's). Copies (copy.deepcopy: the
+    prompt-reuse recipe) and pickles as DynamicCache does."""
 
-    def __init__(self, config=None, reserve: int = 0, **kwargs):
+    def __init__(self, config=None, *, reserve: int = 0, **kwargs):
         # checked here, not at the first allocation deep inside generate()
+        check_config("GrowingCache", config, "reserve=64")
         check_int("GrowingCache: reserve", reserve, 0, MAX_TOKENS)
         super().__init__(config=config, **kwargs)
-        if self.layer_class_to_replicate is DynamicLayer:
-            self.layer_class_to_replicate = lambda: GrowingLayer(reserve=reserve)
+        if self.layer_class_to_replicate is DynamicLayer:  # a partial, not a lambda: the cache pickles
+            self.layer_class_to_replicate = functools.partial(GrowingLayer, reserve=reserve)
         self.layers = [self._growing(layer, reserve) if type(layer) is DynamicLayer else layer
                        for layer in self.layers]
 
@@ -115,6 +119,16 @@ class GrowingCache(DynamicCache):
         if getattr(layer, "keys", None) is not None and layer.keys.numel():
             new.update(layer.keys, layer.values)  # data given to the constructor
         return new
+
+
+def check_config(cls: str, config, example: str) -> None:
+    """A cache's first positional argument is the model's config (transformers' DynamicCache takes
+    config= and reads config.get_text_config()); anything else there, e.g. GrowingCache(64) or
+    QuantizedCache("fp8"), is a TypeError naming the keyword it was meant for, not an AttributeError
+    from inside transformers."""
+    if config is not None and not hasattr(config, "get_text_config"):
+        raise TypeError(f"{cls}: got {config!r} as its first positional argument, which is the model's config "
+                        f"(config=model.config); pass the cache's own options by keyword: {cls}({example})")
 
 
 def forward_params(model) -> dict:

@@ -39,11 +39,14 @@ import torch
 import yaml
 
 from .config import PatchConfig
-from .errors import ConfigError, LongpatchError
+from .errors import ConfigError, LongpatchError, shown
+from .eval.records import interrupt_said
 from .methods import get_method
 from .methods.common import dense_pairs
 from .methods.exact import exact_attention
 from .methods.selection import SCORINGS
+from .outdir import owns_out
+from .yamlio import load_yaml
 
 log = logging.getLogger("longpatch")
 
@@ -62,18 +65,20 @@ def parse_grid(items: list[str], method: str) -> dict[str, list]:
         key, sep, raw = str(item).partition("=")
         key = key.strip()
         if not sep or not key or not raw.strip():
-            raise ConfigError(f"--grid {item!r}: expected key=v1,v2,..., e.g. --grid topk=8,12,16")
+            raise ConfigError(f"--grid {shown(item)}: expected key=v1,v2,..., e.g. --grid topk=8,12,16")
         if key not in known:
             raise ConfigError(f"--grid {key}: not a param of method '{method}'; allowed: {', '.join(sorted(known))}")
         if key in grid:
             raise ConfigError(f"--grid {key}: given twice; allowed: each param once")
-        try:
+        try:  # read as --set reads its value (yamlio: aliases that expand past a config's size are refused)
             listed = raw.lstrip().startswith("[")
-            values = yaml.safe_load(raw) if listed else [yaml.safe_load(v) for v in raw.split(",")]
+            values = (load_yaml(raw, f"--grid {key}") if listed
+                      else [load_yaml(v, f"--grid {key}") for v in raw.split(",")])
         except yaml.YAMLError:
-            raise ConfigError(f"--grid {item!r}: malformed value {raw!r}; allowed: v1,v2,... or a YAML list") from None
+            raise ConfigError(f"--grid {shown(item)}: malformed value {shown(raw)}; allowed: v1,v2,... or a YAML "
+                              "list") from None
         if not isinstance(values, list) or not values:
-            raise ConfigError(f"--grid {item!r}: expected a non-empty list of values")
+            raise ConfigError(f"--grid {shown(item)}: expected a non-empty list of values")
         grid[key] = values
     return grid
 
@@ -152,11 +157,30 @@ class _Probe:
         return exact
 
 
-def run_key(model_name: str, cfg: PatchConfig, cands: list[dict], seq_len: int) -> str:
-    """What a record must match to be resumed: the same model, base config, candidates and length."""
-    text = json.dumps([model_name, cfg.method, cfg.params, cfg.layers, cfg.backend, cands, seq_len],
-                      sort_keys=True, default=str)
+def run_key(model_name: str, cfg: PatchConfig, cands: list[dict], seq_len: int, loaded: dict) -> str:
+    """What a record must match to be resumed: everything that changes a tally. The same model (and its
+    tokenizer, in model_name), base config, candidates and length, and how the model was loaded and runs
+    (``loaded``: loaded_identity), since a bfloat16 run's errors are not a float32 run's."""
+    text = json.dumps([model_name, cfg.method, cfg.params, cfg.layers, cfg.backend, cfg.min_seq_len, cfg.family,
+                       cands, seq_len, loaded], sort_keys=True, default=str)
     return hashlib.sha1(text.encode()).hexdigest()[:12]
+
+
+def loaded_identity(load, model) -> dict:
+    """How `model` was loaded (its LoadSpec `load`) and how it runs: the dtype asked for and the one its
+    weights are in, the attention implementation asked for and the one in use, the device map and the
+    device type of its weights (cpu, cuda: the same on every rank). Part of calibrate's resume key (the
+    evaluations' config ids: eval.sweep.loading_identity, which adds a key only where it is set)."""
+    from .eval.sweep import model_dtype
+
+    config = getattr(model, "config", None)
+    try:
+        device = next(model.parameters()).device.type
+    except (AttributeError, StopIteration, TypeError):
+        device = None
+    return {"dtype": load.dtype, "loaded_dtype": model_dtype(model), "attn_implementation": load.attn_implementation,
+            "attn_in_use": getattr(config, "_attn_implementation", None), "device_map": load.device_map,
+            "device": device}
 
 
 def calibrate_documents(model, cfg: PatchConfig, docs: list, cands: list[dict], records: Path | None = None,
@@ -382,6 +406,7 @@ def calibrated_config(cfg: PatchConfig, cands: list[dict], totals: dict[int, lis
     return cfg.replace(**changes), rows
 
 
+@owns_out("out", "calibrate")  # one run at a time per --out (another refuses in one line)
 def run_calibrate(model: str, *, config=None, method=None, layers=None, sets=(), grid=(), max_error=None,
                   max_ppl_increase: float | None = None,
                   data=None, subsets: str = "all", seq_len: int = 32768, max_docs: int = 2,
@@ -449,18 +474,19 @@ def run_calibrate(model: str, *, config=None, method=None, layers=None, sets=(),
             raise ConfigError(f"--holdout: {len(shared)} of its documents are calibration documents too; allowed: "
                               "a text the calibration does not read (best of another kind)")
     claim_out(out_dir, "calibrate")
-    key = run_key(f"{name}|{tok_id}", cfg, cands, seq_len)
-    totals = calibrate_documents(loaded, cfg, docs, cands, out_dir / RECORDS, key, progress)
-    held = None
-    if held_docs:  # records are per document, so both texts share the records file
-        held = calibrate_documents(loaded, cfg, held_docs, cands, out_dir / RECORDS, key, progress)
-    if max_ppl_increase is not None:  # judged by perplexity; the error tallies give the products
-        layers_run = sorted(totals)
-        totals = ppl_tallies(totals, layer_ppl(loaded, cfg, docs, cands, layers_run, out_dir / RECORDS, key,
-                                               progress))
-        if held is not None:
-            held = ppl_tallies(held, layer_ppl(loaded, cfg, held_docs, cands, layers_run, out_dir / RECORDS, key,
-                                               progress))
+    key = run_key(f"{name}|{tok_id}", cfg, cands, seq_len, loaded_identity(spec.load, loaded))
+    with interrupt_said(out_dir):  # the records of finished documents are kept: as the evaluations, say so
+        totals = calibrate_documents(loaded, cfg, docs, cands, out_dir / RECORDS, key, progress)
+        held = None
+        if held_docs:  # records are per document, so both texts share the records file
+            held = calibrate_documents(loaded, cfg, held_docs, cands, out_dir / RECORDS, key, progress)
+        if max_ppl_increase is not None:  # judged by perplexity; the error tallies give the products
+            layers_run = sorted(totals)
+            totals = ppl_tallies(totals, layer_ppl(loaded, cfg, docs, cands, layers_run, out_dir / RECORDS, key,
+                                                   progress))
+            if held is not None:
+                held = ppl_tallies(held, layer_ppl(loaded, cfg, held_docs, cands, layers_run, out_dir / RECORDS, key,
+                                                   progress))
     dense = _heads(loaded) * seq_len * (seq_len + 1) // 2  # one causal layer, one document
     exact_pairs = len(docs) * dense
     chosen, rows = calibrated_config(cfg, cands, totals, limit, relative, held,

@@ -41,7 +41,7 @@ def command(group: typer.Typer, name: str | None = None):
                 with _quiet_loading(kwargs.get("progress") is False):
                     return fn(*args, **kwargs)
             except LongpatchError as e:
-                _err.print(f"longpatch: error: {e}", style="red", markup=False)
+                _err.print(f"longpatch: error: {_bounded(str(e))}", style="red", markup=False)
                 raise typer.Exit(2) from None
             except (MemoryError, RuntimeError) as e:
                 # sizes past this machine's memory (--prefill, --seq-lens, ...) are input errors too: one line
@@ -88,6 +88,19 @@ def _quiet_loading(quiet: bool):
 def _out_of_memory(e: BaseException) -> bool:
     """MemoryError, torch's OutOfMemoryError (CUDA), or the CPU allocator's RuntimeError."""
     return isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or "can't allocate memory" in str(e)
+
+
+MAX_MESSAGE = 2000  # the longest error line the CLI prints
+
+
+def _bounded(message: str) -> str:
+    """An error message as printed: its head (the key and the value) and its tail (what is allowed), with
+    the middle cut past MAX_MESSAGE characters. Messages quote bounded excerpts of values (errors.shown);
+    this is the last guard for one that quotes a value whole (up to a config's 10,000 YAML values)."""
+    if len(message) <= MAX_MESSAGE:
+        return message
+    head, tail = MAX_MESSAGE // 2, MAX_MESSAGE // 4
+    return f"{message[:head]} ...[{len(message) - head - tail} characters cut]... {message[-tail:]}"
 
 
 def _first_line(e: BaseException) -> str:
@@ -318,13 +331,13 @@ def demo(
     needle_trials: int = typer.Option(NEEDLE_TRIALS, "--needle-trials",
                                       help="needle prompts per depth (5 depths, 10% to 90%)"),
     headline_length: int = typer.Option(32768, "--headline-length",
-                                        help="prompt length of the first table: the 32k configs with every layer "
-                                             "replaced beside exact (prefill speed, needles, perplexity at 16k); "
-                                             "0 skips it"),
+                                        help="prompt length of the first table: the 32k configs as shipped and "
+                                             "with every layer, beside exact (prefill speed, needles, perplexity "
+                                             "at 16k); 0 skips it"),
     progress: bool = typer.Option(True, "--progress/--no-progress"),
 ):
-    """Offline main job on the shipped demo model: first the 32k configs with every layer replaced beside
-    exact attention at 32k (whole-model prefill, needles, perplexity), then each method's perplexity,
+    """Offline main job on the shipped demo model: first the 32k configs as shipped and with every layer
+    replaced, beside exact attention at 32k (whole-model prefill, needles, perplexity), then each method's perplexity,
     attention speed and needle retrieval per layer count at 4k."""
     from .eval.demo import run_demo
 
@@ -359,19 +372,21 @@ def demo(
 
 
 def _headline_table(h: dict) -> None:
-    """The demo's first table: every layer replaced, beside exact (eval/headline.py)."""
+    """The demo's first table: the 32k configs as shipped and with every layer, beside exact (eval/headline.py)."""
+    from .eval.headline import layers_label
     from .eval.needle.prompts import length_label
 
     rows = h["rows"]
-    t = Table(title=f"demo model, every layer replaced, {length_label(h['length'])} prompts: whole-model prefill, "
-                    f"{h['needle_template']} needles ({rows[0]['needles']} prompts), perplexity at "
-                    f"{length_label(h['ppl_length'])}", title_justify="left")
-    for col in ("config", "prefill s", "speedup", "needles", "kept", "ppl", "vs exact"):
-        t.add_column(col, justify="left" if col == "config" else "right", no_wrap=col == "config")
+    t = Table(title=f"demo model, the 32k configs as shipped and with every layer, {length_label(h['length'])} "
+                    f"prompts: whole-model prefill, {h['needle_template']} needles ({rows[0]['needles']} prompts), "
+                    f"perplexity at {length_label(h['ppl_length'])}", title_justify="left")
+    for col in ("config", "layers", "prefill s", "speedup", "needles", "kept", "ppl", "vs exact"):
+        t.add_column(col, justify="left" if col in ("config", "layers") else "right", no_wrap=col == "config")
     for r in rows:
         exact = r["config"] == "exact"
         kept = "-" if exact else f"{r['needles_kept']}/{rows[0]['needles_found']}"
-        t.add_row(r["config"], f"{r['prefill_s']:.1f}", f"{r['prefill_speedup']:.2f}x",
+        t.add_row(r["config"], layers_label(r.get("layers", "all")), f"{r['prefill_s']:.1f}",
+                  f"{r['prefill_speedup']:.2f}x",
                   f"{r['needles_found']}/{r['needles']}", kept,
                   "-" if r["ppl"] is None else f"{r['ppl']:.3f}",
                   "-" if r["ppl_increase_pct"] is None else f"{r['ppl_increase_pct']:+.1f}%")
@@ -651,10 +666,12 @@ def eval_ruler(
     essays: Optional[str] = typer.Option(None, "--essays", metavar="FILE",
                                          help="essay haystack: RULER's PaulGrahamEssays.json, "
                                               "a .txt file or a directory of them, or demo (a "
-                                  "stand-in); default: essay tasks skipped"),
+                                  "stand-in); default: none, and --tasks all skips the essay tasks "
+                                  "(a task named in --tasks without its data is an error)"),
     qa: Optional[str] = typer.Option(None, "--qa", metavar="DIR",
                                      help="directory with squad.json and/or hotpotqa.json, or "
-                                          "hub; default: qa_1 and qa_2 skipped"),
+                                          "hub; default: none, and --tasks all skips qa_1 and qa_2 (named "
+                                          "in --tasks, they are an error)"),
     seed: int = typer.Option(42, "--seed", help="seed of every prompt"),
     out: str = out_option("runs/ruler", "records, results.json/.csv, heatmaps, RULER data/pred files; rerun to "
                                         "resume"),

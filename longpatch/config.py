@@ -12,8 +12,9 @@ from typing import Any, Sequence
 
 import yaml
 
-from .errors import ConfigError, check_int
+from .errors import ConfigError, check_int, shown
 from .methods import available_methods, get_method
+from .yamlio import load_yaml
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
@@ -249,7 +250,9 @@ def read_config(path_or_alias: str | Path) -> ConfigFile:
     except OSError as e:
         raise ConfigError(f"config: cannot read {path}: {e.strerror or e}") from None
     try:
-        data = yaml.load(text, Loader=_StrictLoader)
+        # measured before anything is built from it: a few hundred bytes of nested aliases can stand for
+        # billions of values, which the checks and the error messages below would walk
+        data = load_yaml(text, f"config: {path}")
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
@@ -268,20 +271,6 @@ def _bare_name(name: str | Path) -> bool:
     """Whether a name is written as a bare word (``demo``), not as a path (``./demo``, ``dir/demo``)."""
     text = str(name)
     return isinstance(name, str) and not text.startswith(".") and "/" not in text and os.sep not in text
-
-
-class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that refuses a key given twice in one mapping (plain YAML keeps the last one silently)."""
-
-    def construct_mapping(self, node, deep=False):
-        seen = {}
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=True)
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r} (first on line {seen[key] + 1})", key_node.start_mark)
-            seen[key] = key_node.start_mark.line
-        return super().construct_mapping(node, deep=deep)
 
 
 def check_runnable(load: "LoadSpec | None", patches: "Sequence[PatchConfig]" = ()) -> None:
@@ -312,18 +301,18 @@ def bundled_configs() -> dict[str, Path]:
 
 def _mapping(key, value):
     if not isinstance(value, dict):
-        raise ConfigError(f"{key}: got {value!r}; allowed: a mapping")
+        raise ConfigError(f"{key}: got {shown(value)}; allowed: a mapping")
     return value
 
 
 def _check_type(key, value, typ, allowed):
     if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
-        raise ConfigError(f"{key}: got {value!r}; allowed: {allowed}")
+        raise ConfigError(f"{key}: got {shown(value)}; allowed: {allowed}")
 
 
 def _check_choice(key, value, choices):
     if value not in choices:
-        raise ConfigError(f"{key}: got {value!r}; allowed: {', '.join(choices)}")
+        raise ConfigError(f"{key}: got {shown(value)}; allowed: {', '.join(choices)}")
 
 
 _LAYERS_ALLOWED = "an int N >= 0 (the last N layers), a list of 0-based layer indices, or 'all'"
@@ -335,7 +324,7 @@ def _check_layer_params(method: str, params: dict, layer_params) -> dict[int, di
     out = {}
     for layer, changes in _mapping("layer_params", layer_params).items():
         if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
-            raise ConfigError(f"layer_params: got the key {layer!r}; allowed: 0-based layer indices (ints >= 0)")
+            raise ConfigError(f"layer_params: got the key {shown(layer)}; allowed: 0-based layer indices (ints >= 0)")
         changes = _mapping(f"layer_params.{layer}", changes)
         try:
             get_method(method).resolve_params({**params, **changes})
@@ -355,9 +344,9 @@ def _check_layers(layers):
     if isinstance(layers, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
                                                  for i in layers):
         if len(set(layers)) != len(layers):
-            raise ConfigError(f"layers: got {list(layers)!r} with repeated indices; allowed: {_LAYERS_ALLOWED}")
+            raise ConfigError(f"layers: got {shown(list(layers))} with repeated indices; allowed: {_LAYERS_ALLOWED}")
         return sorted(layers)
-    raise ConfigError(f"layers: got {layers!r}; allowed: {_LAYERS_ALLOWED}")
+    raise ConfigError(f"layers: got {shown(layers)}; allowed: {_LAYERS_ALLOWED}")
 
 
 def select_layers(layers, num_layers: int) -> list[int]:

@@ -120,6 +120,11 @@ def _load_hf(cfg: LoadSpec):
         model = AutoModelForCausalLM.from_pretrained(cfg.model, **load_kwargs)
     except (OSError, ValueError) as e:
         raise LongpatchError(f"model: cannot load {cfg.model!r}: {_first_line(e)}") from None
+    except Exception as e:  # a damaged or refused weight file, which transformers lets through as a traceback
+        why = _weights_problem(cfg.model, e)
+        if why is None:
+            raise
+        raise LongpatchError(why) from None
     if is_chatglm:
         from .families.chatglm2 import prepare_loaded
         prepare_loaded(model)
@@ -235,6 +240,56 @@ def load_tokenizer(name: str, trust_remote_code: bool = False):
         raise LongpatchError(f"tokenizer: cannot load {name!r}: {_first_line(e)}") from None
 
 
+_DAMAGED = ("allowed: complete weight files (a download or a copy cut short leaves a truncated file: fetch or "
+            "save the model again)")
+
+
+def _weights_problem(model: str, e: Exception) -> str | None:
+    """The one-line error of a weight file that cannot be read, from the exception loading it raised: a
+    truncated or damaged safetensors file, a PyTorch checkpoint (.bin) cut short, or one holding objects
+    torch's safe loader (weights_only=True, which transformers uses) refuses to unpickle. It names the file
+    when `model` is a directory (the first of its weight files that fails on its own); None: `e` is not a
+    weight file's problem (the caller re-raises it)."""
+    import pickle
+
+    from safetensors import SafetensorError
+
+    text = str(e)
+    if isinstance(e, SafetensorError):
+        kind, what = "*.safetensors", f"a truncated or damaged safetensors file ({_first_line(e)}); {_DAMAGED}"
+    elif isinstance(e, pickle.UnpicklingError):
+        # torch's message is a page of advice; its one line of substance names the refused object
+        detail = next((line.split(":", 1)[1].strip() for line in text.splitlines()
+                       if line.strip().startswith("WeightsUnpickler error:")), _first_line(e))
+        detail = detail.split(". Please use", 1)[0].rstrip(".")
+        kind, what = "*.bin", (f"torch's safe loader (weights_only=True) refuses to unpickle it ({detail}); allowed: "
+                               "weights as tensors (safetensors, or torch.save of a state dict of tensors): longpatch "
+                               "does not run the code a pickle names")
+    elif isinstance(e, EOFError) or (isinstance(e, RuntimeError) and "PytorchStreamReader" in text):
+        kind, what = "*.bin", f"a truncated or damaged PyTorch checkpoint ({_first_line(e).split('. ')[0]}); {_DAMAGED}"
+    else:
+        return None
+    return f"model: {_failing_file(model, kind) or repr(model) + ' (its weights)'}: {what}"
+
+
+def _failing_file(model: str, pattern: str) -> Path | None:
+    """The first weight file matching `pattern` in the directory `model` that fails to open on its own (its
+    header or pickle read, not its tensors), else the only one there, else None (a hub id: a cached copy)."""
+    path = Path(model)
+    files = sorted(path.glob(pattern)) if path.is_dir() else []
+    for f in files:
+        try:
+            if f.suffix == ".safetensors":
+                from safetensors import safe_open
+                with safe_open(str(f), framework="pt"):
+                    pass
+            else:  # mmap, on the meta device: the pickle is read, the tensors are not
+                torch.load(f, map_location="meta", weights_only=True, mmap=True)
+        except Exception:
+            return f
+    return files[0] if len(files) == 1 else None
+
+
 def _first_line(e: Exception) -> str:
     text = str(e).strip().splitlines()
     return text[0] if text else type(e).__name__
@@ -246,7 +301,18 @@ def check_save_target(out_dir: str | Path) -> Path:
     from .outdir import check_creatable
 
     allowed = "a new or empty directory"
-    out = check_creatable(Path(out_dir).expanduser(), "--save", allowed)
+    out = Path(out_dir).expanduser()
+    # The last step renames the written directory onto `out` (after removing it if it is an empty directory):
+    # a rename replaces neither a symlink (to an empty directory or to nothing) nor a path through a dangling
+    # one, and exists() / is_dir() follow links, so the check below alone would pass them. Refused here, as
+    # that step would refuse them, before minutes of loading and writing.
+    link = next((p for p in (out, *out.parents) if p.is_symlink() and (p == out or not p.exists())), None)
+    if link is not None:
+        target = os.readlink(link)
+        state = "a dangling symbolic link" if not link.exists() else "a symbolic link"
+        raise ConfigError(f"--save: {link} is {state} (to {target}); allowed: {allowed} (not a link: the saved "
+                          "model is renamed into place), e.g. the link's target itself")
+    out = check_creatable(out, "--save", allowed)
     if out.exists():
         if any(out.iterdir()):
             raise ConfigError(f"--save: {out} exists and is not empty; allowed: {allowed}")

@@ -163,21 +163,24 @@ def parse_layer_counts(spec: "str | int | Sequence", flag: str = "--layer-counts
 
 def parse_set(pair: str) -> tuple[str, object]:
     """One --set KEY=VALUE -> (key, value). The value is YAML, so 128, true, null and [1, 2] have their
-    types, and empty is null; malformed YAML is a one-line error naming the pair."""
+    types, and empty is null; malformed YAML is a one-line error naming the pair. The value is read as a
+    config file is (yamlio.load_yaml: a key twice, or aliases that expand past a config's size, refused)."""
     import yaml
+
+    from .yamlio import load_yaml
 
     key, sep, raw = str(pair).partition("=")
     key = key.strip()
     if not sep or not key:
-        raise ConfigError(f"--set {pair!r}: expected key=value, e.g. --set block_size=128 or --set layers=4")
+        raise ConfigError(f"--set {_show(str(pair))}: expected key=value, e.g. --set block_size=128 or --set layers=4")
     if not raw:
         return key, None
     try:
-        return key, yaml.safe_load(raw)
+        return key, load_yaml(raw, f"--set {_clip(key)}")
     except yaml.YAMLError as e:
         problem = " ".join(str(getattr(e, "problem", None) or "cannot be parsed").split())
-        raise ConfigError(f"--set {pair!r}: malformed YAML value {raw!r} ({problem}); allowed: a YAML value, e.g. "
-                          "128, true, null, 'text' or [1, 2]") from None
+        raise ConfigError(f"--set {_show(str(pair))}: malformed YAML value {_show(raw)} ({problem}); allowed: a YAML "
+                          "value, e.g. 128, true, null, 'text' or [1, 2]") from None
 
 
 def missing_path(flag: str, text: str, allowed: str) -> ConfigError:

@@ -23,13 +23,14 @@ a prefill, a prefill chunk and a decode step see the same values.
 """
 from __future__ import annotations
 
+import copy
 import functools
 
 import torch
 from torch.utils._pytree import tree_map
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from .cache import MIN_GROWTH
+from .cache import MIN_GROWTH, check_config
 from .errors import ConfigError, check_int
 from .options import MAX_TOKENS
 
@@ -131,6 +132,15 @@ class QuantizedKV(torch.Tensor):
 
     def __repr__(self) -> str:
         return f"QuantizedKV(shape={tuple(self.shape)}, dtype={self.dtype}, format={self.fmt})"
+
+    # torch's default deepcopy and pickling of a wrapper subclass refuse it (they would go through clone()):
+    # both rebuild it from its packed rows, so a filled QuantizedCache copies (copy.deepcopy, the prompt-reuse
+    # recipe) and pickles. deepcopy's memo keeps rows that view one buffer views of one copied buffer.
+    def __deepcopy__(self, memo) -> "QuantizedKV":
+        return QuantizedKV(copy.deepcopy(self.rows, memo), self.fmt, self.shape[-1], self.dtype)
+
+    def __reduce_ex__(self, protocol):
+        return QuantizedKV, (self.rows, self.fmt, self.shape[-1], self.dtype)
 
     def _like(self, rows: torch.Tensor) -> "QuantizedKV":
         return QuantizedKV(rows, self.fmt, self.shape[-1], self.dtype)
@@ -289,15 +299,19 @@ class QuantizedLayer(DynamicLayer):
 class QuantizedCache(DynamicCache):
     """``DynamicCache`` with ``QuantizedLayer`` for its full-attention layers (sliding-window and other special
     layers stay as transformers makes them). ``fmt``: "int8" or "fp8" (e4m3; on a GPU of compute capability
-    8.9 or later). ``reserve``: tokens of spare capacity allocated with the prompt (e.g. ``max_new_tokens``)."""
+    8.9 or later). ``reserve``: tokens of spare capacity allocated with the prompt (e.g. ``max_new_tokens``).
+    Both by keyword: the first positional argument is the model's config, as DynamicCache's. A filled cache
+    copies (copy.deepcopy: prefill a prefix once, copy it per request) and pickles."""
 
-    def __init__(self, config=None, fmt: str = "int8", reserve: int = 0, **kwargs):
+    def __init__(self, config=None, *, fmt: str = "int8", reserve: int = 0, **kwargs):
+        check_config("QuantizedCache", config, f"reserve={config}" if isinstance(config, int) else
+                     f"fmt={config!r}" if isinstance(config, str) and config in FORMATS else "fmt='int8'")
         check_format(fmt)
         check_int("QuantizedCache: reserve", reserve, 0, MAX_TOKENS)
         super().__init__(config=config, **kwargs)
         self.fmt = fmt
-        if self.layer_class_to_replicate is DynamicLayer:
-            self.layer_class_to_replicate = lambda: QuantizedLayer(fmt, reserve)
+        if self.layer_class_to_replicate is DynamicLayer:  # a partial, not a lambda: the cache pickles
+            self.layer_class_to_replicate = functools.partial(QuantizedLayer, fmt, reserve)
         self.layers = [QuantizedLayer(fmt, reserve) if type(layer) is DynamicLayer else layer
                        for layer in self.layers]
 

@@ -25,7 +25,7 @@ from .config import (
     check_runnable,
     read_config,
 )
-from .errors import ConfigError, LongpatchError
+from .errors import ConfigError, LongpatchError, shown
 from .options import parse_layers, parse_names, parse_set
 
 log = logging.getLogger("longpatch")
@@ -143,8 +143,9 @@ def resolve(model: str | None, config=None, method: str | None = None, layers=No
                 if value and not load.get(key):
                     load.update(remote_code_consent({key: value}, name, consent))
             elif key in from_files and from_files[key][0] != value and key not in load_sets:
-                raise ConfigError(f"--config: {name} has {key}: {value!r} but {from_files[key][1]} has "
-                                  f"{from_files[key][0]!r}; one run loads the model once: choose with --set {key}=...")
+                raise ConfigError(f"--config: {name} has {key}: {shown(value)} but {from_files[key][1]} has "
+                                  f"{shown(from_files[key][0])}; one run loads the model once: choose with "
+                                  f"--set {key}=...")
             else:
                 load[key] = value
                 from_files[key] = (value, name)

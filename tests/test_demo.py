@@ -102,9 +102,15 @@ def test_demo_job_reports_retrieval_beside_perplexity(tmp_path):
     assert {(r["config"], r["layers"]) for r in needle["summary"]} == \
         {("exact", 0)} | {(c, 4) for c in demo_configs()}
     assert (tmp_path / "figure3.png").stat().st_size > 0
-    # the first table: every layer replaced by the 32k configs, beside exact (here at 1024 tokens)
+    # the first table: the 32k configs as shipped (layer 1 exact), then every layer, beside exact (here at 1024 tokens)
     head = s["headline"]
-    assert [r["config"] for r in head["rows"]] == ["exact", "demo-moba-32k", "demo-nsa-32k"]
+    assert [(r["config"], r["layers"]) for r in head["rows"]] == [
+        ("exact", []), ("demo-moba-32k", [0, 2, 3]), ("demo-moba-32k", "all"), ("demo-nsa-32k", [0, 2, 3]),
+        ("demo-nsa-32k", "all")]
     assert all(r["prefill_s"] > 0 and r["needles"] == 3 and r["ppl"] > 1 for r in head["rows"])
+    for name in ("needle", "needle-shipped", "ppl", "ppl-shipped"):  # the shipped rows: runs of their own layers
+        assert (tmp_path / "headline" / name / "results.json").exists(), name
+    shipped = json.loads((tmp_path / "headline" / "ppl-shipped" / "results.json").read_text())
+    assert {(c["config"], c["layers"]) for c in shipped["configs"]} == {("demo-moba-32k", 3), ("demo-nsa-32k", 3)}
     assert all(0 <= r["needles_kept"] <= r["needles_found"] for r in head["rows"][1:])
     assert (tmp_path / "headline" / "needle" / "results.json").exists() and (tmp_path / "frontier.png").exists()

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from ..errors import check_int
-from ..outdir import claim_out, write_json
+from ..outdir import claim_out, owns_out, write_json
 from .common import (
     DTYPES,
     SLOW_CALL_S,
@@ -138,6 +138,7 @@ def _memory_worker(job_json: str) -> None:
     print(json.dumps({"mem_mb": max(0, peak - before) / 1024}))
 
 
+@owns_out("out_dir", COMMAND)  # one run at a time per --out (two would skew each other's timings)
 def run_attention_bench(methods=("exact", "hyper"), seq_lens=DEFAULT_SEQ_LENS, causal_modes=(True, False),
                         heads: int = 1, head_dim: int = 64, batch: int = 1, dtype: str = "float32",
                         backward: bool = False, repeats: int = 3, out_dir: str | os.PathLike = "runs/bench",

@@ -26,7 +26,7 @@ from functools import partial
 import torch
 
 from ..errors import ConfigError
-from ..outdir import claim_out, write_json
+from ..outdir import claim_out, owns_out, write_json
 from .common import (
     annotate_speedups,
     bench_device,
@@ -101,6 +101,7 @@ def _inputs(batch, heads, kv_heads, n, d, dtype, seed=0, device="cpu"):
     return tuple(t.to(device=device, dtype=dtype) for t in (q, k, v))
 
 
+@owns_out("out_dir", COMMAND)  # one run at a time per --out (two would skew each other's timings)
 def run_decode_bench(methods=("moba",), cache_lens=DEFAULT_CACHE_LENS, heads: int = 1, head_dim: int = 64,
                      repeats: int = 20, out_dir: str | os.PathLike = "runs/bench_decode",
                      method_params: dict[str, dict] | None = None, kv_heads: int | None = None, batch: int = 1,

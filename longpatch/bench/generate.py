@@ -57,7 +57,7 @@ from ..eval.sweep import (
 )
 from ..memory import KEPT
 from ..options import MAX_TOKENS, MAX_VALUES, parse_layer_counts
-from ..outdir import check_out, claim_out, write_csv, write_json
+from ..outdir import check_out, claim_out, owns_out, write_csv, write_json, written_by
 from .common import figure, fmt, machine_meta, save_figure, show_table, synchronizer, wide_console
 
 log = logging.getLogger("longpatch")
@@ -367,6 +367,7 @@ def prompt_ids(tokenizer, loaded_tokenizer, model, model_name: str, texts: list[
 
 # ---- the run ----------------------------------------------------------------------------------------
 
+@owns_out("out", COMMAND, expand=True)  # one run at a time per --out (two would skew each other's timings)
 def run_generate_bench(model: str, config=None, layer_counts=None, contexts="8192,16384,32768", new_tokens: int = 64,
                        out: "str | os.PathLike" = "runs/bench_generate", *, layers=None, method: str | None = None,
                        sets: Sequence[str] = (), tokenizer=None, filler: str = "demo", repeats: int = 1,
@@ -474,7 +475,8 @@ def run_generate_bench(model: str, config=None, layer_counts=None, contexts="819
                                 "fixed-budget selection costs the same whatever the weights), the tokens mean "
                                 "nothing" if random_weights else ""))
     meta["device"] = str(device) if device.type == "cpu" else torch.cuda.get_device_name(device)
-    with removed_on_failure(out, keep_if_existed=out.exists()):
+    # the hold on out (owns_out) made the directory already: a failed write keeps it if it held our output before
+    with removed_on_failure(out, keep_if_existed=written_by(out) is not None):
         claim_out(out, COMMAND)
         files = {"csv": CSV_FILE, "plot": PLOT_FILE if plots else None}
         results = {"meta": meta, "records": records, "files": files}

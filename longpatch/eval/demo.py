@@ -7,7 +7,7 @@ from pathlib import Path
 from ..assets import EVAL_MIN_TOKENS, demo_model_path
 from ..errors import ConfigError, LongpatchError, check_int
 from ..options import MAX_TOKENS
-from ..outdir import check_out, claim_out, write_json
+from ..outdir import check_out, claim_out, owns_out, write_json
 from .headline import NEEDLE_DEPTHS as HEADLINE_DEPTHS
 from .headline import NEEDLE_TEMPLATE as HEADLINE_NEEDLES
 from .headline import PPL_LENGTH, PREFILL_LENGTH, plot_frontier, run_headline
@@ -73,11 +73,12 @@ NEEDLE_TRIALS = 1
 COMMAND = "demo"  # marks its --out (outdir.claim_out); its eval directories inside are marked by their evals
 
 
+@owns_out("out", COMMAND)  # one run at a time per --out (another refuses in one line)
 def run_demo(layer_counts: str = "0:4:1", max_docs: int = 6, out: str = "runs/demo", progress: bool = True,
              needle_length: int = NEEDLE_LENGTH, needle_template: str = NEEDLE_TEMPLATE,
              needle_depths: str = NEEDLE_DEPTHS, needle_trials: int = NEEDLE_TRIALS,
              headline_length: int = PREFILL_LENGTH, headline_ppl_length: int = PPL_LENGTH) -> dict:
-    """The main offline job: first the shipped 32k configs with every layer replaced beside exact at
+    """The main offline job: first the shipped 32k configs as shipped and with every layer, beside exact at
     ``headline_length`` tokens (``headline.run_headline``: prefill speed, needles, perplexity at
     ``headline_ppl_length``; 0 skips it), then a small-scale Figure 3 of the HyperAttention paper on
     the demo model, with retrieval beside it.

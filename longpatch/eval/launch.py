@@ -14,6 +14,7 @@ processes it runs as one of them.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -29,7 +30,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import ConfigError, LongpatchError
-from ..outdir import claim_out
+from ..outdir import HELD_ENV, claim_out, held_key, hold_out
 from .records import removed_on_failure
 
 WORKER_ENV = "LONGPATCH_EVAL_WORKER"  # set in the processes --num-processes spawns
@@ -91,11 +92,14 @@ def run_sharded(spec, model, entry: str, body: Callable[[Dist, str], dict], repo
         calls with spec.to_kwargs() (model included); body(dist, run_id): the evaluation in this
         process, returning its results on rank 0 ({} elsewhere and in spawned workers); report():
         the results from what the workers wrote.
-    A failed call that finished nothing removes the `out` directory it created.
+    A failed call that finished nothing removes the `out` directory it created. The run owns `out` (_owned)
+    for its lifetime: another run on it refuses.
     """
     out = Path(spec.out)
-    with removed_on_failure(out, keep_if_existed=out.exists()):
-        dist = distributed()
+    existed = out.exists()
+    dist = distributed()
+    # The lock first: a refused run must not clean up (removed_on_failure) the directory of the run it met.
+    with _owned(out, spec.COMMAND, dist.main), removed_on_failure(out, keep_if_existed=existed):
         run_id = shared_run_id(dist, spec.run_id)
         if spec.num_processes <= 1:
             return body(dist, run_id)
@@ -122,8 +126,10 @@ def run_sequence_parallel(spec, model, entry: str, body: Callable[[Dist, str], d
     """
     n = spec.sequence_parallel
     out = Path(spec.out)
-    with removed_on_failure(out, keep_if_existed=out.exists()):  # num_processes > 1: refused by the spec
-        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    existed = out.exists()
+    main = int(os.environ.get("RANK", "0") or 0) == 0  # the launcher's rank 0, or the one process
+    with _owned(out, spec.COMMAND, main), removed_on_failure(out, keep_if_existed=existed):
+        world = int(os.environ.get("WORLD_SIZE", "1") or 1)  # num_processes > 1: refused by the spec
         if world == 1:
             if not isinstance(model, str) or not spec.named_inputs():
                 raise ConfigError("--sequence-parallel > 1 needs the model, tokenizer and config given by name or "
@@ -142,12 +148,19 @@ def run_sequence_parallel(spec, model, entry: str, body: Callable[[Dist, str], d
         return body(Dist(dist.rank, dist.world, "sequence", dist.state), run_id)
 
 
+def _owned(out: Path, command: str, main: bool):
+    """The run's hold on `out` (outdir.hold_out), taken by its main process only: under a launcher the other
+    ranks wait for rank 0 in their first collective (shared_run_id), so rank 0's refusal stops them all
+    before any work; the processes this run starts itself find `out` held for them (HELD_ENV)."""
+    return hold_out(out, command) if main else contextlib.nullcontext(out)
+
+
 def torchrun(entry: str, kwargs: dict, nproc: int, out: Path) -> None:
     """Run entry(**kwargs) in nproc local processes started by torch's own launcher (torch.distributed.run,
     --standalone: a free rendezvous port of its own; through longpatch.parallel.torchrun, which keeps its
     failure report to one line) and wait for them."""
     out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ)
+    env = dict(os.environ, **{HELD_ENV: held_key(out)})  # this run holds out for its processes
     threads = _cpu_threads(nproc)
     if threads and "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = threads
@@ -173,7 +186,7 @@ def spawn(entry: str, kwargs: dict, num_processes: int, out: Path) -> None:
     procs = []
     for rank in range(num_processes):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(num_processes), LOCAL_RANK=str(rank),
-                   **{WORKER_ENV: "1"})
+                   **{WORKER_ENV: "1", HELD_ENV: held_key(out)})  # held_key: this run holds out for them
         if threads and "OMP_NUM_THREADS" not in os.environ:
             env["OMP_NUM_THREADS"] = threads
         cmd = [sys.executable, "-c", "from longpatch.eval.launch import worker_main; worker_main()", entry,

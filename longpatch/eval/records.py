@@ -17,6 +17,17 @@ log = logging.getLogger("longpatch")
 INTERRUPTED = "longpatch: interrupted; finished work is saved in %s: run the same command again to resume"
 
 
+@contextlib.contextmanager
+def interrupt_said(out: "str | Path"):
+    """Work interrupted (Ctrl-C, SIGINT) inside says where its finished part is saved (INTERRUPTED), then
+    stops as interrupted (the CLI exits 130)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        log.warning(INTERRUPTED, out)
+        raise
+
+
 def announce_resume(already: int, total: int, what: str, out: Path) -> None:
     print(f"longpatch: resuming: {already} of {already + total} {what} already in {out}", file=sys.stderr)
 

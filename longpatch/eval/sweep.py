@@ -202,7 +202,8 @@ def num_layers(model, cfg: PatchConfig) -> int:
 def run_points(model, todo: list[tuple[Point, list]], writer: RecordLog, bar, out,
                one: Callable[[Point, object], dict], start: Callable[[Point, list], None] | None = None,
                label: Callable[[Point], str] = lambda p: p.label, shapes=(), interleave: bool = False,
-               batch: int = 1, many: Callable[[Point, list], list[dict]] | None = None) -> None:
+               batch: int = 1, many: Callable[[Point, list], list[dict]] | None = None,
+               same: Callable[[object], object] | None = None) -> None:
     """The loop of every evaluation: patch the model for each point that has pending items, append the
     record one(point, item) of each item as it finishes, unpatch; closes writer and bar. start(point,
     items) runs after a point's first patching (warm-up). Interrupted, it says where the finished work is.
@@ -211,7 +212,8 @@ def run_points(model, todo: list[tuple[Point, list]], writer: RecordLog, bar, ou
     interleave: item by item, every point's record of an item before the next item, so the points'
     timings of one item are taken side by side, under the same load (eval ppl's speedups).
     batch, many: with many given and batch > 1, items go `batch` at a time to many(point, items), which
-    returns their records in order (the batched generations)."""
+    returns their records in order (the batched generations); same(item), if given: only items with
+    equal same() share a batch (eval needle: the prompt length, under a chunked prefill)."""
     say_if_exact(model, [p for p, pending in todo if pending], shapes)
     steps = _interleaved(todo) if interleave else [(p, pending) for p, pending in todo if pending]
     started: set[str] = set()
@@ -224,8 +226,7 @@ def run_points(model, todo: list[tuple[Point, list]], writer: RecordLog, bar, ou
                     start(point, pending)
                 started.add(point.config_id)
                 size = batch if many is not None else 1
-                for i in range(0, len(pending), size):
-                    group = pending[i:i + size]
+                for group in _batches(pending, size, same):
                     for record in (many(point, group) if size > 1 else [one(point, group[0])]):
                         writer.append(record)
                     bar.update(len(group))
@@ -237,6 +238,15 @@ def run_points(model, todo: list[tuple[Point, list]], writer: RecordLog, bar, ou
     finally:
         bar.close()
         writer.close()
+
+
+def _batches(items: list, size: int, same: Callable[[object], object] | None) -> list[list]:
+    """items `size` at a time, in order; with same given, each batch of items with one same() value (the
+    values in first-seen order)."""
+    runs: dict = {}
+    for x in items:
+        runs.setdefault(None if same is None else same(x), []).append(x)
+    return [run[i:i + size] for run in runs.values() for i in range(0, len(run), size)]
 
 
 def _interleaved(todo: list[tuple[Point, list]]) -> list[tuple[Point, list]]:
@@ -280,11 +290,12 @@ def say_if_exact(model, points: list[Point], shapes) -> None:
 
 def run_generations(model, points: list[tuple[str, Point]], work: list, out, dist, progress: bool, desc: str,
                     one: Callable[[str, Point, object], dict], shapes=(), batch: int = 1,
-                    many: Callable[[str, Point, list], list[dict]] | None = None) -> None:
+                    many: Callable[[str, Point, list], list[dict]] | None = None,
+                    same: Callable[[object], object] | None = None) -> None:
     """The generation evaluations' loop (eval needle, eval longbench): every (labelled point, work item)
     not yet in out's records, one record each; `work` items carry a `digest`; one(label, point, item),
     or many(label, point, items) `batch` items at a time. shapes: as run_points (on rank 0;
-    generation_shapes)."""
+    generation_shapes). same: as run_points (which items may share a batch)."""
     from tqdm.auto import tqdm
 
     out = Path(out)
@@ -301,7 +312,7 @@ def run_generations(model, points: list[tuple[str, Point]], work: list, out, dis
     run_points(model, [(p, ws) for _, p, ws in todo], RecordLog(records_file(out, dist.rank, dist.world)), bar, out,
                lambda p, w: one(labels[p.config_id], p, w), label=lambda p: f"{labels[p.config_id]} {p.label}",
                shapes=shapes if dist.main else (), batch=batch,
-               many=None if many is None else (lambda p, ws: many(labels[p.config_id], p, ws)))
+               many=None if many is None else (lambda p, ws: many(labels[p.config_id], p, ws)), same=same)
 
 
 def prepare_configs(model, spec: RunSpec, dist) -> Prepared:
@@ -341,11 +352,29 @@ def eval_tokenizer(given, loaded, model, name: str | None, trust_remote_code: bo
     return resolve_tokenizer(given, loaded, None if name == type(model).__name__ else name, trust_remote_code)
 
 
+def loading_identity(prep: Prepared) -> dict:
+    """What every config id holds of how the model was loaded and where it runs, since each changes the
+    numbers: the dtype and attention implementation asked for; for a model the caller loaded (no option
+    says how), the dtype and attention implementation it has; the device map; the device type of its
+    weights when not the CPU (cuda: the same on every rank). A key is added only where it says something,
+    so that the ids of runs without it stay what they were (their --out resumes)."""
+    key = {"dtype": prep.load.dtype, "attn_implementation": prep.load.attn_implementation}
+    if prep.load.model is None:  # a loaded model object: "auto" and None would say nothing about it
+        key["loaded_dtype"] = model_dtype(prep.model)
+        key["attn_in_use"] = getattr(getattr(prep.model, "config", None), "_attn_implementation", None)
+    if prep.load.device_map is not None:
+        key["device_map"] = prep.load.device_map
+    device = input_device(prep.model).type
+    if device != "cpu":
+        key["device"] = device
+    return key
+
+
 def labelled_points(prep: Prepared, spec: RunSpec, n_layers: int, identity: dict) -> list[tuple[str, Point]]:
     """(label, point) per config and layer count; 0 replaced layers is the model's own attention whatever
     the config, so all configs share one baseline, labelled 'exact'."""
     points: list[tuple[str, Point]] = []
-    identity = dict(identity, dtype=prep.load.dtype, attn_implementation=prep.load.attn_implementation)
+    identity = dict(identity, **loading_identity(prep))
     for config, cfg in prep.patches:
         label = config or (f"{cfg.method}" if spec.method else "default")
         for p in make_points(cfg, spec.sweep(), n_layers, identity):

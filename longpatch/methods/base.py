@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..errors import ConfigError
+from ..errors import ConfigError, shown
 
 # The largest int any method param takes: sizes past the input are clamped to it by the ops (window=10**9 is
 # a valid wish for every key), but a 400-digit number is a typo, and past int64 torch cannot take it at all.
@@ -39,7 +39,7 @@ class Param:
             return None
         if not ok_type or (self.check is not None and not self.check(value)):
             what = self.allowed or " or ".join(t.__name__ for t in self.types)
-            raise ConfigError(f"params.{name} of method '{method}': got {value!r}; allowed: {what}")
+            raise ConfigError(f"params.{name} of method '{method}': got {shown(value)}; allowed: {what}")
         return value
 
 
@@ -261,7 +261,7 @@ def register_method(method: Method) -> Method:
 def get_method(name: str) -> Method:
     if name in _METHODS:
         return _METHODS[name]
-    raise ConfigError(f"method: got {name!r}; allowed: {', '.join(sorted(_METHODS))}")
+    raise ConfigError(f"method: got {shown(name)}; allowed: {', '.join(sorted(_METHODS))}")
 
 
 def available_methods() -> dict[str, Method]:

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ..errors import ConfigError, check_int
+from ..errors import ConfigError, check_int, shown
 
 BACKENDS = ("auto", "torch", "triton", "flex")
 
@@ -459,7 +459,7 @@ def resolve_backend(backend: str, *tensors: torch.Tensor, flex: bool = False) ->
     interpreter. 'flex' where the op has no flex path runs what 'auto' runs without it (an exact
     call inside a route configured for flex)."""
     if backend not in BACKENDS:
-        raise ConfigError(f"backend: got {backend!r}; allowed: {', '.join(BACKENDS)}")
+        raise ConfigError(f"backend: got {shown(backend)}; allowed: {', '.join(BACKENDS)}")
     on_cuda = all(t.is_cuda for t in tensors)
     if backend == "flex" or (backend == "auto" and flex and on_cuda):
         if flex and flex_available():

@@ -50,7 +50,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ConfigError, check_int
+from ..errors import ConfigError, check_int, shown
 from . import gpu_scores
 from .base import Between, Param, nonneg_int, positive_int
 from .common import acc_dtype, exp_below_max_, window_summaries
@@ -100,8 +100,8 @@ def check_applicable(method, params: dict, applies: dict | None = None) -> None:
     selection = params["selection"]
     for name, selections in {**APPLIES, **(applies or {})}.items():
         if selection not in selections and params[name] != method.params[name].default:
-            raise ConfigError(f"params.{name} of method '{method.name}': got {params[name]!r}, which has no effect "
-                              f"with selection '{selection}'; allowed: the default "
+            raise ConfigError(f"params.{name} of method '{method.name}': got {shown(params[name])}, which has no "
+                              f"effect with selection '{selection}'; allowed: the default "
                               f"({method.params[name].default!r}), or selection {' / '.join(selections)}")
 
 
@@ -143,13 +143,13 @@ def check_estimate_args(op: str, mass, scoring: tuple, block: int, max_share=Non
     for name, value in (("mass", mass), ("max_share", max_share)):
         if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
                                       and 0 < value <= 1):
-            raise ValueError(f"{op}: {name} must be a number in (0, 1] or None; got {value!r}")
+            raise ValueError(f"{op}: {name} must be a number in (0, 1] or None; got {shown(value)}")
     if max_share is not None and mass is None:
         raise ValueError(f"{op}: max_share needs mass (it is the ceiling of the fewest blocks reaching it); got "
                          f"max_share={max_share!r} with mass=None")
     kind = scoring[0]
     if kind not in SCORINGS:
-        raise ValueError(f"{op}: selection must be one of {', '.join(SCORINGS)}; got {kind!r}")
+        raise ValueError(f"{op}: selection must be one of {', '.join(SCORINGS)}; got {shown(kind)}")
     if kind in ("estimate", "hybrid"):
         check_int(f"{op}: estimate_queries", scoring[1], 1)
     if kind in STRIDED:

@@ -110,14 +110,14 @@ def open_build(args: argparse.Namespace) -> Build:
     if (tok_dir / "tokenizer.json").is_file() and (ckpt / "stream.pt").is_file():
         from transformers import AutoTokenizer
         tok = AutoTokenizer.from_pretrained(tok_dir)
-        stream, held_stream = torch.load(ckpt / "stream.pt")
+        stream, held_stream = torch.load(ckpt / "stream.pt", weights_only=True)  # two tensors
     else:
         tok = train_tokenizer(train_files, args.vocab, tok_dir)
         stream, held_stream = token_stream(tok, train_files), token_stream(tok, held_files)
         torch.save((stream, held_stream), ckpt / "stream.pt")
     log(f"tokenizer: vocab {len(tok)}; training stream {len(stream):,} tokens, held-out {len(held_stream):,}")
 
-    saved = torch.load(ckpt / "state.pt", weights_only=False) if (ckpt / "state.pt").is_file() else None
+    saved = load_checkpoint(ckpt / "state.pt")
     if saved is not None:  # the architecture is the checkpoint's, whatever this command line says
         args.rope_theta, args.rope_scaling = saved["args"]["rope_theta"], saved["args"].get("rope_scaling", "none")
     model = make_model(len(tok), args.seed, args.rope_theta, args.rope_scaling)
@@ -142,11 +142,31 @@ def open_build(args: argparse.Namespace) -> Build:
 
 
 def save_checkpoint(build: Build) -> None:
-    """Model, optimizer, state and command line to ckpt/state.pt (written whole, then renamed)."""
+    """Model, optimizer, state and command line to ckpt/state.pt (written whole, then renamed). Only tensors,
+    numbers, strings, None and plain containers, so that load_checkpoint reads it with weights_only=True."""
     tmp = build.ckpt / "state.pt.tmp"
+    plain = (str, int, float, bool, type(None))
+    args = {k: v if isinstance(v, plain) else str(v) for k, v in vars(build.args).items()}  # a Path: its text
     torch.save({"model": build.model.state_dict(), "opt": build.opt.state_dict(), "state": build.state,
-                "args": vars(build.args)}, tmp)
+                "args": args}, tmp)
     tmp.replace(build.ckpt / "state.pt")
+
+
+def load_checkpoint(path: Path) -> dict | None:
+    """What save_checkpoint wrote to `path` (None: no checkpoint yet), read with torch's safe loader
+    (weights_only=True): it builds tensors and plain values only, so a state.pt from elsewhere cannot run the
+    code a pickle may name. One that holds anything else is refused in one line (SystemExit)."""
+    import pickle
+
+    if not path.is_file():
+        return None
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        detail = next((line.split(":", 1)[1].strip() for line in str(e).splitlines()
+                       if line.strip().startswith("WeightsUnpickler error:")), "not tensors and plain values")
+        raise SystemExit(f"--ckpt: {path} is not a checkpoint this script wrote (torch's safe loader refuses it: "
+                         f"{detail.split('. Please use', 1)[0]}); move it away to start the build over") from None
 
 
 def evaluate(build: Build, held_mixer: Mixer) -> None:

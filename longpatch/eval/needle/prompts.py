@@ -90,8 +90,10 @@ def load_template(spec: str) -> Template:
                           "nor a YAML file")
     import yaml
 
+    from ...yamlio import load_yaml
+
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = load_yaml(path.read_text(encoding="utf-8"), f"--template {spec}")
     except (UnicodeDecodeError, yaml.YAMLError) as e:
         raise ConfigError(f"--template {spec}: not a readable YAML file ({str(e).splitlines()[0]})") from None
     if not isinstance(data, dict):

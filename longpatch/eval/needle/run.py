@@ -9,6 +9,8 @@ records and the sweep are the ones `eval ppl` uses (launch, records, sweep).
 With prefill_chunk (--prefill-chunk N) each prompt's prefill runs in chunks of N tokens against the KV
 cache (generate()'s prefill_chunk_size); the chunk size is in plan.json, results.json and every record,
 and it is part of the config ids, so a rerun with another chunk size (or none) does not reuse records.
+With both --batch-size and --prefill-chunk, only prompts of one token length share a batch: a shorter
+prompt's left padding would move its chunk boundaries, and a block-sparse method's output with them.
 """
 from __future__ import annotations
 
@@ -59,7 +61,8 @@ class NeedleSpec(RunSpec):
     'code' or a YAML template file.
     lengths: prompt lengths in tokens ('4096,8192' or a list). depths: '0:1:0.1' (end included) or
     'd1,d2'. trials: prompts per (length, depth). filler: see needle.filler_texts. seed: of keys and
-    haystacks. batch_size: prompts generated together in one left-padded batch (same results as 1).
+    haystacks. batch_size: prompts generated together in one left-padded batch (same results as 1; with
+    prefill_chunk, only prompts of one length share a batch).
     prefill_chunk: each prompt prefilled this many tokens at a time (None: one forward); a multiple of every
     config's method block (config.check_prefill_chunk).
     cache: "int8" or "fp8": each generation keeps its KV cache in 8 bits (quantized.QuantizedCache); None: the
@@ -173,7 +176,9 @@ def _evaluate(model, spec: NeedleSpec, tmpl: N.Template, lengths: list[int], dep
                                                   chunk, spec.cache),
                     shapes, batch=spec.batch_size,
                     many=lambda label, p, ws: _generate_batch(model, tokenizer, label, p, ws, device, eos, dist.rank,
-                                                              run_id, chunk, spec.cache))
+                                                              run_id, chunk, spec.cache),
+                    # chunked: a row's chunks must start where they start alone, so no left padding in a batch
+                    same=None if chunk is None else (lambda w: len(w.prompt.ids)))
     dist.barrier()
     if dist.mode == "spawned" or not dist.main:
         return {}
@@ -240,10 +245,14 @@ def summarize(out: "str | Path", plots: bool = True) -> dict:
     meta = read_plan(out)
     configs = {p["config_id"] for p in meta["points"]}
     wanted = {(n, round(d, 6)) for n in meta["lengths"] for d in meta["depths"]}
-    # only this plan's cells: a run in the same out with other lengths, depths or more trials left its records
-    records = sorted((r for r in read_records(out) if r.get("config_id") in configs
-                      and (r["length"], round(r["depth"], 6)) in wanted and r["trial"] < meta["trials"]),
-                     key=lambda r: (r["config"], r["layers"], r["length"], r["depth"], r["trial"]))
+    # only this plan's cells: a run in the same out with other lengths, depths or more trials left its records;
+    # each generation once (its first record), by (config id, prompt digest) as the other evaluations report
+    index: dict[tuple, dict] = {}
+    for r in read_records(out):
+        if r.get("config_id") in configs and (r["length"], round(r["depth"], 6)) in wanted \
+                and r["trial"] < meta["trials"]:
+            index.setdefault((r["config_id"], r.get("digest")), r)
+    records = sorted(index.values(), key=lambda r: (r["config"], r["layers"], r["length"], r["depth"], r["trial"]))
     if not records:
         raise ConfigError(f"eval needle: no generation finished in {out}; nothing to report")
     summary = N.summarize_records(records)

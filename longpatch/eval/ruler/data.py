@@ -103,10 +103,18 @@ def load_qa(spec: str, wanted: list[str]) -> tuple[dict, str, list[str]]:
     return out, f"qa: {spec}", problems
 
 
+QA_ALLOWED = "a directory holding squad.json and/or hotpotqa.json, or hub"
+
+
+def check_qa(spec: str) -> None:
+    """--qa names hub or a directory; anything else is an error (not a reason to skip the QA tasks)."""
+    if spec != "hub" and not Path(spec).is_dir():
+        raise missing_path("--qa", spec, QA_ALLOWED)
+
+
 def _file(spec: str, name: str):
     root = Path(spec)
-    if not root.is_dir():
-        raise missing_path("--qa", spec, "a directory holding squad.json and/or hotpotqa.json, or hub")
+    check_qa(spec)
     path = root / f"{name}.json"
     if not path.is_file():
         raise ConfigError(f"--qa {spec}: no {name}.json")

@@ -106,7 +106,9 @@ class Sources:
 
 
 def load_sources(spec: RulerSpec) -> Sources:
-    """The essays and QA sets the requested tasks need; a task whose data is not given is skipped."""
+    """The essays and QA sets the requested tasks need. Under --tasks all a task whose data is not given (or
+    not available: a dataset --qa lacks, the hub offline) is skipped, and said; a task --tasks names (by name
+    or group) that cannot run is an error, as is a --qa path that is not a directory: before any work."""
     tasks = T.resolve_tasks(spec.tasks)
     data, skipped, essays_label, qa_label = T.Data(), {}, None, None
     if any(T.needs(t) == "essays" for t in tasks):
@@ -120,10 +122,16 @@ def load_sources(spec: RulerSpec) -> Sources:
         if spec.qa is None:
             skipped.update({t: f"no --qa ({T.needs(t)})" for t in tasks if T.needs(t) in wanted})
         else:
+            D.check_qa(spec.qa)  # a path that names no directory is a typo, whatever the tasks (as --essays)
             data.qa, qa_label, problems = D.load_qa(spec.qa, wanted)
             for t in tasks:
                 if T.needs(t) in wanted and T.needs(t) not in data.qa:
                     skipped[t] = next(p for p in problems if T.needs(t) in p)
+    named = T.named_tasks(spec.tasks)
+    cannot = {t: why for t, why in skipped.items() if t in named}
+    if cannot:  # the user asked for these by name: a run without them is not the run asked for
+        raise ConfigError(f"--tasks: {', '.join(cannot)} cannot run ({_reasons(cannot)}); allowed: give their data "
+                          "(--essays / --qa), or leave them out of --tasks (--tasks all skips what has no data)")
     kept = [t for t in tasks if t not in skipped]
     if not kept:
         raise ConfigError(f"eval ruler: nothing to evaluate: every task asked for is skipped ({_reasons(skipped)}); "

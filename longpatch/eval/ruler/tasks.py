@@ -135,6 +135,20 @@ def resolve_tasks(spec) -> list[str]:
     return [t for t in TASKS if t in wanted]
 
 
+def named_tasks(spec) -> set[str]:
+    """The tasks --tasks names, one by one or by group (niah, qa): each must run, or the run is an error.
+    'all' names none: it means every task whose data the run was given (the others skipped, said once)."""
+    from ...options import split_items
+
+    named: set[str] = set()
+    for item in split_items("--tasks", spec, "task names"):
+        if item in ("niah", "qa"):
+            named.update(t for t in TASKS if t.startswith(item))
+        elif item in TASKS:
+            named.add(item)
+    return named
+
+
 # ---- model template --------------------------------------------------------------------------------
 
 @dataclass(frozen=True)

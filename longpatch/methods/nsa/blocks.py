@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ...errors import shown
 from ..common import (
     acc_dtype,
     ordered_int,
@@ -27,7 +28,7 @@ def check_params(compress_block, compress_stride, select_block, num_selected, wi
                            ("select_block", select_block, 1), ("num_selected", num_selected, 1),
                            ("window", window, 1), ("init_blocks", init_blocks, 0), ("local_blocks", local_blocks, 0)):
         if not isinstance(val, int) or isinstance(val, bool) or val < low:
-            raise ValueError(f"{name} must be an int >= {low}; got {val!r}")
+            raise ValueError(f"{name} must be an int >= {low}; got {shown(val)}")
     if compress_stride > compress_block:
         raise ValueError(f"compress_stride ({compress_stride}) must be <= compress_block ({compress_block}): "
                          "a larger stride would leave keys out of every compressed block")

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from ...errors import ConfigError
+from ...errors import ConfigError, shown
 from ..base import Method, Param, nonneg_int, one_of, positive_int, register_method
 from ..common import default_scale, window_summaries
 from ..paged import StepSpec
@@ -149,7 +149,7 @@ class _NSAMethod(Method):
         except ValueError as e:
             raise ConfigError(f"params of method 'nsa': {e}") from None
         if params["selection"] != "compressed" and params["gates"][0] != 0:
-            raise ConfigError(f"params.gates of method 'nsa': got {params['gates']!r}; selection "
+            raise ConfigError(f"params.gates of method 'nsa': got {shown(params['gates'])}; selection "
                               f"'{params['selection']}' has no compressed branch: allowed: g_cmp = 0, e.g. "
                               "[0.0, 0.75, 0.25]")
         check_stride_config("nsa", params, "select_block")
