@@ -104,10 +104,10 @@ def run_headline(model, tok, out: Path, progress: bool = True, length: int = PRE
 
 
 def layers_label(layers) -> str:
-    """A row's layers as the tables print them: "as shipped (0, 2, 3)", "every layer", "-" for exact."""
+    """A row's layers as the tables print them: "0,2,3" (as shipped), "all", "-" for exact."""
     if layers == "all":
-        return "every layer"
-    return f"as shipped ({', '.join(map(str, layers))})" if layers else "-"
+        return "all"
+    return ",".join(map(str, layers)) if layers else "-"
 
 
 def plot_frontier(rows: list[dict], path: Path, length: int, ppl_length: int) -> None:
@@ -120,14 +120,17 @@ def plot_frontier(rows: list[dict], path: Path, length: int, ppl_length: int) ->
     ax = axes[0][0]
     ax.scatter([1.0], [0.0], color=method_color("exact"), s=60, zorder=3)
     ax.annotate("exact", (1.0, 0.0), textcoords="offset points", xytext=(6, 6))
+    configs = list(dict.fromkeys(r["config"] for r in rows[1:]))
     for r in rows[1:]:
         if r["ppl_increase_pct"] is None:
             continue
         ax.scatter([r["prefill_speedup"]], [r["ppl_increase_pct"]], color=method_color(r["method"]), s=60, zorder=3)
-        ax.annotate(f"{r['config']}, {layers_label(r['layers'])}: needles {r['needles_kept']}/"
-                    f"{rows[0]['needles_found']} kept",
-                    (r["prefill_speedup"], r["ppl_increase_pct"]), textcoords="offset points", xytext=(6, 6))
-    ax.set_xlim(left=0.5, right=max([r["prefill_speedup"] for r in rows] + [1.0]) * 1.5)
+        # each config's labels a line higher than the one before: the configs' shipped points sit close together
+        ax.annotate(f"{r['config']}, layers {layers_label(r['layers'])}: {r['needles_kept']}/"
+                    f"{rows[0]['needles_found']} needles", (r["prefill_speedup"], r["ppl_increase_pct"]),
+                    textcoords="offset points", xytext=(6, 6 + 12 * configs.index(r["config"])), fontsize=8)
+    ax.set_xlim(left=0.5, right=max([r["prefill_speedup"] for r in rows] + [1.0]) * 1.7)
+    ax.margins(y=0.15)  # room above the highest point for its labels
     ax.axhline(0.0, color="grey", lw=0.6)
     ax.set_xlabel(f"whole-model prefill speedup over exact, {length} tokens")
     ax.set_ylabel(f"perplexity increase over exact, % ({ppl_length} tokens)")

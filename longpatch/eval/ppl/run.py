@@ -222,7 +222,8 @@ def _evaluate(model, spec: PerplexitySpec, dist: Dist, run_id: str) -> dict:
                       "context_tokens": d.context_tokens} for d in docs],
             "per_subset": counts, "skipped": skipped, "missing_subsets": lb.missing,
             "data_problems": [p.to_dict() for p in lb.problems]})
-        if len(points) > 1 and not any(p.layers == 0 for p in points):
+        if spec.layer_counts is not None and len(points) > 1 and not any(p.layers == 0 for p in points):
+            # (a sweep the user gave; without one each config runs its own layers and no count can be added)
             log.warning("longpatch: the sweep has no 0-layer point; attention speedups need one "
                         "(add 0 to --layer-counts)")
     mine = docs if dist.mode == "sequence" else docs[dist.rank::dist.world]  # sequence: every rank, every doc
