@@ -56,6 +56,21 @@ class LayerRoute:
     # (StepSpec, PagedState) of the graph-safe step after a prefill into a static cache's buffer, or None
     paged: tuple | None = None
 
+    def state_bytes(self, exclude: set | None = None) -> int:
+        """Bytes of the tensors this layer keeps beside the KV cache to choose what a step reads: its decode
+        state, each padded row's, the graph-safe step's (bounds, fingerprint rows, lists, means, compressed
+        keys), each storage once and whole (spare capacity included: it is memory held). ``exclude``: the
+        storages (device, data pointer) of the KV cache, which a state may view but does not own."""
+        seen = set(exclude or ())
+        total = 0
+        for t in tensors_in((self.state, self.row_states, self.paged)):
+            storage = t.untyped_storage()
+            key = (t.device, storage.data_ptr())
+            if key not in seen:
+                seen.add(key)
+                total += storage.nbytes()
+        return total
+
     def choose(self, q_len: int, kv_len: int, unsupported: str | None = None, causal: bool = True) -> str:
         """Which path serves this call: 'method', 'exact' or 'original'.
 
@@ -188,6 +203,24 @@ class LayerRoute:
         if path != "method":
             return path
         return "method_exact" if self.bound.exact_at(q_len, kv_len) else path
+
+
+def tensors_in(x):
+    """Every tensor inside ``x``: dicts, lists, tuples and objects' attributes (a PagedState), depth first; for a
+    wrapper tensor that holds its data in plain ones (an 8-bit cache's ``QuantizedKV``: its packed rows), those."""
+    if isinstance(x, torch.Tensor):
+        if type(x) is not torch.Tensor and isinstance(getattr(x, "rows", None), torch.Tensor):
+            yield x.rows
+        else:
+            yield x
+    elif isinstance(x, dict):
+        for v in x.values():
+            yield from tensors_in(v)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from tensors_in(v)
+    elif hasattr(x, "__dict__") and not isinstance(x, (type, torch.nn.Module)):
+        yield from tensors_in(vars(x))
 
 
 class MethodBuffers(torch.nn.Module):

@@ -21,7 +21,8 @@ Peak memory: the process's peak resident set (VmHWM, reset before each generatio
 /proc/self/clear_refs; without it getrusage's ru_maxrss, the peak of the whole process so far), as
 peak_rss_mib, and its increase over the resident set at the start of the generation (KV cache and
 activations) as rss_increase_mib; on CUDA also torch.cuda.max_memory_allocated (peak_cuda_mib). cache_mib: what
-the KV cache holds at the end of the generation (its rows; an 8-bit cache's rows and scales).
+the KV cache holds at the end of the generation (its rows; an 8-bit cache's rows and scales); state_mib: what
+the patched layers hold beside it to choose what a step reads (``LayerRoute.state_bytes``).
 Where the process keeps freed memory (``memory.keep_freed_memory``, the CLI's default), the resident set
 does not shrink after a row, so a row's peak is the high-water mark of every row before it too: the
 table says so under it, and ``LONGPATCH_KEEP_FREED_MEMORY=0`` measures each row's own.
@@ -76,7 +77,8 @@ CACHES = ("growing", "dynamic", "static", "int8", "fp8")
 COMPILE_OPTIONS = {"dynamic": False, "fullgraph": False}
 CSV_COLUMNS = ["config", "method", "layers", "context", "batch", "new_tokens", "prefill_chunk", "ttft_s",
                "decode_ms_per_token", "decode_tokens_per_s", "tokens_per_s", "total_s", "ttft_speedup",
-               "decode_speedup", "peak_rss_mib", "rss_increase_mib", "peak_cuda_mib", "cache_mib", "tokens_match_exact",
+               "decode_speedup", "peak_rss_mib", "rss_increase_mib", "peak_cuda_mib", "cache_mib", "state_mib",
+               "tokens_match_exact",
                "warmup_s",
                "dense_floor_ms", "of_floor"]
 
@@ -268,10 +270,38 @@ def greedy_generate(model, ids: torch.Tensor, new_tokens: int, cache: str = "dyn
             sync()
             steps.append(time.perf_counter() - t0)
             tokens.append(tok)
-        held = cache_bytes(past)
+        held, state = cache_bytes(past), state_bytes(model, past)
         del past
     return {"tokens": torch.cat(tokens, 1)[0].tolist(), "ttft_s": ttft, "step_s": steps, "rows": ids.shape[0],
-            "cache_bytes": held}
+            "cache_bytes": held, "state_bytes": state}
+
+
+def _memory_cell(r: dict) -> str:
+    """'64.0' (the cache), '64.0 + 23.0 (36%)' (and the patched layers' selection state, its share of the cache)."""
+    state, cache = r.get("state_mib"), r.get("cache_mib")
+    if cache is None:
+        return "–"
+    return f"{cache:.1f}" if state is None else f"{cache:.1f} + {state:.1f} ({100 * state / cache:.0f}%)"
+
+
+def state_bytes(model, past) -> int | None:
+    """Bytes the patched layers keep beside the KV cache ``past`` to choose what a step reads (their selection
+    state: bounds, fingerprint rows, lists, means, compressed keys; ``LayerRoute.state_bytes``), or None for a
+    model longpatch did not patch."""
+    patch = getattr(model, "longpatch", None)
+    if patch is None:
+        return None
+    cache = set()
+    for t in _cache_tensors(past):
+        cache.add((t.device, t.untyped_storage().data_ptr()))
+    return sum(r.state_bytes(cache) for r in patch.routes)
+
+
+def _cache_tensors(past):
+    """The tensors of a KV cache's layers (transformers' Cache objects, longpatch's), for telling its storage
+    from a selection state's."""
+    from ..routing import tensors_in
+    return list(tensors_in([vars(layer) for layer in getattr(past, "layers", None) or []]))
 
 
 def cache_bytes(past) -> int | None:
@@ -336,6 +366,7 @@ def summarize(runs: list[dict]) -> dict:
             "peak_rss_mib": mem.peak_rss_mib,
             "rss_increase_mib": mem.rss_increase_mib, "peak_cuda_mib": mem.peak_cuda_mib,
             "cache_mib": None if runs[0].get("cache_bytes") is None else runs[0]["cache_bytes"] / 2 ** 20,
+            "state_mib": None if runs[0].get("state_bytes") is None else runs[0]["state_bytes"] / 2 ** 20,
             "tokens": runs[0]["tokens"]}
 
 
@@ -618,9 +649,12 @@ def print_table(results: dict, console=None) -> None:
     from rich.console import Console
     from rich.markup import escape
 
-    held = results["meta"].get("cache") in ("int8", "fp8")  # an 8-bit cache: what it held beside the rows
+    # the KV cache's size, and beside it what the patched layers keep to choose their blocks
+    held = any(r.get("cache_mib") is not None for r in results["records"])
+    states = held and any(r.get("state_mib") is not None for r in results["records"])
     cols = ["config", "layers", "context", "TTFT s", "TTFT speedup", "decode ms/token", "decode speedup",
-            "tokens/s", "peak RSS MiB"] + (["cache MiB"] if held else []) + ["same tokens"]
+            "tokens/s", "peak RSS MiB"] + (["cache + state MiB" if states else "cache MiB"] if held else []) \
+        + ["same tokens"]
     cuda = any(r.get("peak_cuda_mib") is not None for r in results["records"])
     cols += ["peak CUDA MiB"] if cuda else []
     floors = any(r.get("dense_floor_ms") is not None for r in results["records"])
@@ -633,7 +667,7 @@ def print_table(results: dict, console=None) -> None:
         c = [escape(r["config"]), str(r["layers"]), str(r["context"]), fmt(r["ttft_s"], ".3f"),
              _times(r["ttft_speedup"]), fmt(r["decode_ms_per_token"], ".2f"), _times(r["decode_speedup"]),
              fmt(r["tokens_per_s"], ".1f"), fmt(r["peak_rss_mib"], ".0f")] + \
-            ([fmt(r.get("cache_mib"), ".1f")] if held else []) + [same]
+            ([_memory_cell(r)] if held else []) + [same]
         c += [fmt(r.get("peak_cuda_mib"), ".0f")] if cuda else []
         if floors:
             c += ["–" if r.get("of_floor") is None else f"{r['of_floor']:.2f}"]
@@ -643,8 +677,12 @@ def print_table(results: dict, console=None) -> None:
     chunked = f", prefill in chunks of {meta['prefill_chunk']} tokens" if meta.get("prefill_chunk") else ""
     title = escape(f"{meta['model']}: greedy generation of {meta['new_tokens']} tokens{chunked}, exact (no patch) vs "
                    "patched (speedups vs exact at the same context)")
-    console = console or Console(width=wide_console(140).width, emoji=False, highlight=False)
+    console = console or Console(width=wide_console(170).width, emoji=False, highlight=False)
     show_table(title, cols, cells, console, left=("config",))
+    if states:
+        console.print("cache + state MiB: the KV cache, and what the patched layers keep beside it to choose what a "
+                      "step reads (bounds, fingerprint rows, lists, means, compressed keys; spare capacity "
+                      "included), with its share of the cache", markup=False)
     if shares:
         console.print("attended per layer: the prompt's query-key products each patched layer attended over exact "
                       "attention's (layer:share; a query-aware selection's cost follows the text)", markup=False)

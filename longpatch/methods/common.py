@@ -279,6 +279,9 @@ def probe_positions(n: int) -> list[int]:
     return out
 
 
+PROBE_FEATURES = 4  # the features of a window's closing key row that ``window_summaries`` keeps as its fingerprint
+
+
 def window_summaries(state: dict, names: tuple[str, ...], k, v, size: int, stride: int, summarize,
                      feature_major: bool = False) -> tuple:
     """Summaries of every complete window of a KV cache (window c: positions [c stride, c stride +
@@ -286,9 +289,12 @@ def window_summaries(state: dict, names: tuple[str, ...], k, v, size: int, strid
     each window is summarised once: MoBA's chunk means, NSA's compressed K/V, the selections' key
     bounds. The key row closing each window is its fingerprint, checked at ``probe_positions`` (O(log)
     rows a step): if the cache no longer holds those rows (a new sequence, beam reordering, a cropped
-    cache) the summaries are rebuilt from the keys. ``summarize(k_part, v_part)`` returns a tuple of
-    [b, hk, windows, ...] tensors, one per name (v_part is None when ``v`` is). ``feature_major``: the
-    summaries [b, hk, windows, d] are kept as views of [b, hk, d, capacity] buffers (see ``_appended``)."""
+    cache) the summaries are rebuilt from the keys. A fingerprint keeps the row's first ``PROBE_FEATURES``
+    features, not the whole row: another cache's rows differ there too, and whole rows of every window were
+    as large as the summaries themselves (the bounds of pages of 4 keys: a quarter of the K cache each).
+    ``summarize(k_part, v_part)`` returns a tuple of [b, hk, windows, ...] tensors, one per name (v_part is
+    None when ``v`` is). ``feature_major``: the summaries [b, hk, windows, d] are kept as views of
+    [b, hk, d, capacity] buffers (see ``_appended``)."""
     n = k.shape[2]
     count = (n - size) // stride + 1 if n >= size else 0
     tag = names[0] + "_probe"
@@ -300,16 +306,17 @@ def window_summaries(state: dict, names: tuple[str, ...], k, v, size: int, strid
         if at is None or at[:2] != (m, key):  # the probed rows change only when a window completes: kept
             pos = torch.tensor(probe_positions(m), dtype=torch.long, device=k.device)
             at = state[tag + "_at"] = (m, key, pos, pos * stride + size - 1)
-        if torch.equal(probe.index_select(2, at[2]), k.index_select(2, at[3])):
+        if torch.equal(probe.index_select(2, at[2]), k.index_select(2, at[3])[..., :PROBE_FEATURES]):
             parts, probe = tuple(state[nm][:, :, :m] for nm in names), probe[:, :, :m]
     if parts is None:
-        probe = k[:, :, :0]
+        probe = k[:, :, :0, :PROBE_FEATURES]
         parts = summarize(k[:, :, :0], None if v is None else v[:, :, :0])
         state.pop(tag + "_bufs", None)  # another cache: new buffers (views handed out keep their data)
     m = probe.shape[2]
     if m < count:
         lo, hi = m * stride, (count - 1) * stride + size
-        new = (*summarize(k[:, :, lo:hi], None if v is None else v[:, :, lo:hi]), k[:, :, lo + size - 1: hi: stride])
+        new = (*summarize(k[:, :, lo:hi], None if v is None else v[:, :, lo:hi]),
+               k[:, :, lo + size - 1: hi: stride][..., :PROBE_FEATURES])  # (rows first: an 8-bit cache's few rows)
         *parts, probe = _appended(state, tag + "_bufs", (*parts, probe), new,
                                   (feature_major,) * len(names) + (False,))
         parts = tuple(parts)
