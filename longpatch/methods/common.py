@@ -339,7 +339,9 @@ def _appended(state: dict, name: str, olds: tuple, news: tuple, feature_major: t
     end = m + news[0].shape[2]
     filled, bufs = state.get(name, (None, ()))
     if filled != m or any(buf.shape[2] < end for buf in bufs):
-        bufs, cap = [], end + max(64, end // 4)
+        # room for a sixteenth more windows (at least 64): a decode fills a page of 4 keys every 4 tokens, so a
+        # 16k cache's bounds grow again after 4k tokens, and the room is memory held beside the cache
+        bufs, cap = [], end + max(64, end // 16)
         for i, old in enumerate(olds):
             if feature_major and feature_major[i]:
                 buf = old.new_empty((*old.shape[:2], old.shape[-1], cap)).transpose(-1, -2)
