@@ -41,6 +41,7 @@ import yaml
 from .config import PatchConfig
 from .errors import ConfigError, LongpatchError, shown
 from .eval.records import interrupt_said
+from .eval.sweep import loading_identity
 from .methods import get_method
 from .methods.common import dense_pairs
 from .methods.exact import exact_attention
@@ -160,27 +161,10 @@ class _Probe:
 def run_key(model_name: str, cfg: PatchConfig, cands: list[dict], seq_len: int, loaded: dict) -> str:
     """What a record must match to be resumed: everything that changes a tally. The same model (and its
     tokenizer, in model_name), base config, candidates and length, and how the model was loaded and runs
-    (``loaded``: loaded_identity), since a bfloat16 run's errors are not a float32 run's."""
+    (``loaded``: eval.sweep.loading_identity), since a bfloat16 run's errors are not a float32 run's."""
     text = json.dumps([model_name, cfg.method, cfg.params, cfg.layers, cfg.backend, cfg.min_seq_len, cfg.family,
                        cands, seq_len, loaded], sort_keys=True, default=str)
     return hashlib.sha1(text.encode()).hexdigest()[:12]
-
-
-def loaded_identity(load, model) -> dict:
-    """How `model` was loaded (its LoadSpec `load`) and how it runs: the dtype asked for and the one its
-    weights are in, the attention implementation asked for and the one in use, the device map and the
-    device type of its weights (cpu, cuda: the same on every rank). Part of calibrate's resume key (the
-    evaluations' config ids: eval.sweep.loading_identity, which adds a key only where it is set)."""
-    from .eval.sweep import model_dtype
-
-    config = getattr(model, "config", None)
-    try:
-        device = next(model.parameters()).device.type
-    except (AttributeError, StopIteration, TypeError):
-        device = None
-    return {"dtype": load.dtype, "loaded_dtype": model_dtype(model), "attn_implementation": load.attn_implementation,
-            "attn_in_use": getattr(config, "_attn_implementation", None), "device_map": load.device_map,
-            "device": device}
 
 
 def calibrate_documents(model, cfg: PatchConfig, docs: list, cands: list[dict], records: Path | None = None,
@@ -474,7 +458,7 @@ def run_calibrate(model: str, *, config=None, method=None, layers=None, sets=(),
             raise ConfigError(f"--holdout: {len(shared)} of its documents are calibration documents too; allowed: "
                               "a text the calibration does not read (best of another kind)")
     claim_out(out_dir, "calibrate")
-    key = run_key(f"{name}|{tok_id}", cfg, cands, seq_len, loaded_identity(spec.load, loaded))
+    key = run_key(f"{name}|{tok_id}", cfg, cands, seq_len, loading_identity(spec.load, loaded))
     with interrupt_said(out_dir):  # the records of finished documents are kept: as the evaluations, say so
         totals = calibrate_documents(loaded, cfg, docs, cands, out_dir / RECORDS, key, progress)
         held = None

@@ -286,13 +286,14 @@ def test_calibrate_resumes_only_a_run_loaded_the_same_way(calibration_text, tmp_
 
 def test_eval_keys_hold_a_loaded_models_own_dtype():
     def prep(model, load):
-        return Prepared(model, None, "m", load, [(None, PatchConfig())])
+        p = Prepared(model, None, "m", load, [(None, PatchConfig())])
+        return p.load, p.model
 
     f32, bf16 = tiny_model("llama"), tiny_model("llama", dtype=torch.bfloat16)
-    given = [loading_identity(prep(m, LoadSpec())) for m in (f32, bf16)]
+    given = [loading_identity(*prep(m, LoadSpec())) for m in (f32, bf16)]
     assert given[0] != given[1] and given[1]["loaded_dtype"] == "bfloat16"
     # a model loaded by name: its options say it all, and a CPU run's ids stay what they were
-    assert loading_identity(prep(f32, LoadSpec(model="tiny:llama"))) == {"dtype": "auto", "attn_implementation": None}
+    assert loading_identity(*prep(f32, LoadSpec(model="tiny:llama"))) == {"dtype": "auto", "attn_implementation": None}
 
 
 def test_an_interrupted_calibrate_says_where_its_work_is(calibration_text, tmp_path, monkeypatch, caplog, one_thread):

@@ -352,19 +352,20 @@ def eval_tokenizer(given, loaded, model, name: str | None, trust_remote_code: bo
     return resolve_tokenizer(given, loaded, None if name == type(model).__name__ else name, trust_remote_code)
 
 
-def loading_identity(prep: Prepared) -> dict:
+def loading_identity(load, model) -> dict:
     """What every config id holds of how the model was loaded and where it runs, since each changes the
     numbers: the dtype and attention implementation asked for; for a model the caller loaded (no option
     says how), the dtype and attention implementation it has; the device map; the device type of its
     weights when not the CPU (cuda: the same on every rank). A key is added only where it says something,
-    so that the ids of runs without it stay what they were (their --out resumes)."""
-    key = {"dtype": prep.load.dtype, "attn_implementation": prep.load.attn_implementation}
-    if prep.load.model is None:  # a loaded model object: "auto" and None would say nothing about it
-        key["loaded_dtype"] = model_dtype(prep.model)
-        key["attn_in_use"] = getattr(getattr(prep.model, "config", None), "_attn_implementation", None)
-    if prep.load.device_map is not None:
-        key["device_map"] = prep.load.device_map
-    device = input_device(prep.model).type
+    so that the ids of runs without it stay what they were (their --out resumes). load: the LoadSpec; model:
+    the loaded model. Calibrate's resume key holds it too."""
+    key = {"dtype": load.dtype, "attn_implementation": load.attn_implementation}
+    if load.model is None:  # a loaded model object: "auto" and None would say nothing about it
+        key["loaded_dtype"] = model_dtype(model)
+        key["attn_in_use"] = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if load.device_map is not None:
+        key["device_map"] = load.device_map
+    device = input_device(model).type
     if device != "cpu":
         key["device"] = device
     return key
@@ -374,7 +375,7 @@ def labelled_points(prep: Prepared, spec: RunSpec, n_layers: int, identity: dict
     """(label, point) per config and layer count; 0 replaced layers is the model's own attention whatever
     the config, so all configs share one baseline, labelled 'exact'."""
     points: list[tuple[str, Point]] = []
-    identity = dict(identity, **loading_identity(prep))
+    identity = dict(identity, **loading_identity(prep.load, prep.model))
     for config, cfg in prep.patches:
         label = config or (f"{cfg.method}" if spec.method else "default")
         for p in make_points(cfg, spec.sweep(), n_layers, identity):

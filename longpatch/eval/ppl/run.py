@@ -216,7 +216,7 @@ def _evaluate(model, spec: PerplexitySpec, dist: Dist, run_id: str) -> dict:
             "prefill_chunk": spec.prefill_chunk, "cache": spec.cache,
             "data": lb.source, "subsets": wanted,
             "max_docs": spec.max_docs, "num_layers": n_layers,
-            "baseline_id": config_id(dict(identity, **loading_identity(prep)), [], cfg),
+            "baseline_id": config_id(dict(identity, **loading_identity(prep.load, prep.model)), [], cfg),
             "points": [p.describe() for p in points],
             "docs": [{"subset": d.subset, "category": d.category, "doc_id": d.doc_id, "digest": d.digest,
                       "context_tokens": d.context_tokens} for d in docs],
