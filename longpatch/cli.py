@@ -540,6 +540,11 @@ def eval_ppl(
     prefill_chunk: Optional[int] = prefill_chunk_option("each document through the model (every position's "
                                                         "logits scored as in one forward)"),
     cache: Optional[str] = kv_cache_option(),
+    decode_tokens: Optional[int] = typer.Option(
+        None, "--decode-tokens", metavar="N",
+        help="decode perplexity: prefill each document's first seq-len - N tokens, feed its last N one at a time "
+             "through the KV cache (decode steps, as in generation; every config, the unpatched one too) and score "
+             "only those N (default: every position, from the prefill)"),
     progress: bool = typer.Option(True, "--progress/--no-progress"),
 ):
     """LongBench perplexity and attention speed for one layer count or a sweep (resumable)."""
@@ -550,7 +555,7 @@ def eval_ppl(
                  data=data, out=out, sets=set_, device_map=device_map, num_processes=num_processes,
                  sequence_parallel=sequence_parallel, strict=strict, trust_remote_code=trust_remote_code,
                  tokenizer=tokenizer, warmup=warmup, loss_chunk=loss_chunk, prefill_chunk=prefill_chunk,
-                 cache=cache, progress=progress)
+                 cache=cache, decode_tokens=decode_tokens, progress=progress)
 
 
 @command(eval_app, "needle")
@@ -785,6 +790,9 @@ def bench_generate(
                                         help="--model names a shipped architecture (llama-3.1-8b, qwen2.5-7b, "
                                              "glm-4-9b), built offline with random weights and random prompt ids"),
     prefill_chunk: Optional[int] = prefill_chunk_option("each prompt's prefill (the TTFT)"),
+    profile: int = typer.Option(0, "--profile", metavar="N",
+                                help="profile the last N decode steps of each row (where the step's time goes: "
+                                     "ranking, attending, exact attention, the rest), left out of its median"),
 ):
     """Greedy generation after a prompt of each length, unpatched and patched in one run: time to first
     token, per-token decode latency, tokens/s and peak memory."""
@@ -796,7 +804,7 @@ def bench_generate(
                                  tokenizer=tokenizer, filler=filler, repeats=repeats, warmup=warmup,
                                  trust_remote_code=trust_remote_code, progress=progress, plots=plots, cache=cache,
                                  batch_size=batch_size, random_weights=random_weights, compiled=compile_,
-                                 prefill_chunk=prefill_chunk, unpatched_up_to=unpatched_up_to)
+                                 prefill_chunk=prefill_chunk, unpatched_up_to=unpatched_up_to, profile=profile)
     print_table(results)
     files = [RESULTS_FILE, results["files"]["csv"]] + [f for f in [results["files"]["plot"]] if f]
     console.print(f"written to {out}: {', '.join(files)}", markup=False)

@@ -96,6 +96,17 @@ class PatchReport:
         the text: where attention spreads the mass takes more blocks)."""
         return {i: w.get("attended_pairs", 0) / w["dense_pairs"] for i, w in self.layer_work().items()}
 
+    def read_share(self) -> dict[int, float]:
+        """{layer: keys its one-token steps listed / the keys of the cache they read from} over the decode steps
+        since the last reset, for the layers whose method counts them (the query-aware selections' eager step:
+        what it reads of the cache, beside its page bounds, 1 / decode_page of the cache's bytes)."""
+        out = {}
+        for r in self.routes:
+            sums = {kind: int(n) for (phase, _path, kind), n in r.work.items() if phase == "decode"}
+            if r.method is not None and sums.get("dense_keys"):
+                out[r.layer_idx] = sums.get("step_keys", 0) / sums["dense_keys"]
+        return out
+
     def rows(self) -> list[dict]:
         return [{"layer": r.layer_idx, "method": r.method.name, "params": dict(r.params)}
                 for r in self.routes if r.method is not None]

@@ -115,6 +115,8 @@ def _one_line_error(r, *needles):
     (["--filler", "missing.txt"], ["--filler", "missing.txt"]),
     (["--threads", "0"], ["--threads: got 0"]),
     (["--cache", "paged"], ["cache: got 'paged'", "growing, dynamic, static"]),
+    (["--profile", "-1"], ["--profile: got -1"]),
+    (["--new-tokens", "4", "--profile", "3"], ["--profile: got 3", "[0, 2]"]),
     (["--tokenizer", None], ["tokenizer", "tiny:llama", "--tokenizer"]),
 ])
 def test_bad_options_fail_in_one_line_and_write_nothing(tmp_path, args, needles):
@@ -225,3 +227,22 @@ def test_compile_refuses_what_it_cannot_capture(tmp_path, args, needles):
             "--new-tokens", "2", "--out", str(out), "--no-progress", "--compile", *args]
     _one_line_error(runner.invoke(cli.app, argv), *needles)
     assert not out.exists()
+
+
+def test_the_step_profile_and_what_the_steps_read(tmp_path, one_thread):
+    """--profile splits the last steps' time into ranking, attending, exact attention and the rest; every row of a
+    query-aware selection says what share of the cache its steps listed (own, local, kept and ranked blocks)."""
+    hybrid = tmp_path / "hybrid.yaml"
+    hybrid.write_text("method: moba\nparams: {chunk_size: 32, topk: 3, selection: hybrid, estimate_queries: 8, "
+                      "score_stride: 8, decode_topk: 1, decode_page: 8, decode_prefill: false}\nlayers: [0]\n")
+    res = run_generate_bench("tiny:llama", str(hybrid), None, "320", 6, tmp_path / "out", tokenizer="bytes",
+                             progress=False, plots=False, warmup=0, profile=3)
+    base, patched = res["records"]
+    p = patched["step_profile"]
+    assert p["steps"] == 3 and p["rank_ms"] > 0 and p["attend_ms"] > 0 and p["exact_ms"] > 0
+    assert abs(p["rank_ms"] + p["attend_ms"] + p["exact_ms"] + p["rest_ms"] - p["step_ms"]) < 1e-6
+    assert base["step_profile"]["rank_ms"] == 0 and base["step_profile"]["exact_ms"] > 0
+    # the sink, one ranked block (maybe the sink), the local one and the own partial block: at most 4 * 32 of ~322 keys
+    share = patched["read_share"][0]
+    assert 0.15 < share <= 128 / 321, share
+    assert base["read_share"] is None

@@ -289,7 +289,8 @@ def test_registered_in_ops_and_methods():
     assert MOBA.resolve_params({}) == {"chunk_size": moba_mod.DEFAULT_CHUNK_SIZE, "topk": moba_mod.DEFAULT_TOPK,
                                        "shared_selection": False, "selection": "gate", "mass": None, "max_share": None,
                                        "estimate_queries": 64, "score_stride": 16, "local_blocks": 1,
-                                       "decode_topk": 8, "decode_page": None}
+                                       "decode_topk": 8, "decode_page": None, "decode_prefill": True,
+                                       "final_topk": None}
 
 
 def test_decode_bench_runs(tmp_path):

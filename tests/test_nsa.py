@@ -419,7 +419,8 @@ def test_registered_method():
     assert NSA.resolve_params({}) == {**nsa_mod.DEFAULTS, "gates": list(nsa_mod.TRAINING_FREE_GATES),
                                       "selection": "compressed", "mass": None, "max_share": None,
                                       "estimate_queries": 64,
-                                      "score_stride": 16, "decode_topk": 8, "decode_page": None}
+                                      "score_stride": 16, "decode_topk": 8, "decode_page": None,
+                                      "decode_prefill": True, "final_topk": None}
 
 
 def test_bfloat16_runs():

@@ -238,3 +238,14 @@ def test_half_precision_bounds_rank_as_float32_ones():
     assert half.shape == full.shape
     assert half[0, 0, 0] == 700 // 64 and half[0, 1, 0] == 130 // 64
     assert torch.equal(half.sort(-1).values, full.sort(-1).values)
+
+
+QUEST = {"decode_prefill": False, "final_topk": 3}  # a step without the prefill's list (Quest's step)
+
+
+@pytest.mark.parametrize("name", ["moba", "nsa"])
+def test_the_step_without_the_prefill_list_equals_the_eager_step(name):
+    op, params = OPS[name]
+    params = {**params, **QUEST}
+    spec = get_method(name).bind(params, 16).step_spec(150)
+    assert _steps(op, params, spec) < 1e-5

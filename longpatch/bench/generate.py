@@ -228,14 +228,16 @@ def prefill(model, ids: torch.Tensor, chunk: int | None, cache_arg: str, kwargs:
 
 
 def greedy_generate(model, ids: torch.Tensor, new_tokens: int, cache: str = "dynamic", step=None,
-                    capacity: int | None = None, prefill_chunk: int | None = None) -> dict:
+                    capacity: int | None = None, prefill_chunk: int | None = None, profile: int = 0) -> dict:
     """Greedy decoding with our own loop: one timed prefill of the prompt (TTFT; in chunks of
     ``prefill_chunk`` tokens when given, see ``prefill``), then one timed
     forward per further token with the KV cache. cache: "growing" hands the prefill a
     longpatch GrowingCache (where the model takes transformers' Cache objects), "static" a
     transformers StaticCache of ``capacity`` tokens (default: the prompt and the new tokens), "dynamic"
     leaves the model its default. ``step``: the forward of the decode steps (a compiled one), given the
-    positions (a compiled step reads no length on the host). -> {"tokens", "ttft_s", "step_s": [...]}."""
+    positions (a compiled step reads no length on the host). ``profile``: the last that many steps run under
+    torch's profiler, their phases in "profile" (``step_profile``; "profiled": how many, the last of "step_s",
+    which the row's median leaves out: the profiler slows them). -> {"tokens", "ttft_s", "step_s": [...], ...}."""
     sync = synchronizer(ids.device)
     keep, cache_arg = _forward_names(model)
     if cache == "growing" and takes_cache_objects(model):
@@ -255,7 +257,13 @@ def greedy_generate(model, ids: torch.Tensor, new_tokens: int, cache: str = "dyn
         sync()
         ttft = time.perf_counter() - t0
         tokens, steps = [tok], []
+        profiled = max(0, min(profile, new_tokens - 1))
+        profiler = None
         for i in range(new_tokens - 1):
+            if i == new_tokens - 1 - profiled and profiled:
+                profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+                profiler.__enter__()
+                steps_before = len(steps)
             t0 = time.perf_counter()
             if step is None:
                 out = model(input_ids=tok, use_cache=True, **{cache_arg: past})
@@ -270,10 +278,42 @@ def greedy_generate(model, ids: torch.Tensor, new_tokens: int, cache: str = "dyn
             sync()
             steps.append(time.perf_counter() - t0)
             tokens.append(tok)
+        phases = None
+        if profiler is not None:
+            profiler.__exit__(None, None, None)
+            phases = step_profile(profiler.events(), steps[steps_before:])
         held, state = cache_bytes(past), state_bytes(model, past)
         del past
     return {"tokens": torch.cat(tokens, 1)[0].tolist(), "ttft_s": ttft, "step_s": steps, "rows": ids.shape[0],
-            "cache_bytes": held, "state_bytes": state}
+            "cache_bytes": held, "state_bytes": state, "profile": phases, "profiled": profiled if phases else 0}
+
+
+# an unpatched layer's attention as the profiler names it (transformers' default "sdpa" attention; a model
+# run with eager attention shows its products and softmax under "rest")
+_EXACT_OPS = ("aten::scaled_dot_product_attention",)
+
+
+def step_profile(events, step_s: list[float]) -> dict:
+    """Where a decode step's time goes, from the profiler's events of ``len(step_s)`` steps: ms per step
+    in the patched layers' ranking (``common.RANK``: bounds upkeep, bound products, top-k, lists) and attention
+    (``common.ATTEND``: gathers, scores, weighted sums), in the unpatched layers' attention (``_EXACT_OPS``),
+    and the rest (projections, MLP, norms, RoPE, logits, the cache's update, Python). The profiler adds a few
+    microseconds to every op: a profiled step is slower than a timed one, and its small ops more so."""
+    from ..methods.common import ATTEND, RANK
+
+    n = max(1, len(step_s))
+    spans = [e for e in events if e.name in (RANK, ATTEND)]
+
+    def inside(e) -> bool:
+        return any(s.time_range.start <= e.time_range.start and e.time_range.end <= s.time_range.end for s in spans)
+
+    ms = {"rank_ms": sum(e.cpu_time_total for e in spans if e.name == RANK) / 1e3 / n,
+          "attend_ms": sum(e.cpu_time_total for e in spans if e.name == ATTEND) / 1e3 / n,
+          "exact_ms": sum(e.cpu_time_total for e in events if e.name in _EXACT_OPS and not inside(e)) / 1e3 / n}
+    ms["step_ms"] = 1e3 * sum(step_s) / n
+    ms["rest_ms"] = max(0.0, ms["step_ms"] - ms["rank_ms"] - ms["attend_ms"] - ms["exact_ms"])
+    ms["steps"] = len(step_s)
+    return ms
 
 
 def _memory_cell(r: dict) -> str:
@@ -346,10 +386,10 @@ def check_compilable(points) -> None:
 
 
 def generate_once(model, ids: torch.Tensor, new_tokens: int, cache: str, step=None,
-                  prefill_chunk: int | None = None) -> dict:
+                  prefill_chunk: int | None = None, profile: int = 0) -> dict:
     """greedy_generate's result with the generation's PeakMemory under "memory"."""
     with PeakMemory(ids.device) as m:
-        run = greedy_generate(model, ids, new_tokens, cache, step, prefill_chunk=prefill_chunk)
+        run = greedy_generate(model, ids, new_tokens, cache, step, prefill_chunk=prefill_chunk, profile=profile)
     return {**run, "memory": m}
 
 
@@ -358,7 +398,8 @@ def summarize(runs: list[dict]) -> dict:
     peak memory of the generation that peaked highest."""
     mem = max((r["memory"] for r in runs), key=lambda m: m.peak_rss_mib)
     ttft = statistics.median(r["ttft_s"] for r in runs)
-    step_ms = statistics.median(s for r in runs for s in r["step_s"]) * 1e3
+    timed = [s for r in runs for s in r["step_s"][:len(r["step_s"]) - r.get("profiled", 0)]]
+    step_ms = statistics.median(timed or [s for r in runs for s in r["step_s"]]) * 1e3
     total = statistics.median(r["ttft_s"] + sum(r["step_s"]) for r in runs)
     new_tokens, rows = len(runs[0]["tokens"]), runs[0].get("rows", 1)  # tokens/s: every row of a batch
     return {"ttft_s": ttft, "decode_ms_per_token": step_ms, "decode_tokens_per_s": rows * 1e3 / step_ms,
@@ -405,7 +446,8 @@ def run_generate_bench(model: str, config=None, layer_counts=None, contexts="819
                        warmup: int = 1, trust_remote_code: bool = False, progress: bool = True,
                        plots: bool = True, cache: str | None = None, batch_size: int = 1,
                        random_weights: bool = False, compiled: bool = False,
-                       prefill_chunk: int | None = None, unpatched_up_to: int | None = None) -> dict:
+                       prefill_chunk: int | None = None, unpatched_up_to: int | None = None,
+                       profile: int = 0) -> dict:
     """Greedy generation after a prompt of each context length, unpatched and patched per each config
     and layer count, in one run. model: what --model takes; config: one config, 'a,b' or a list;
     layer_counts: a sweep as eval ppl's (None: each config's layers); layers: which layers every config
@@ -416,7 +458,9 @@ def run_generate_bench(model: str, config=None, layer_counts=None, contexts="819
     compiled: the decode steps under torch.compile with a static cache (``compiled_step``), every row alike,
     each row's compile in its warm-up (on the prompt's own length), reported, not timed.
     prefill_chunk: every row's prompt prefilled in chunks of this many tokens (``prefill``; None: one
-    forward); a multiple of each config's method block (config.check_prefill_chunk).
+    forward); a multiple of each config's method block (config.check_prefill_chunk). profile: the last that
+    many decode steps of each row's last generation run under torch's profiler (``step_profile``: ms per step
+    ranking, attending, in exact attention and the rest; left out of the row's median).
     Returns the dict written to results.json."""
     from ..loading import load_model, random_model
     from ..specs import resolve
@@ -428,6 +472,7 @@ def run_generate_bench(model: str, config=None, layer_counts=None, contexts="819
     check_int("--repeats", repeats, 1, MAX_VALUES)
     check_int("--warmup", warmup, 0, MAX_VALUES)
     check_int("--batch-size", batch_size, 1, MAX_VALUES)
+    check_int("--profile", profile, 0, new_tokens - 2)  # at least one step timed besides the profiled ones
     if compiled and cache not in (None, "static"):
         raise ConfigError(f"--cache {cache} with --compile: a compiled step needs a static cache; allowed: --cache "
                           "static, or no --cache")
@@ -479,7 +524,7 @@ def run_generate_bench(model: str, config=None, layer_counts=None, contexts="819
         raise ConfigError(f"--compile: {type(loaded).__name__} keeps its own KV cache, not transformers' static "
                           "cache; allowed: models of transformers' own classes (Llama, Qwen2, ...)")
     records = _run(loaded, points, ids, ctx, new_tokens, repeats, warmup, device, progress, cache, batch_size,
-                   compiled, prefill_chunk, unpatched_up_to)
+                   compiled, prefill_chunk, unpatched_up_to, profile)
     bandwidth = copy_bandwidth(device)
     weights, per_token = weight_bytes(loaded), kv_bytes_per_token(loaded)
     for rec in records:  # how close each row's step comes to the dense step's memory floor
@@ -529,7 +574,7 @@ def _say_if_beyond_positions(model, longest: int) -> None:
 
 def _run(model, points, ids: list[int], contexts: list[int], new_tokens: int, repeats: int, warmup: int,
          device, progress: bool, cache: str, batch_size: int = 1, compiled: bool = False,
-         prefill_chunk: int | None = None, unpatched_up_to: int | None = None) -> list[dict]:
+         prefill_chunk: int | None = None, unpatched_up_to: int | None = None, profile: int = 0) -> list[dict]:
     """Context by context, the unpatched model then each patched configuration: rows compared with each
     other are measured minutes apart at most, not a whole sweep apart (load drifts on shared machines).
     ``unpatched_up_to``: the unpatched model runs at contexts up to this only (longer rows: no speedups)."""
@@ -575,9 +620,11 @@ def _run(model, points, ids: list[int], contexts: list[int], new_tokens: int, re
                             warm_s[i, n] = time.perf_counter() - t0  # compiles included: reported, not timed
                         if point is not None:
                             model.longpatch.reset_stats()
-                        run = generate_once(model, prompt, new_tokens, cache, step, prefill_chunk)
+                        run = generate_once(model, prompt, new_tokens, cache, step, prefill_chunk,
+                                            profile if rep == repeats - 1 else 0)
                         run["paths"] = _paths(model) if point is not None else None
                         run["attended"] = model.longpatch.attended_share() if point is not None else None
+                        run["read"] = model.longpatch.read_share() if point is not None else None
                         runs[i].append(run)
                     finally:
                         if point is not None:
@@ -591,6 +638,8 @@ def _run(model, points, ids: list[int], contexts: list[int], new_tokens: int, re
                 records[-1][1]["prefill_chunk"] = prefill_chunk
                 # the prompt's prefill is the same each repeat: its attended share per layer, from the last
                 records[-1][1]["attended_share"] = runs[i][-1]["attended"] or None
+                records[-1][1]["read_share"] = runs[i][-1]["read"] or None  # what its decode steps listed
+                records[-1][1]["step_profile"] = runs[i][-1]["profile"]
                 records[-1][1]["warmup_s"] = warm_s.get((i, n))
     finally:
         bar.close()
@@ -661,6 +710,8 @@ def print_table(results: dict, console=None) -> None:
     cols += ["of floor"] if floors else []
     shares = any(r.get("attended_share") for r in results["records"])
     cols += ["attended per layer"] if shares else []
+    reads = any(r.get("read_share") for r in results["records"])
+    cols += ["step reads per layer"] if reads else []
     cells = []
     for r in results["records"]:
         same = "–" if r["tokens_match_exact"] is None else f"{r['tokens_match_exact']}/{r['new_tokens']}"
@@ -672,6 +723,7 @@ def print_table(results: dict, console=None) -> None:
         if floors:
             c += ["–" if r.get("of_floor") is None else f"{r['of_floor']:.2f}"]
         c += [" ".join(f"{k}:{v:.2f}" for k, v in (r.get("attended_share") or {}).items()) or "–"] if shares else []
+        c += [" ".join(f"{k}:{v:.2f}" for k, v in (r.get("read_share") or {}).items()) or "–"] if reads else []
         cells.append(c)
     meta = results["meta"]
     chunked = f", prefill in chunks of {meta['prefill_chunk']} tokens" if meta.get("prefill_chunk") else ""
@@ -686,15 +738,40 @@ def print_table(results: dict, console=None) -> None:
     if shares:
         console.print("attended per layer: the prompt's query-key products each patched layer attended over exact "
                       "attention's (layer:share; a query-aware selection's cost follows the text)", markup=False)
+    if reads:
+        console.print("step reads per layer: the keys each patched layer's decode steps listed over the cache's "
+                      "(layer:share; beside them a query-aware step reads its page bounds, 1 / decode_page of the "
+                      "cache's bytes)", markup=False)
     if floors:
         per_context = {r["context"]: r["dense_floor_ms"] for r in results["records"] if r.get("dense_floor_ms")}
         console.print("of floor: the dense floor over the measured ms/token (1: at the limit; a sparse step reads "
                       "less and can pass 1); the dense floor, a decode step reading every weight and the whole KV "
                       f"cache once at the measured copy bandwidth ({meta['copy_bandwidth_gbs']:.1f} GB/s): "
                       + ", ".join(f"{n}: {ms:.2f} ms" for n, ms in per_context.items()), markup=False)
+    _print_profiles(results["records"], console)
     if meta.get("allocator") == KEPT:
         console.print("peak RSS: the process's high-water mark so far (freed memory is kept for reuse; "
                       "LONGPATCH_KEEP_FREED_MEMORY=0 measures each row's own)", markup=False)
+
+
+def _print_profiles(records: list[dict], console) -> None:
+    """The profiled decode steps' phases (--profile), one row per configuration and context."""
+    rows = [r for r in records if r.get("step_profile")]
+    if not rows:
+        return
+    from rich.markup import escape
+
+    def share(p: dict, key: str) -> str:
+        return f"{p[key]:.2f} ({p[key] / p['step_ms']:.0%})"
+
+    cells = [[escape(r["config"]), str(r["layers"]), str(r["context"]), fmt(r["step_profile"]["step_ms"], ".2f")]
+             + [share(r["step_profile"], k) for k in ("rank_ms", "attend_ms", "exact_ms", "rest_ms")] for r in rows]
+    show_table(f"one decode step, profiled (ms per step over {rows[0]['step_profile']['steps']} steps; the profiler "
+               "slows small ops)", ["config", "layers", "context", "step ms", "ranking", "attending",
+                                    "exact attention", "rest"], cells, console, left=("config",))
+    console.print("ranking: the patched layers' choice of what a step reads (bounds upkeep, bound products, top-k, "
+                  "lists); attending: their gathers, scores and weighted sums; exact attention: the unpatched "
+                  "layers'; rest: projections, MLP, norms, RoPE, logits, the cache's update, Python", markup=False)
 
 
 def plot(records: list[dict], path: Path, title: str | None = None) -> None:

@@ -30,7 +30,7 @@ import math
 
 import torch
 
-from .common import acc_dtype, exp_below_max_, gather_blocks, merge_lse, warn_once
+from .common import ATTEND, acc_dtype, exp_below_max_, gather_blocks, merge_lse, step_phase, warn_once
 from .cpu_flash import additive_mask, attend_spans, cache_rows, fused_ok, merge_spans, row_scores, row_sum, spans_ok
 from .lse_attention import attend
 
@@ -146,6 +146,11 @@ def block_sparse_decode(q, k, v, kept: torch.Tensor, block: int, local_blocks: i
     without the fused kernel or under autograd, by gathering them into one masked call. backend
     "flex": one FlexAttention call over the blocks (``flex.flex_decode``: no host round-trip; lse
     None without ``need_lse``), where it runs."""
+    with step_phase(ATTEND):
+        return _block_sparse_decode(q, k, v, kept, block, local_blocks, scale, backend, need_lse)
+
+
+def _block_sparse_decode(q, k, v, kept, block, local_blocks, scale, backend, need_lse):
     from ..quantized import QuantizedKV
     quantized = isinstance(k, QuantizedKV) and isinstance(v, QuantizedKV)  # an 8-bit cache (below)
     if backend == "flex" and not quantized:

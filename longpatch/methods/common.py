@@ -18,6 +18,17 @@ BACKENDS = ("auto", "torch", "triton", "flex")
 _warned: set[str] = set()
 
 
+# The phases of a one-token step, as a profiler sees them (``bench generate --profile``): ranking what to read
+# (bounds upkeep, bound products, top-k, lists) and attending to it (gathers, scores, weighted sums)
+RANK, ATTEND = "longpatch::rank", "longpatch::attend"
+
+
+def step_phase(name: str):
+    """A profiler range named ``name`` while a profiler runs; otherwise nothing (a range costs ~10 us a call,
+    a check of the profiler ~1)."""
+    return torch.profiler.record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
+
+
 def warn_once(key: str, message: str) -> None:
     """``message`` on the "longpatch" logger, the first time ``key`` is seen in this process."""
     if key not in _warned:

@@ -38,7 +38,7 @@ import torch
 
 from ..errors import ConfigError
 from .common import acc_dtype, merge_lse
-from .selection import best_page_bounds, joined_lists, page_minmax
+from .selection import best_page_bounds, joined_lists, page_minmax, unlisted
 
 # --------------------------------------------------------------------------- attention over a block list
 
@@ -177,14 +177,10 @@ def select_blocks(q, state: PagedState, length: torch.Tensor, decode_topk: int, 
     lists.append(torch.where((kept >= 0) & (kept < own - local_blocks), kept, torch.full_like(kept, -1)))
     if decode_topk > 0:
         best = best_page_bounds(q, state.mins, state.maxs, state.block // state.page)
-        ids = torch.arange(nb, device=q.device).view(1, 1, nb)
-        full = torch.div(length, state.block, rounding_mode="floor").view(b, 1, 1)
-        best = best.masked_fill(ids >= full, float("-inf"))  # ranked among the full blocks, as the eager step
+        # ranked among the full blocks not listed anyway (the kept ones, the local and own ones), as the eager step
+        best = unlisted(best, kept, own - local_blocks)
         top = torch.topk(best, min(decode_topk, nb), -1)
-        # then the local and own blocks leave the ranked list (they are listed anyway)
-        ranked = torch.where(torch.isfinite(top.values) & (top.indices < own - local_blocks), top.indices,
-                             torch.full_like(top.indices, -1))
-        lists.append(ranked)
+        lists.append(torch.where(torch.isfinite(top.values), top.indices, torch.full_like(top.indices, -1)))
     return joined_lists(torch.cat(lists[:-1], -1), lists[-1]).to(torch.int32)
 
 

@@ -53,7 +53,7 @@ import torch
 from ..errors import ConfigError, check_int, shown
 from . import gpu_scores
 from .base import Between, Param, nonneg_int, positive_int
-from .common import acc_dtype, exp_below_max_, window_summaries
+from .common import ATTEND, RANK, acc_dtype, exp_below_max_, one_thread, step_phase, window_summaries
 
 SCORINGS = ("estimate", "antidiagonal", "hybrid")  # the query-aware selections; a method's `selection` names one
 STRIDED = ("antidiagonal", "hybrid")  # the selections that score antidiagonals of score_stride tiles
@@ -79,6 +79,15 @@ def estimate_params(unit: str, budget: str) -> dict[str, Param]:
         "decode_topk": nonneg_int(f"estimate/antidiagonal/hybrid only: per one-token step, this many more {unit}s "
                                   f"beside the prefill's, ranked by the step's own query (Quest's bound from the key "
                                   f"min/max of each {unit}'s pages, decode_page); 0: the prefill's only", 8),
+        "decode_prefill": Param(
+            True, (bool,), f"estimate/antidiagonal/hybrid only: a one-token step also attends the {unit}s the "
+            f"prompt's last query {unit} attended (the prefill's list); false: only its first {unit}, its own and "
+            f"local {unit}s and the decode_topk ranked ones (Quest's step: a fixed budget of the cache, whatever the "
+            f"prefill chose)"),
+        "final_topk": Param(
+            None, (int, type(None)), f"estimate/antidiagonal/hybrid only: the {unit}s the prompt's last query's exact "
+            f"row reads most, added to its {unit}'s list (what the first new token attends); null: decode_topk",
+            Between(0, optional=True), "an int >= 0 or null"),
         "decode_page": Param(None, (int, type(None)), f"estimate/antidiagonal/hybrid only: keys per page of the "
                              f"one-token step's ranking (a {unit} ranks by its best page's bound; divides the {unit} "
                              f"size); null: Quest's {QUEST_PAGE}, or its largest common divisor with the {unit} size",
@@ -90,7 +99,12 @@ def estimate_params(unit: str, budget: str) -> dict[str, Param]:
 
 # The selections each query-aware param takes effect under (estimate_params' "... only")
 APPLIES = {"mass": SCORINGS, "max_share": SCORINGS, "estimate_queries": ("estimate", "hybrid"), "decode_topk": SCORINGS,
-           "decode_page": SCORINGS, "score_stride": STRIDED}
+           "decode_page": SCORINGS, "decode_prefill": SCORINGS, "final_topk": SCORINGS, "score_stride": STRIDED}
+
+
+def final_count(params: dict) -> int:
+    """How many blocks the prompt's last query's exact row adds to its block's list: final_topk, else decode_topk."""
+    return params["decode_topk"] if params.get("final_topk") is None else params["final_topk"]
 
 
 def check_applicable(method, params: dict, applies: dict | None = None) -> None:
@@ -755,9 +769,10 @@ def joined_lists(lists: torch.Tensor, more: torch.Tensor) -> torch.Tensor:
 
 def prefill_blocks(state: dict | None, q, k, block: int, max_blocks: int, mass: float | None,
                    scoring: tuple[str, int], local_blocks: int, scale: float, sink_blocks: int = 1,
-                   final_topk: int = 0, max_share: float | None = None) -> torch.Tensor:
+                   final_topk: int = 0, max_share: float | None = None, keep: bool = True) -> torch.Tensor:
     """``estimated_blocks`` of a prefill (or a prefill chunk), recording in a layer's ``state`` the last query
-    block's list (``state["kept"]``: what its decode steps keep; a later chunk's replaces it) and the work
+    block's list (``state["kept"]``: what its decode steps keep; a later chunk's replaces it; without ``keep``
+    only the first ``sink_blocks`` blocks, the attention sinks a step keeps whatever it ranks) and the work
     (``state["work"]``, counted by the route)."""
     with torch.no_grad():
         blocks = estimated_blocks(q.detach(), k.detach(), block, max_blocks, mass, scoring, local_blocks, scale,
@@ -765,10 +780,15 @@ def prefill_blocks(state: dict | None, q, k, block: int, max_blocks: int, mass: 
     if state is not None:
         b, hq, nq, _ = q.shape
         n = k.shape[2]
-        state["kept"] = blocks[:, :, -1]
+        state["kept"] = blocks[:, :, -1] if keep else sink_list(blocks.shape[:2], sink_blocks, blocks.device)
         state["work"] = {"estimate_pairs": estimate_cost(b, hq, n, scoring, final_topk > 0, q.device, nq),
                          "attended_pairs": attended_cost(blocks, hq, n, block)}
     return blocks
+
+
+def sink_list(shape, sink_blocks: int, device=None) -> torch.Tensor:
+    """[*shape, sink_blocks] int64: the first ``sink_blocks`` block ids, the list a step keeps without the prefill's."""
+    return torch.arange(sink_blocks, device=device).expand(*shape, sink_blocks)
 
 
 def decode_kept(state: dict | None, q, k, block: int, max_blocks: int, local_blocks: int, scale: float,
@@ -778,7 +798,21 @@ def decode_kept(state: dict | None, q, k, block: int, max_blocks: int, local_blo
     when given, else the prefill's list in ``state``, else (no prefill, e.g. a cache built elsewhere)
     ``decode_blocks`` once, stored for the next steps; with ``decode_topk`` > 0, joined by the step's
     own ``bound_blocks`` over pages of ``page_size(decode_page, block)`` keys (-1 pads, no
-    duplicates)."""
+    duplicates). Records in ``state["work"]`` the keys the step lists (``step_keys``, its own block and the
+    local ones counted as far as they exist) against the cache's (``dense_keys``), per KV head summed."""
+    with step_phase(RANK):
+        kept = _decode_kept(state, q, k, block, max_blocks, local_blocks, scale, sink_blocks, kept, decode_topk,
+                            decode_page)
+    if state is not None:
+        b, hk, n = k.shape[0], k.shape[1], k.shape[2]
+        own = (n - 1) // block
+        past = ((kept >= 0) & (kept < own - local_blocks)).sum()  # a device count: no host sync here
+        state["work"] = {"step_keys": past * block + b * hk * (n - max(0, own - local_blocks) * block),
+                         "dense_keys": b * hk * n}
+    return kept
+
+
+def _decode_kept(state, q, k, block, max_blocks, local_blocks, scale, sink_blocks, kept, decode_topk, decode_page):
     if kept is None and state is not None:
         kept = state.get("kept")
     if kept is None or kept.shape[:2] != k.shape[:2]:
@@ -791,9 +825,24 @@ def decode_kept(state: dict | None, q, k, block: int, max_blocks: int, local_blo
         with torch.no_grad():
             mins, maxs = block_bounds(state if state is not None else {}, k.detach(), page)
             full = k.shape[2] // block * (block // page)  # the pages of full blocks
-            ranked = bound_blocks(q.detach(), mins[:, :, :full], maxs[:, :, :full], decode_topk, block // page)
-            kept = joined_lists(kept, ranked)
+            best = best_page_bounds(q.detach(), mins[:, :, :full], maxs[:, :, :full], block // page)
+            own = (k.shape[2] - 1) // block
+            best = unlisted(best, kept, torch.tensor(own - local_blocks, device=best.device))
+            top = torch.topk(best, min(decode_topk, best.shape[-1]), -1)
+            kept = joined_lists(kept, torch.where(torch.isfinite(top.values), top.indices,
+                                                  torch.full_like(top.indices, -1)))
     return kept
+
+
+def unlisted(best: torch.Tensor, listed: torch.Tensor, first_local: torch.Tensor) -> torch.Tensor:
+    """The blocks' bounds ``best`` [b, hk, nb] with -inf where a block is listed anyway: in ``listed``
+    [b, hk, S] (the kept list, -1 pads) or at or after ``first_local`` (a tensor broadcasting to [b, hk, 1]:
+    the local and own blocks), so that the step's top-k adds decode_topk blocks beside them, each once."""
+    nb = best.shape[-1]
+    ids = torch.arange(nb, device=best.device)
+    hide = torch.zeros(*best.shape[:-1], nb + 1, dtype=torch.bool, device=best.device)  # a last slot for the pads
+    hide.scatter_(-1, torch.where(listed >= 0, listed, nb).clamp(max=nb).to(torch.int64), True)
+    return best.masked_fill(hide[..., :nb] | (ids >= first_local), float("-inf"))
 
 
 def block_bounds(state: dict, k: torch.Tensor, page: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -903,3 +952,91 @@ def estimated_pairs(q, k, block: int, max_blocks: int, mass: float | None, scori
     n = q.shape[2]
     return int(estimate_cost(q.shape[0], q.shape[1], n, scoring, final_topk > 0)
                + attended_cost(blocks, q.shape[1], n, block))
+
+
+# --------------------------------------------------------------------------- Quest's step (decode_prefill: false)
+
+def quest_applies(k, v, decode_topk: int, decode_prefill: bool, backend: str) -> bool:
+    """Whether a one-token step takes ``quest_step``: a step without the prefill's list that ranks, on plain
+    tensors whose rows are whole (a GrowingCache's views, DynamicCache's tensors), off FlexAttention (its
+    decode is one call anyway) and off autograd (a training step keeps the general path)."""
+    from ..quantized import QuantizedKV
+    return (not decode_prefill and decode_topk > 0 and backend != "flex" and not isinstance(k, QuantizedKV)
+            and not isinstance(v, QuantizedKV) and k.stride(-1) == 1 and k.stride(-2) == k.shape[-1]
+            and v.stride(-1) == 1 and v.stride(-2) == v.shape[-1]
+            and not (torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)))
+
+
+def quest_step(state: dict, q, k, v, block: int, local_blocks: int, sink_blocks: int, decode_topk: int,
+               decode_page: int | None, scale: float, need_lse: bool):
+    """(out [b, hq, 1, d], lse [b, hq, 1] float32 or None) of one query per head at position t = kv_len - 1 over
+    the first ``sink_blocks`` blocks, the ``decode_topk`` full blocks of the largest page bound of its q·k among
+    the others before the local ones (Quest's ranking, ``best_page_bounds``; the KV group's heads share it),
+    and the keys from the ``local_blocks``-th block before its own up to t. What the general step
+    (``decode_kept`` + ``block_sparse_decode``) attends with ``decode_prefill`` false, in a fixed handful of
+    ops: on a CPU every op of a one-token step costs ~5-20 us whatever it reads, and the general step's
+    ~150 ops a layer cost more than the keys they save (a 16k cache: 2.3 against 3.2 ms for exact
+    attention's layer). Every listed block is distinct, so no mask: the ranked blocks come from the
+    blocks not listed otherwise, the sinks' and local ones' bounds set to -inf before the top-k. On a CPU it runs on
+    one thread: its ops are too small to share (a 16k cache, 2 threads against 1: 1.9 against 1.3 ms)."""
+    if q.device.type == "cpu" and torch.get_num_threads() > 1:
+        with one_thread():
+            return _quest_step(state, q, k, v, block, local_blocks, sink_blocks, decode_topk, decode_page, scale,
+                               need_lse)
+    return _quest_step(state, q, k, v, block, local_blocks, sink_blocks, decode_topk, decode_page, scale, need_lse)
+
+
+def _quest_step(state, q, k, v, block, local_blocks, sink_blocks, decode_topk, decode_page, scale, need_lse):
+    b, hq, _, d = q.shape
+    hk, n = k.shape[1], k.shape[2]
+    g, t = hq // hk, n - 1
+    own = t // block
+    near = max(0, own - local_blocks)  # the first local block: keys [near * block, n) are read in place
+    sinks = min(sink_blocks, near)
+    rankable = near - sinks  # full blocks neither sinks nor local
+    count = min(decode_topk, rankable)
+    acc = acc_dtype(q.dtype)
+    qg = q.reshape(b, hk, g, d).to(acc)
+    with step_phase(RANK):
+        ids = torch.arange(sinks, device=q.device).expand(b, hk, sinks)
+        if count > 0:
+            page = page_size(decode_page, block)
+            mins, maxs = block_bounds(state, k, page)
+            best = best_page_bounds(q, mins[:, :, :near * (block // page)], maxs[:, :, :near * (block // page)],
+                                    block // page)  # [b, hk, near]: the blocks before the local ones
+            best[..., :sinks] = float("-inf")
+            ids = torch.cat([ids, torch.topk(best, count, -1, sorted=False).indices], -1)
+    with step_phase(ATTEND):
+        L = ids.shape[-1]
+        blocks_k = k[:, :, :near * block].reshape(b, hk, near, block * d)
+        blocks_v = v[:, :, :near * block].reshape(b, hk, near, block * d)
+        if L:
+            kg = _blocks_of(blocks_k, ids).view(b, hk, L * block, d).to(acc)
+            vg = _blocks_of(blocks_v, ids).view(b, hk, L * block, d).to(acc)
+        kt, vt = k[:, :, near * block:].to(acc), v[:, :, near * block:].to(acc)  # local and own keys, in place
+        qs = qg * scale
+        s = qs @ kt.transpose(-1, -2)
+        if L:
+            s = torch.cat([qs @ kg.transpose(-1, -2), s], -1)  # [b, hk, g, L * block + local keys]
+        top = s.amax(-1, keepdim=True)  # the step's own key is always there: finite
+        p = torch.exp(s - top)
+        total = p.sum(-1, keepdim=True)
+        out = p[..., L * block:] @ vt
+        if L:
+            out = out + p[..., :L * block] @ vg
+        out = (out / total).reshape(b, hq, 1, d).to(q.dtype)
+        lse = (top + total.log()).reshape(b, hq, 1).float() if need_lse else None
+    state["work"] = {"step_keys": b * hk * (L * block + n - near * block), "dense_keys": b * hk * n}
+    return out, lse
+
+
+def _blocks_of(blocks: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """blocks [b, hk, nb, block * d] (a view of the cache), ids [b, hk, L] -> [b, hk, L, block * d]: each listed
+    block one row copy, by an index_select per KV head into one buffer (here ~5x faster than an advanced index
+    over [b, hk, blocks], and torch.gather would index every element)."""
+    b, hk = ids.shape[:2]
+    out = blocks.new_empty(b, hk, ids.shape[-1], blocks.shape[-1])
+    for bi in range(b):
+        for hi in range(hk):
+            torch.index_select(blocks[bi, hi], 0, ids[bi, hi], out=out[bi, hi])
+    return out

@@ -51,18 +51,23 @@ def summarize(out: "str | Path", plots: bool = True) -> dict:
         skipped_reasons[s["reason"]] = skipped_reasons.get(s["reason"], 0) + 1
     results = {
         "model": plan["model"], "dtype": plan.get("dtype"), "tokenizer": plan["tokenizer"], "seq_len": plan["seq_len"],
-        "prefill_chunk": plan.get("prefill_chunk"), "cache": plan.get("cache"), "data": plan["data"],
+        "prefill_chunk": plan.get("prefill_chunk"), "cache": plan.get("cache"),
+        "decode_tokens": plan.get("decode_tokens"), "data": plan["data"],
         "num_layers": plan["num_layers"], "max_docs": plan["max_docs"],
         "definitions": {
             "ppl": "exp(sum of token NLLs / scored tokens), natural log, pooled over the group's documents",
             "ppl_doc_mean": "mean over documents of exp(document mean token NLL): mean of per-document perplexities",
             "refcode_metric": "mean over documents of 2**(document mean NLL in nats): what the HyperAttention "
                               "reference code printed; NOT a perplexity, only for comparison with the paper",
-            "scored_tokens": "seq_len - 1 per document (every position but the last predicts the next token)",
+            "scored_tokens": "seq_len - 1 per document (every position but the last predicts the next token); "
+                             "decode_tokens per document with decode_tokens",
             "prefill_chunk": "null: each document in one forward; N: fed through the KV cache N tokens at a time, "
                              "every position scored as in one forward",
             "cache": "null: full precision; int8/fp8: every attention call read the keys and values from an 8-bit "
                      "KV cache (one scale per row)",
+            "decode_tokens": "null: every position scored from the prefill; N: the first seq_len - N tokens "
+                             "prefilled, the last N fed one at a time through the KV cache (decode steps) and "
+                             "only those N scored (teacher-forced decode perplexity), every configuration alike",
             "attention_seconds": "wall time inside attention calls of all layers (model.longpatch.stats())",
             "attention_speedup": "median over the documents both finished in the same run of the 0-layer "
                                  "configuration's attention_seconds / this configuration's, the two timed side by "
@@ -257,6 +262,7 @@ def print_results(results: dict, out: "str | Path") -> None:
     dtype = f" ({results['dtype']})" if results.get("dtype") else ""
     chunked = f" in chunks of {results['prefill_chunk']}" if results.get("prefill_chunk") else ""
     chunked += f", {results['cache']} KV cache" if results.get("cache") else ""
+    chunked += f", last {results['decode_tokens']} tokens decoded one at a time" if results.get("decode_tokens") else ""
     t = Table(title=f"{results['model']}{dtype}: {source_name(results['data'])} perplexity at {results['seq_len']} "
                     f"tokens{chunked}, {docs['kept']} document{'' if docs['kept'] == 1 else 's'} "
                     f"({sum(docs['skipped'].values())} skipped)",

@@ -26,6 +26,14 @@ the one-shot loss up to float rounding; a patched layer runs its method on each 
 The chunk size is in plan.json, results.json and every record; runs with another chunk size (or none)
 have other config ids, so a rerun in the same `out` never mixes their records.
 
+Decode perplexity (decode_tokens, --decode-tokens N): teacher forcing through the decode path. Each
+document's first seq_len - N tokens are prefilled (in one forward, or in prefill_chunk chunks), then its
+last N tokens are fed one at a time through the KV cache (one-token forwards: the decode step that
+patched layers take in generation), and only those N tokens are scored (the prefill's last position
+predicts the first, each step the next): a document scores N tokens. Every configuration, the unpatched
+one too, runs the same way, so the comparison is like for like; N is in plan.json, results.json, every
+record and the config ids, as the chunk size is.
+
 Speed. Per document: forward wall time (to the final hidden states), the loss time, and from
 `model.longpatch.stats()` the wall time spent inside attention, per path, for patched and for
 unpatched layers. attention_speedup of a configuration = attention seconds of the 0-layer
@@ -104,6 +112,9 @@ class PerplexitySpec(RunSpec):
     cache: "int8" or "fp8": each document goes through an 8-bit KV cache (quantized.QuantizedCache), in one
     chunk without prefill_chunk, so every attention call reads the 8-bit keys and values; not with
     sequence_parallel. None: the full-precision forward (through a full-precision cache when chunked).
+    decode_tokens: the last that many tokens of each document fed one at a time through the KV cache after
+    a prefill of the others, and only they scored (decode perplexity); in [1, seq_len - 1]; not with
+    sequence_parallel. None: every position scored from the prefill.
     """
 
     COMMAND = "eval ppl"
@@ -118,6 +129,7 @@ class PerplexitySpec(RunSpec):
     sequence_parallel: int = 1
     prefill_chunk: int | None = None
     cache: str | None = None
+    decode_tokens: int | None = None
 
     def __post_init__(self):
         super().__post_init__()
@@ -142,6 +154,16 @@ class PerplexitySpec(RunSpec):
             if self.sequence_parallel > 1:
                 raise ConfigError(f"--cache {self.cache} cannot be combined with --sequence-parallel "
                                   f"{self.sequence_parallel}: each process holds a slice of the document, not a cache")
+        if self.decode_tokens is not None:
+            check_int("--decode-tokens", self.decode_tokens, 1)
+            if self.decode_tokens >= self.seq_len:
+                raise ConfigError(f"--decode-tokens: got {self.decode_tokens}; allowed: an int in [1, "
+                                  f"{self.seq_len - 1}] (below --seq-len {self.seq_len}: at least one token is "
+                                  "prefilled)")
+            if self.sequence_parallel > 1:
+                raise ConfigError(f"--decode-tokens {self.decode_tokens} cannot be combined with --sequence-parallel "
+                                  f"{self.sequence_parallel}: each process holds a slice of the document, not the "
+                                  "cache a decode step reads; use one of them")
         check_int("--warmup", self.warmup, 0)
         if self.max_docs is not None:
             check_int("--max-docs", self.max_docs, 1)
@@ -161,7 +183,7 @@ def perplexity(model, layer_counts=None, *, spec: PerplexitySpec | None = None, 
     options: the fields of PerplexitySpec (layers, config (one or a list, each getting the whole sweep),
         method, sets, subsets, seq_len, max_docs, data, out,
         tokenizer, device_map, num_processes, sequence_parallel, strict, trust_remote_code, warmup, loss_chunk,
-        prefill_chunk, progress, plots, run_id), or spec= one PerplexitySpec.
+        prefill_chunk, cache, decode_tokens, progress, plots, run_id), or spec= one PerplexitySpec.
     Returns the results dict also written to out/results.json ({} on ranks other than 0).
     Raises LongpatchError when no document can be evaluated; a failed call that finished no document
     removes the `out` directory it created.
@@ -201,6 +223,8 @@ def _evaluate(model, spec: PerplexitySpec, dist: Dist, run_id: str) -> dict:
     if spec.cache is not None:  # likewise runs through an 8-bit cache
         identity["cache"] = spec.cache
         check_format(spec.cache, input_device(model))
+    if spec.decode_tokens is not None:  # likewise decode-perplexity runs (they score other tokens)
+        identity["decode_tokens"] = spec.decode_tokens
     labelled = labelled_points(prep, spec, n_layers, identity)
     points = [p for _, p in labelled]
     if len(prep.patches) > 1:  # several configs: the table and plots tell their points apart by config
@@ -213,7 +237,7 @@ def _evaluate(model, spec: PerplexitySpec, dist: Dist, run_id: str) -> dict:
         claim_out(out, spec.COMMAND)
         write_json(out / PLAN_FILE, {
             "model": model_name, "dtype": model_dtype(model), "tokenizer": tok_id, "seq_len": spec.seq_len,
-            "prefill_chunk": spec.prefill_chunk, "cache": spec.cache,
+            "prefill_chunk": spec.prefill_chunk, "cache": spec.cache, "decode_tokens": spec.decode_tokens,
             "data": lb.source, "subsets": wanted,
             "max_docs": spec.max_docs, "num_layers": n_layers,
             "baseline_id": config_id(dict(identity, **loading_identity(prep.load, prep.model)), [], cfg),
@@ -228,7 +252,7 @@ def _evaluate(model, spec: PerplexitySpec, dist: Dist, run_id: str) -> dict:
                         "(add 0 to --layer-counts)")
     mine = docs if dist.mode == "sequence" else docs[dist.rank::dist.world]  # sequence: every rank, every doc
     _run(model, points, mine, out, dist, spec.warmup, spec.loss_chunk, spec.progress and dist.main, run_id,
-         spec.prefill_chunk, spec.cache)
+         spec.prefill_chunk, spec.cache, spec.decode_tokens)
     dist.barrier()
     if dist.mode == "spawned" or not dist.main:
         return {}
@@ -236,7 +260,8 @@ def _evaluate(model, spec: PerplexitySpec, dist: Dist, run_id: str) -> dict:
 
 
 def _run(model, points: list[Point], docs: list[Doc], out: Path, dist: Dist, warmup: int, chunk: int,
-         progress: bool, run_id: str, prefill_chunk: int | None = None, cache: str | None = None) -> None:
+         progress: bool, run_id: str, prefill_chunk: int | None = None, cache: str | None = None,
+         decode_tokens: int | None = None) -> None:
     from tqdm.auto import tqdm
 
     sequence = dist.mode == "sequence"
@@ -247,11 +272,12 @@ def _run(model, points: list[Point], docs: list[Doc], out: Path, dist: Dist, war
         from accelerate.utils import broadcast_object_list
         writer = RecordLog(records_file(out, 0, 1)) if dist.main else _Discard()
         done = broadcast_object_list([record_index(read_records(out)) if dist.main else None], from_process=0)[0]
-    if sequence:  # (no prefill_chunk: the spec refuses it with sequence parallelism)
+    if sequence:  # (no prefill_chunk, cache or decode_tokens: the spec refuses them with sequence parallelism)
         evaluate = _evaluate_document_sp
     else:
         def evaluate(model, input_ids, chunk):
-            return evaluate_document(model, input_ids, chunk, prefill_chunk=prefill_chunk, cache=cache)
+            return evaluate_document(model, input_ids, chunk, prefill_chunk=prefill_chunk, cache=cache,
+                                     decode_tokens=decode_tokens)
     todo = [(p, [d for d in docs if (p.config_id, d.subset, d.doc_id, d.digest) not in done]) for p in points]
     total = sum(len(ds) for _, ds in todo)
     already = len(points) * len(docs) - total
@@ -270,11 +296,13 @@ def _run(model, points: list[Point], docs: list[Doc], out: Path, dist: Dist, war
         nll = result["nll_mean"]
         bar.set_postfix(ppl=f"{math.exp(nll):.3f}" if math.isfinite(nll) else "nan")
         return dict(_record(point, doc, result, model.longpatch.breakdown(), dist.rank, run_id,
-                            model.longpatch.layer_work()), prefill_chunk=prefill_chunk, cache=cache)
+                            model.longpatch.layer_work()), prefill_chunk=prefill_chunk, cache=cache,
+                    decode_tokens=decode_tokens)
 
     # every document is one prefill of its seq_len tokens (the sequence-parallel ones too, per head group), or
-    # its chunks; interleaved, each document's configurations run side by side, so their speedups share the load
-    shapes = set().union(*(prefill_shapes(d.ids.numel(), prefill_chunk) for d in docs))
+    # its chunks, then its decode steps; interleaved, each document's configurations run side by side, so their
+    # speedups share the load
+    shapes = set().union(*(prefill_shapes(d.ids.numel(), prefill_chunk, decode_tokens) for d in docs))
     run_points(model, todo, writer, bar, out, one, start=warm, interleave=True, shapes=shapes if dist.main else ())
 
 

@@ -10,7 +10,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ...errors import ConfigError, UnsupportedModelError
+from ...errors import ConfigError, UnsupportedModelError, check_int
 from ...loading import BYTES, ByteTokenizer, resolve_tokenizer
 from ..sweep import input_device
 
@@ -103,27 +103,35 @@ def _head_input(model, input_ids: torch.Tensor, stop: bool, **forward) -> tuple[
     return hidden, out
 
 
-def chunk_bounds(n: int, chunk: int | None) -> list[tuple[int, int]]:
-    """[(start, end)] of a prefill of n tokens in chunks of ``chunk`` tokens (None, or >= n: one chunk)."""
+def chunk_bounds(n: int, chunk: int | None, decode_tokens: int | None = None) -> list[tuple[int, int]]:
+    """[(start, end)] of a prefill of n tokens in chunks of ``chunk`` tokens (None, or >= n: one chunk).
+    decode_tokens: only the first n - decode_tokens are prefilled so; the last decode_tokens follow one at a
+    time (one-token chunks: the model's decode steps against the cache, as in generation)."""
+    if decode_tokens:
+        m = n - decode_tokens
+        return chunk_bounds(m, chunk) + [(i, i + 1) for i in range(m, n)]
     if chunk is None or chunk >= n:
         return [(0, n)]
     return [(s, min(s + chunk, n)) for s in range(0, n, chunk)]
 
 
-def prefill_shapes(n: int, chunk: int | None) -> set[tuple[int, int]]:
-    """The (q_len, kv_len) of the attention calls of a prefill of n tokens in chunks (sweep.say_if_exact)."""
-    return {(e - s, e) for s, e in chunk_bounds(n, chunk)}
+def prefill_shapes(n: int, chunk: int | None, decode_tokens: int | None = None) -> set[tuple[int, int]]:
+    """The (q_len, kv_len) of the attention calls of a prefill of n tokens in chunks (sweep.say_if_exact),
+    decode steps included (chunk_bounds)."""
+    return {(e - s, e) for s, e in chunk_bounds(n, chunk, decode_tokens)}
 
 
-def chunked_hidden_states(model, input_ids: torch.Tensor, chunk: int | None, cache: str | None = None) -> torch.Tensor:
+def chunked_hidden_states(model, input_ids: torch.Tensor, chunk: int | None, cache: str | None = None,
+                          decode_tokens: int | None = None) -> torch.Tensor:
     """final_hidden_states of input_ids [1, s], the model run on ``chunk`` tokens at a time against its KV
     cache (a chunked prefill; None or chunk >= s: one forward). Each chunk's positions continue the
     earlier ones' (position_ids given: a model keeping its own cache may otherwise restart them at 0), so
     for exact attention the result is one forward's, up to float rounding, and every position's logits
     (the chunk's last one predicting the next chunk's first token) score as they would there. ``cache``: "int8"
     or "fp8": through an 8-bit KV cache (quantized.QuantizedCache; one chunk without ``chunk``), whose rows
-    every attention call reads."""
-    bounds = chunk_bounds(input_ids.shape[1], chunk)
+    every attention call reads. decode_tokens: the last that many tokens fed one at a time after the
+    prefill of the others (chunk_bounds), each a decode step of the model against the cache."""
+    bounds = chunk_bounds(input_ids.shape[1], chunk, decode_tokens)
     if len(bounds) == 1 and cache is None:
         return final_hidden_states(model, input_ids)
     from ...cache import GrowingCache, cache_argument, takes_cache_objects
@@ -217,22 +225,30 @@ def _sync() -> None:
 
 
 def evaluate_document(model, input_ids: torch.Tensor, chunk: int = 1024, next_ids: torch.Tensor | None = None,
-                      prefill_chunk: int | None = None, cache: str | None = None) -> dict:
+                      prefill_chunk: int | None = None, cache: str | None = None,
+                      decode_tokens: int | None = None) -> dict:
     """One document [1, s] on the model as it is: NLL sum/mean over s-1 tokens and wall times.
 
     next_ids [1, 1]: the token that follows input_ids (a sequence-parallel slice, whose last position
     predicts the next slice's first token), scored too: s tokens then. nll_mean is nan with none scored.
     prefill_chunk: the document fed through the KV cache that many tokens at a time (chunked_hidden_states;
-    the forward time is all of them)."""
+    the forward time is all of them). decode_tokens N (teacher-forced decode perplexity): the first s - N
+    tokens prefilled, the last N fed one at a time through the cache, and only those N tokens scored (the
+    prefill's last position predicts the first of them, each step the next); the forward time is all of it."""
     # no_grad, not inference_mode, for a chunked prefill: its chunks get attention masks (queries against a
     # longer cache), which the patched layers read once per forward (ragged.memo, keyed by the mask's version
     # counter); an inference tensor has none, and each layer would read it again
-    with torch.inference_mode() if prefill_chunk is None and cache is None else torch.no_grad():
+    if decode_tokens is not None:  # at least one token prefilled (PerplexitySpec checks it as --decode-tokens)
+        check_int("decode_tokens", decode_tokens, 1, input_ids.shape[1] - 1)
+    one_forward = prefill_chunk is None and cache is None and decode_tokens is None
+    with torch.inference_mode() if one_forward else torch.no_grad():
         _sync()
         t0 = time.perf_counter()
-        hidden = chunked_hidden_states(model, input_ids, prefill_chunk, cache)
+        hidden = chunked_hidden_states(model, input_ids, prefill_chunk, cache, decode_tokens)
         _sync()
         t1 = time.perf_counter()
+        if decode_tokens:  # the N + 1 last positions: their first N predict the N decoded tokens (no other logits)
+            hidden, input_ids = hidden[:, -decode_tokens - 1:], input_ids[:, -decode_tokens - 1:]
         if next_ids is not None:  # token_nll scores every position but the last: add a placeholder row
             hidden = torch.cat([hidden, hidden[:, -1:]], 1)
             input_ids = torch.cat([input_ids, next_ids.to(input_ids.device)], 1)

@@ -15,6 +15,7 @@ from ..selection import (
     check_stride_config,
     estimate_params,
     estimated_pairs,
+    final_count,
     off_grid_rows,
     page_size,
     scoring_of,
@@ -39,13 +40,14 @@ def init_state(k, v, *, chunk_size: int = DEFAULT_CHUNK_SIZE, **_) -> dict:
 
 def _run(q, k, v, *, causal=True, scale=None, backend="auto", buffers=None, state=None,
          chunk_size=DEFAULT_CHUNK_SIZE, topk=DEFAULT_TOPK, shared_selection=False, selection="gate", mass=None,
-         estimate_queries=64, score_stride=16, local_blocks=1, decode_topk=8, decode_page=None, max_share=None, **_):
+         estimate_queries=64, score_stride=16, local_blocks=1, decode_topk=8, decode_page=None, max_share=None,
+         final_topk=None, decode_prefill=True, **_):
     if selection != "gate":  # its decode state is the prefill's chunk list, not chunk means
         return moba_attention(q, k, v, causal=causal, scale=scale, chunk_size=chunk_size, topk=topk,
                               selection=selection, mass=mass, estimate_queries=estimate_queries,
                               score_stride=score_stride, local_blocks=local_blocks, decode_topk=decode_topk,
-                              decode_page=decode_page, max_share=max_share,
-                              state=state, backend=backend)
+                              decode_page=decode_page, max_share=max_share, final_topk=final_topk,
+                              decode_prefill=decode_prefill, state=state, backend=backend)
     means = None
     if state is not None and causal:
         means = _state_means(state, k.detach(), chunk_size)
@@ -78,7 +80,7 @@ def _pairs(q, k, causal: bool, params: dict) -> int | None:
     if params["selection"] != "gate":
         scoring = scoring_of(params["selection"], params["estimate_queries"], params["score_stride"])
         return estimated_pairs(q, k, C, topk - 1, params["mass"], scoring, params["local_blocks"],
-                               default_scale(None, q.shape[-1]), final_topk=params["decode_topk"],
+                               default_scale(None, q.shape[-1]), final_topk=final_count(params),
                                max_share=params["max_share"])
     t = torch.arange(n)
     past = t // C

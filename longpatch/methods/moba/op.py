@@ -18,6 +18,8 @@ from ..selection import (
     decode_kept,
     off_grid_rows,
     prefill_blocks,
+    quest_applies,
+    quest_step,
     scoring_of,
     split_rows,
 )
@@ -122,7 +124,7 @@ SELECTIONS = ("gate", *SCORINGS)
 
 
 def _estimated(q, k, v, causal, scale, C, topk, mass, scoring, local_blocks, kept, decode_topk, decode_page, state,
-               return_lse, backend, max_share=None):
+               return_lse, backend, max_share=None, final_topk=None, decode_prefill=True):
     """moba_attention with a query-aware selection: the block-sparse executor on estimated chunks."""
     if not causal:
         raise ValueError(f"moba_attention: selection={scoring[0]!r} supports causal attention only")
@@ -142,15 +144,21 @@ def _estimated(q, k, v, causal, scale, C, topk, mass, scoring, local_blocks, kep
         return split_rows(q, k, v, head, lambda *x: exact_attention(*x, causal=True, scale=scale, return_lse=return_lse,
                                                                     backend=backend),
                           lambda *x: _estimated(*x, causal, scale, C, topk, mass, scoring, local_blocks, kept,
-                                                decode_topk, decode_page, state, return_lse, backend, max_share),
+                                                decode_topk, decode_page, state, return_lse, backend, max_share,
+                                                final_topk, decode_prefill),
                           return_lse)
-    if nq == 1 and nk > 1:
+    if nq == 1 and nk > 1 and kept is None and state is not None \
+            and quest_applies(k, v, decode_topk, decode_prefill, backend):
+        with torch.no_grad():
+            out, lse = quest_step(state, q, k, v, C, local_blocks, 1, decode_topk, decode_page, scale, return_lse)
+    elif nq == 1 and nk > 1:
         kept = decode_kept(state, q, k, C, topk - 1, local_blocks, scale, kept=kept, decode_topk=decode_topk,
                            decode_page=decode_page)
         out, lse = block_sparse_decode(q, k, v, kept, C, local_blocks, scale, backend, need_lse=return_lse)
     else:  # a prefill, or a prefill chunk (its query chunks choose among every past chunk of the cache)
         blocks = prefill_blocks(state, q, k, C, topk - 1, mass, scoring, local_blocks, scale,
-                                final_topk=decode_topk, max_share=max_share)
+                                final_topk=decode_topk if final_topk is None else final_topk, max_share=max_share,
+                                keep=decode_prefill)
         out, lse = block_sparse_prefill(q, k, v, blocks, C, scale, backend, need_lse=return_lse)
     return (out, lse.float()) if return_lse else out
 
@@ -162,7 +170,7 @@ def moba_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
                    selection: str = "gate", mass: float | None = None, estimate_queries: int = 64,
                    score_stride: int = 16, local_blocks: int = 1, kept: torch.Tensor | None = None,
                    decode_topk: int = 8, decode_page: int | None = None, state: dict | None = None,
-                   max_share: float | None = None):
+                   max_share: float | None = None, final_topk: int | None = None, decode_prefill: bool = True):
     """MoBA attention on the shared layout (q [b, hq, nq, d], k/v [b, hk, nk, d]).
 
     chunk_size: keys per chunk. topk: chunks per query, own chunk included (1 = own chunk only).
@@ -187,7 +195,9 @@ def moba_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
     ``decode_page`` keys kept in ``state``, None: 16, always their largest common divisor with the
     chunk size; a chunk ranks by its best page), its own chunk and the ``local_blocks`` before it,
     reading only those rows. The prompt's last query is the first such step: its chunk's list gets
-    the ``decode_topk`` chunks it reads most (``selection.final_row_blocks``, exact). Causal only. A
+    the ``final_topk`` (None: ``decode_topk``) chunks it reads most (``selection.final_row_blocks``, exact).
+    Without ``decode_prefill`` a step keeps only the first chunk of the prefill's list (Quest's step: a fixed
+    budget of chunks, whatever the prefill chose). Causal only. A
     prefill chunk (1 < q_len < kv_len: the queries are the last q_len positions) runs the selection for its
     query chunks among every past chunk (``selection.py``); where it does not start on a chunk, its rows
     before the first chunk start (fewer than chunk_size) run exact attention.
@@ -202,7 +212,7 @@ def moba_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
     if selection != "gate":
         return _estimated(q, k, v, causal, scale, chunk_size, topk, mass,
                           scoring_of(selection, estimate_queries, score_stride), local_blocks, kept, decode_topk,
-                          decode_page, state, return_lse, backend, max_share)
+                          decode_page, state, return_lse, backend, max_share, final_topk, decode_prefill)
     if chunk_means is not None:
         if chunk_means.dim() != 4 or chunk_means.shape[:2] != k.shape[:2] or chunk_means.shape[-1] != k.shape[-1]:
             raise ValueError(f"chunk_means must be [b, kv_heads, n_chunks, d] = [{k.shape[0]}, {k.shape[1]}, *, "

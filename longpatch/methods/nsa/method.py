@@ -15,6 +15,7 @@ from ..selection import (
     check_stride_config,
     estimate_params,
     estimated_pairs,
+    final_count,
     off_grid_rows,
     page_size,
     scoring_of,
@@ -40,12 +41,13 @@ def init_state(k, v, *, compress_block: int = 32, compress_stride: int = 16, **_
 
 def _run(q, k, v, *, causal=True, scale=None, backend="auto", buffers=None, state=None, gates=TRAINING_FREE_GATES,
          selection="compressed", mass=None, estimate_queries=64, score_stride=16, decode_topk=8, decode_page=None,
-         max_share=None, **params):
+         max_share=None, final_topk=None, decode_prefill=True, **params):
     if selection != "compressed":  # its decode state is the prefill's block list, not compressed K/V
         return nsa_attention(q, k, v, causal=causal, scale=scale, gates=tuple(gates), backend=backend,
                              selection=selection, mass=mass, estimate_queries=estimate_queries,
                              score_stride=score_stride, decode_topk=decode_topk, decode_page=decode_page,
-                             max_share=max_share, state=state, **params)
+                             max_share=max_share, final_topk=final_topk, decode_prefill=decode_prefill,
+                             state=state, **params)
     compressed = None
     if state is not None and causal:
         l, s = params["compress_block"], params["compress_stride"]
@@ -130,7 +132,7 @@ def _pairs(q, k, causal: bool, params: dict) -> int | None:
         scoring = scoring_of(params["selection"], params["estimate_queries"], params["score_stride"])
         return estimated_pairs(q, k, sb, S - 1, params["mass"], scoring, max(0, lb - 1),
                                default_scale(None, q.shape[-1]), params["init_blocks"],
-                               params["decode_topk"], params["max_share"]) + heads * int(window.sum())
+                               final_count(params), params["max_share"]) + heads * int(window.sum())
     cmp = visible_cmp(t, params["compress_block"], params["compress_stride"])
     selected = torch.where(t // sb + 1 <= S, t + 1, (S - 1) * sb + t % sb + 1)
     shared = torch.clamp(t + 1, max=(lb - 1) * sb + t % sb + 1) if lb > 0 and W >= sb * lb else torch.zeros_like(t)

@@ -9,12 +9,14 @@ import torch
 
 from ..blocksparse import block_sparse_decode, block_sparse_prefill
 from ..common import (
+    ATTEND,
     acc_dtype,
     check_gates,
     check_qkv,
     default_scale,
     guards_nonfinite,
     resolve_backend,
+    step_phase,
 )
 from ..cpu_flash import fused_ok
 from ..exact import exact_attention
@@ -26,6 +28,8 @@ from ..selection import (
     decode_kept,
     off_grid_rows,
     prefill_blocks,
+    quest_applies,
+    quest_step,
     scoring_of,
     split_rows,
 )
@@ -39,7 +43,8 @@ SELECTIONS = ("compressed", *SCORINGS)
 
 
 def _estimated(q, k, v, scale, sb, num_selected, window, init_blocks, local_blocks, gates, mass, scoring,
-               decode_topk, decode_page, state, return_lse, backend, max_share=None):
+               decode_topk, decode_page, state, return_lse, backend, max_share=None, final_topk=None,
+               decode_prefill=True):
     """nsa_attention with a query-aware selection: g_slc * (own block + estimated blocks, on the
     block-sparse executor) + g_win * (sliding window)."""
     from ..sparse import band_attention
@@ -64,17 +69,20 @@ def _estimated(q, k, v, scale, sb, num_selected, window, init_blocks, local_bloc
         return split_rows(q, k, v, head, exact,
                           lambda *x: _estimated(*x, scale, sb, num_selected, window, init_blocks, local_blocks, gates,
                                                 mass, scoring, decode_topk, decode_page, state, return_lse, backend,
-                                                max_share), return_lse)
+                                                max_share, final_topk, decode_prefill), return_lse)
     past = max(0, local_blocks - 1)  # NSA's local blocks count the own block
     acc = acc_dtype(q.dtype)
     window_off = gates[2] == 0  # a window gated off is not computed (its keys are the local blocks' anyway)
-    if nq == 1 and nk > 1:
+    if nq == 1 and nk > 1 and state is not None and quest_applies(k, v, decode_topk, decode_prefill, backend):
+        with torch.no_grad():
+            o_s, l_s = quest_step(state, q, k, v, sb, past, init_blocks, decode_topk, decode_page, scale, return_lse)
+    elif nq == 1 and nk > 1:
         kept = decode_kept(state, q, k, sb, num_selected - 1, past, scale, init_blocks, decode_topk=decode_topk,
                            decode_page=decode_page)
         o_s, l_s = block_sparse_decode(q, k, v, kept, sb, past, scale, backend, need_lse=return_lse)
     else:
         blocks = prefill_blocks(state, q, k, sb, num_selected - 1, mass, scoring, past, scale, init_blocks,
-                                decode_topk, max_share)
+                                decode_topk if final_topk is None else final_topk, max_share, keep=decode_prefill)
         o_s, l_s = block_sparse_prefill(q, k, v, blocks, sb, scale, backend, need_lse=return_lse)
     if window_off:
         o_w = torch.zeros_like(o_s)
@@ -82,8 +90,9 @@ def _estimated(q, k, v, scale, sb, num_selected, window, init_blocks, local_bloc
     elif nq == 1 and nk > 1:
         from ...quantized import full_precision
         w0 = max(0, nk - window)
-        kw, vw = full_precision(k[:, :, w0:], v[:, :, w0:])  # an 8-bit cache's window dequantized once, alone
-        o_w, l_w = attend(q.reshape(b, hk, hq // hk, d), kw, vw, scale)
+        with step_phase(ATTEND):
+            kw, vw = full_precision(k[:, :, w0:], v[:, :, w0:])  # an 8-bit cache's window dequantized once, alone
+            o_w, l_w = attend(q.reshape(b, hk, hq // hk, d), kw, vw, scale)
         o_w, l_w = o_w.reshape(b, hq, 1, d), l_w.reshape(b, hq, 1)
     else:
         from ..flex import flex_band, supports
@@ -151,7 +160,7 @@ def nsa_attention(q, k, v, *, causal: bool = True, scale: float | None = None, c
                   compressed=None, return_lse: bool = False, backend: str = "auto", selection: str = "compressed",
                   mass: float | None = None, estimate_queries: int = 64, score_stride: int = 16,
                   decode_topk: int = 8, decode_page: int | None = None, state: dict | None = None,
-                  max_share: float | None = None):
+                  max_share: float | None = None, final_topk: int | None = None, decode_prefill: bool = True):
     """NSA attention on the shared layout (q [b, hq, nq, d], k/v [b, hk, nk, d]); causal only.
 
     gates: (g_cmp, g_slc, g_win) floats, or a tensor [b, hq, nq, 3] (e.g. sigmoid of a projection
@@ -173,8 +182,9 @@ def nsa_attention(q, k, v, *, causal: bool = True, scale: float | None = None, c
     keeps the prefill's blocks (``state``) and adds the ``decode_topk`` full blocks with the largest
     bound of its own q·k (Quest's, from the key min/max of pages of ``decode_page`` keys, None: 16,
     always their largest common divisor with the block size; a block ranks by its best page). The
-    prompt's last query is the first such step: its block's list gets the ``decode_topk`` blocks it
-    reads most (``selection.final_row_blocks``, exact).
+    prompt's last query is the first such step: its block's list gets the ``final_topk`` (None:
+    ``decode_topk``) blocks it reads most (``selection.final_row_blocks``, exact). Without ``decode_prefill``
+    a step keeps only the ``init_blocks`` first blocks of the prefill's list (Quest's step).
     """
     if not causal:
         raise ValueError("nsa_attention supports causal attention only (compressed and selected blocks are chosen "
@@ -194,7 +204,7 @@ def nsa_attention(q, k, v, *, causal: bool = True, scale: float | None = None, c
     if selection != "compressed":
         return _estimated(q, k, v, scale, select_block, num_selected, window, init_blocks, local_blocks, gates,
                           mass, scoring_of(selection, estimate_queries, score_stride), decode_topk, decode_page, state,
-                          return_lse, backend, max_share)
+                          return_lse, backend, max_share, final_topk, decode_prefill)
     b, hq, nq, d = q.shape
     nk = k.shape[2]
     if nq == 0 or nk == 0:
