@@ -849,9 +849,28 @@ def block_bounds(state: dict, k: torch.Tensor, page: int) -> tuple[torch.Tensor,
     """(mins, maxs) [b, hk, np, d]: per full page of ``page`` keys of the cache ``k``, its keys'
     elementwise minimum and maximum, kept in ``state`` and extended when a page fills
     (``common.window_summaries``: each page is read once, rebuilt for another cache), stored feature-major
-    (``best_page_bounds`` multiplies them by one query per head)."""
-    return window_summaries(state, ("mins", "maxs"), k, None, page, page, lambda kk, _: page_minmax(kk, page),
-                            feature_major=True)
+    (``best_page_bounds`` multiplies them by one query per head). An 8-bit cache's bounds are kept in bfloat16,
+    rounded outward (``bf16_below``), so that they still bound every key: in float32 they would be 18% of an int8
+    cache's bytes at pages of 16 keys, where they are 5% of a float32 cache's."""
+    from ..quantized import QuantizedKV
+    if isinstance(k, QuantizedKV) and k.dtype == torch.float32:
+        def summarize(kk, _):
+            lo, hi = page_minmax(kk, page)
+            return bf16_below(lo), -bf16_below(-hi)
+    else:
+        def summarize(kk, _):
+            return page_minmax(kk, page)
+    return window_summaries(state, ("mins", "maxs"), k, None, page, page, summarize, feature_major=True)
+
+
+def bf16_below(x: torch.Tensor) -> torch.Tensor:
+    """float32 x rounded to bfloat16 toward -inf (the largest bfloat16 <= x; rounding to nearest could land above a
+    minimum and no longer bound it). bfloat16 is float32's top 16 bits: dropping the low 16 rounds toward zero,
+    which is down for x >= 0; a negative x with bits dropped steps one unit further from zero."""
+    bits = x.contiguous().view(torch.int32)
+    top = bits & -65536  # 0xFFFF0000: the low 16 bits cleared
+    top = top + ((x < 0) & (bits != top)).to(torch.int32) * 65536
+    return top.view(torch.float32).to(torch.bfloat16)
 
 
 def page_minmax(k: torch.Tensor, page: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -954,70 +973,75 @@ def estimated_pairs(q, k, block: int, max_blocks: int, mass: float | None, scori
                + attended_cost(blocks, q.shape[1], n, block))
 
 
-# --------------------------------------------------------------------------- Quest's step (decode_prefill: false)
+# --------------------------------------------------------------------------- the lean one-token step
 
-def quest_applies(k, v, decode_topk: int, decode_prefill: bool, backend: str) -> bool:
-    """Whether a one-token step takes ``quest_step``: a step without the prefill's list that ranks, on plain
-    tensors whose rows are whole (a GrowingCache's views, DynamicCache's tensors), off FlexAttention (its
-    decode is one call anyway) and off autograd (a training step keeps the general path)."""
+# The most blocks (kept and ranked) ``quest_step`` copies: beyond, the general step's in-place sparse reads win (a 16k
+# cache, 2 threads: 11 blocks 1.5 against 2.1 ms; 35 blocks 5.0 against 2.8 ms)
+LEAN_BLOCKS = 16
+
+
+def quest_applies(k, v, kept: torch.Tensor, decode_topk: int, backend: str) -> bool:
+    """Whether a one-token step takes ``quest_step``: a step that ranks, with at most ``LEAN_BLOCKS`` kept and
+    ranked blocks (the list's width: no host sync), on plain tensors whose rows are whole (a GrowingCache's views,
+    DynamicCache's tensors), off FlexAttention (its decode is one call anyway) and off autograd (a training step
+    keeps the general path, ``decode_kept`` + ``block_sparse_decode``)."""
     from ..quantized import QuantizedKV
-    return (not decode_prefill and decode_topk > 0 and backend != "flex" and not isinstance(k, QuantizedKV)
+    return (decode_topk > 0 and kept.shape[-1] + decode_topk <= LEAN_BLOCKS and backend != "flex"
+            and not isinstance(k, QuantizedKV)
             and not isinstance(v, QuantizedKV) and k.stride(-1) == 1 and k.stride(-2) == k.shape[-1]
             and v.stride(-1) == 1 and v.stride(-2) == v.shape[-1]
             and not (torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)))
 
 
-def quest_step(state: dict, q, k, v, block: int, local_blocks: int, sink_blocks: int, decode_topk: int,
+def quest_step(state: dict, q, k, v, block: int, local_blocks: int, kept: torch.Tensor, decode_topk: int,
                decode_page: int | None, scale: float, need_lse: bool):
     """(out [b, hq, 1, d], lse [b, hq, 1] float32 or None) of one query per head at position t = kv_len - 1 over
-    the first ``sink_blocks`` blocks, the ``decode_topk`` full blocks of the largest page bound of its q·k among
-    the others before the local ones (Quest's ranking, ``best_page_bounds``; the KV group's heads share it),
-    and the keys from the ``local_blocks``-th block before its own up to t. What the general step
-    (``decode_kept`` + ``block_sparse_decode``) attends with ``decode_prefill`` false, in a fixed handful of
-    ops: on a CPU every op of a one-token step costs ~5-20 us whatever it reads, and the general step's
-    ~150 ops a layer cost more than the keys they save (a 16k cache: 2.3 against 3.2 ms for exact
-    attention's layer). Every listed block is distinct, so no mask: the ranked blocks come from the
-    blocks not listed otherwise, the sinks' and local ones' bounds set to -inf before the top-k. On a CPU it runs on
-    one thread: its ops are too small to share (a 16k cache, 2 threads against 1: 1.9 against 1.3 ms)."""
+    the blocks of ``kept`` [b, hk, S] (the prefill's list, or its sinks alone with ``decode_prefill`` false; -1
+    pads), the ``decode_topk`` full blocks of the largest page bound of its q·k among the others before the local
+    ones (Quest's ranking, ``best_page_bounds``; the KV group's heads share it), and the keys from the
+    ``local_blocks``-th block before its own up to t, read in place. What the general step (``decode_kept`` +
+    ``block_sparse_decode``) attends, in a fixed handful of ops: on a CPU every op of a one-token step costs
+    ~5-20 us whatever it reads, and the general step's ~150 ops a layer cost more than the keys they save (a 16k
+    cache: 2.3 against 3.2 ms for exact attention's layer). On a CPU it runs on one thread: its ops are too small
+    to share (a 16k cache, 2 threads against 1: 1.9 against 1.3 ms)."""
     if q.device.type == "cpu" and torch.get_num_threads() > 1:
         with one_thread():
-            return _quest_step(state, q, k, v, block, local_blocks, sink_blocks, decode_topk, decode_page, scale,
-                               need_lse)
-    return _quest_step(state, q, k, v, block, local_blocks, sink_blocks, decode_topk, decode_page, scale, need_lse)
+            return _quest_step(state, q, k, v, block, local_blocks, kept, decode_topk, decode_page, scale, need_lse)
+    return _quest_step(state, q, k, v, block, local_blocks, kept, decode_topk, decode_page, scale, need_lse)
 
 
-def _quest_step(state, q, k, v, block, local_blocks, sink_blocks, decode_topk, decode_page, scale, need_lse):
+def _quest_step(state, q, k, v, block, local_blocks, kept, decode_topk, decode_page, scale, need_lse):
     b, hq, _, d = q.shape
     hk, n = k.shape[1], k.shape[2]
     g, t = hq // hk, n - 1
-    own = t // block
-    near = max(0, own - local_blocks)  # the first local block: keys [near * block, n) are read in place
-    sinks = min(sink_blocks, near)
-    rankable = near - sinks  # full blocks neither sinks nor local
-    count = min(decode_topk, rankable)
+    near = max(0, t // block - local_blocks)  # the first local block: keys [near * block, n) are read in place
     acc = acc_dtype(q.dtype)
     qg = q.reshape(b, hk, g, d).to(acc)
     with step_phase(RANK):
-        ids = torch.arange(sinks, device=q.device).expand(b, hk, sinks)
+        kept = kept.to(device=q.device, dtype=torch.int64)
+        ids, valid = kept.clamp(0, max(near - 1, 0)), (kept >= 0) & (kept < near)  # the local ones come in place
+        count = min(decode_topk, near)
         if count > 0:
             page = page_size(decode_page, block)
             mins, maxs = block_bounds(state, k, page)
-            best = best_page_bounds(q, mins[:, :, :near * (block // page)], maxs[:, :, :near * (block // page)],
-                                    block // page)  # [b, hk, near]: the blocks before the local ones
-            best[..., :sinks] = float("-inf")
-            ids = torch.cat([ids, torch.topk(best, count, -1, sorted=False).indices], -1)
+            pages = near * (block // page)
+            best = unlisted(best_page_bounds(q, mins[:, :, :pages], maxs[:, :, :pages], block // page),
+                            kept, near)  # [b, hk, near]: the blocks before the local ones, not kept
+            top = torch.topk(best, count, -1, sorted=False)
+            ids, valid = torch.cat([ids, top.indices], -1), torch.cat([valid, torch.isfinite(top.values)], -1)
     with step_phase(ATTEND):
-        L = ids.shape[-1]
-        blocks_k = k[:, :, :near * block].reshape(b, hk, near, block * d)
-        blocks_v = v[:, :, :near * block].reshape(b, hk, near, block * d)
-        if L:
-            kg = _blocks_of(blocks_k, ids).view(b, hk, L * block, d).to(acc)
-            vg = _blocks_of(blocks_v, ids).view(b, hk, L * block, d).to(acc)
+        L = ids.shape[-1] if near else 0
         kt, vt = k[:, :, near * block:].to(acc), v[:, :, near * block:].to(acc)  # local and own keys, in place
         qs = qg * scale
         s = qs @ kt.transpose(-1, -2)
         if L:
-            s = torch.cat([qs @ kg.transpose(-1, -2), s], -1)  # [b, hk, g, L * block + local keys]
+            blocks_k = k[:, :, :near * block].reshape(b, hk, near, block * d)
+            blocks_v = v[:, :, :near * block].reshape(b, hk, near, block * d)
+            kg = _blocks_of(blocks_k, ids).view(b, hk, L * block, d).to(acc)
+            vg = _blocks_of(blocks_v, ids).view(b, hk, L * block, d).to(acc)
+            sg = (qs @ kg.transpose(-1, -2)).view(b, hk, g, L, block)
+            sg = sg.masked_fill(~valid.view(b, hk, 1, L, 1), float("-inf"))  # pads, listed-twice, too few ranked
+            s = torch.cat([sg.view(b, hk, g, L * block), s], -1)  # [b, hk, g, L * block + local keys]
         top = s.amax(-1, keepdim=True)  # the step's own key is always there: finite
         p = torch.exp(s - top)
         total = p.sum(-1, keepdim=True)
@@ -1026,7 +1050,8 @@ def _quest_step(state, q, k, v, block, local_blocks, sink_blocks, decode_topk, d
             out = out + p[..., :L * block] @ vg
         out = (out / total).reshape(b, hq, 1, d).to(q.dtype)
         lse = (top + total.log()).reshape(b, hq, 1).float() if need_lse else None
-    state["work"] = {"step_keys": b * hk * (L * block + n - near * block), "dense_keys": b * hk * n}
+        read = valid.sum() * block if L else 0  # a device count: no host sync
+    state["work"] = {"step_keys": read + b * hk * (n - near * block), "dense_keys": b * hk * n}
     return out, lse
 
 

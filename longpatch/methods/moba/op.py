@@ -147,10 +147,13 @@ def _estimated(q, k, v, causal, scale, C, topk, mass, scoring, local_blocks, kep
                                                 decode_topk, decode_page, state, return_lse, backend, max_share,
                                                 final_topk, decode_prefill),
                           return_lse)
-    if nq == 1 and nk > 1 and kept is None and state is not None \
-            and quest_applies(k, v, decode_topk, decode_prefill, backend):
+    if kept is None and state is not None:
+        kept = state.get("kept")  # the prefill's list (its sinks alone without decode_prefill)
+    if nq == 1 and nk > 1 and kept is not None and kept.shape[:2] == k.shape[:2] \
+            and quest_applies(k, v, kept, decode_topk, backend):
         with torch.no_grad():
-            out, lse = quest_step(state, q, k, v, C, local_blocks, 1, decode_topk, decode_page, scale, return_lse)
+            out, lse = quest_step(state if state is not None else {}, q, k, v, C, local_blocks, kept, decode_topk,
+                                  decode_page, scale, return_lse)
     elif nq == 1 and nk > 1:
         kept = decode_kept(state, q, k, C, topk - 1, local_blocks, scale, kept=kept, decode_topk=decode_topk,
                            decode_page=decode_page)

@@ -73,9 +73,11 @@ def _estimated(q, k, v, scale, sb, num_selected, window, init_blocks, local_bloc
     past = max(0, local_blocks - 1)  # NSA's local blocks count the own block
     acc = acc_dtype(q.dtype)
     window_off = gates[2] == 0  # a window gated off is not computed (its keys are the local blocks' anyway)
-    if nq == 1 and nk > 1 and state is not None and quest_applies(k, v, decode_topk, decode_prefill, backend):
+    kept = None if state is None else state.get("kept")  # the prefill's list (its sinks alone without decode_prefill)
+    if nq == 1 and nk > 1 and kept is not None and kept.shape[:2] == k.shape[:2] \
+            and quest_applies(k, v, kept, decode_topk, backend):
         with torch.no_grad():
-            o_s, l_s = quest_step(state, q, k, v, sb, past, init_blocks, decode_topk, decode_page, scale, return_lse)
+            o_s, l_s = quest_step(state, q, k, v, sb, past, kept, decode_topk, decode_page, scale, return_lse)
     elif nq == 1 and nk > 1:
         kept = decode_kept(state, q, k, sb, num_selected - 1, past, scale, init_blocks, decode_topk=decode_topk,
                            decode_page=decode_page)
