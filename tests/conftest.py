@@ -23,3 +23,10 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """A LongBench directory of the suite's fixture documents (test_eval_longbench.write_longbench), per module."""
+    from test_eval_longbench import write_longbench
+    return str(write_longbench(tmp_path_factory.mktemp("longbench")))

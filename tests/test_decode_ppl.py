@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from test_eval_longbench import FIXTURE, KEPT, write_longbench
+from test_eval_longbench import FIXTURE, KEPT
 from typer.testing import CliRunner
 
 import longpatch
@@ -34,18 +34,7 @@ MOBA = {"method": "moba", "layers": "all", "min_seq_len": 0, "params": {
     "decode_topk": 1}}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls gain nothing from threads, and on a shared, busy CPU idle OpenMP threads cost 50x."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return str(write_longbench(tmp_path_factory.mktemp("longbench")))
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest's: tiny matmuls gain nothing from threads
 
 
 def ids(n=SEQ, seed=0):

@@ -42,11 +42,6 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return str(write_longbench(tmp_path_factory.mktemp("longbench")))
-
-
 def contexts():
     return {(s, item[0]): item[1] for s, items in FIXTURE.items() for item in items if isinstance(item, tuple)}
 
