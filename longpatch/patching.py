@@ -140,13 +140,21 @@ def patch_model(model, cfg: "PatchConfig | dict | str | Path", *, timed: bool = 
     if unused:  # a config calibrated for all layers, run with fewer (--layers): said, not silently dropped
         log.warning("longpatch: layer_params of layers %s are not used: this patch does not replace them "
                     "(layers: %s)", ", ".join(map(str, unused)), cfg.layers)
-    method = get_method(cfg.method)
-    routes = [LayerRoute(layer_idx=i, method=method if i in chosen else None,
-                         params=cfg.params_of(i) if i in chosen else {},
-                         min_seq_len=cfg.min_seq_len, backend=cfg.backend, timed=timed) for i in range(n)]
+    routes = build_routes(cfg, n, chosen, timed=timed)
     family.install(model, routes)
     setattr(model, REPORT_ATTR, PatchReport(cfg, family, n, sorted(chosen), routes))
     return model
+
+
+def build_routes(cfg: PatchConfig, n: int, chosen: set[int] | None = None, *, timed: bool = False) -> list[LayerRoute]:
+    """A LayerRoute per layer of a model of ``n`` layers: the config's method (and its per-layer params) in
+    the ``chosen`` layers (default: the config's ``layers``), the model's own attention elsewhere. The
+    same routes serve transformers' modules (``patch_model``) and vLLM's attention backend (serving/)."""
+    chosen = set(select_layers(cfg.layers, n)) if chosen is None else chosen
+    method = get_method(cfg.method)
+    return [LayerRoute(layer_idx=i, method=method if i in chosen else None,
+                       params=cfg.params_of(i) if i in chosen else {},
+                       min_seq_len=cfg.min_seq_len, backend=cfg.backend, timed=timed) for i in range(n)]
 
 
 def unpatch_model(model):

