@@ -20,9 +20,12 @@ def engine(config: str | None, *args: str) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "LONGPATCH_CONFIG"}
     if config is not None:
         env["LONGPATCH_CONFIG"] = config
-    r = subprocess.run([sys.executable, str(RUN), *args], capture_output=True, text=True, env=env, timeout=900)
-    found = [line for line in r.stdout.splitlines() if line.startswith("RESULT ")]
-    assert r.returncode == 0 and found, r.stderr[-3000:]
+    for _ in range(2):  # a second start only where the first was killed by a signal before it answered
+        r = subprocess.run([sys.executable, str(RUN), *args], capture_output=True, text=True, env=env, timeout=900)
+        found = [line for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+        if found or r.returncode >= 0:
+            break
+    assert r.returncode == 0 and found, f"exit {r.returncode}: {r.stderr[-3000:]}
     return json.loads(found[0][len("RESULT "):])
 
 
