@@ -25,7 +25,7 @@ def engine(config: str | None, *args: str) -> list[dict]:
         found = [line for line in r.stdout.splitlines() if line.startswith("RESULT ")]
         if found or r.returncode >= 0:
             break
-    assert r.returncode == 0 and found, f"exit {r.returncode}: {r.stderr[-3000:]}
+    assert r.returncode == 0 and found, f"exit {r.returncode}: {r.stderr[-3000:]}"
     return json.loads(found[0][len("RESULT "):])
 
 
