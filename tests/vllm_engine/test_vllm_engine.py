@@ -20,12 +20,14 @@ def engine(config: str | None, *args: str) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "LONGPATCH_CONFIG"}
     if config is not None:
         env["LONGPATCH_CONFIG"] = config
-    for _ in range(2):  # a second start only where the first was killed by a signal before it answered
+    # vLLM's teardown of its engine process can abort after the answer is out ("terminate called without an
+    # active exception"): the answer counts; a start killed by a signal before it answered is tried once more
+    for _ in range(2):
         r = subprocess.run([sys.executable, str(RUN), *args], capture_output=True, text=True, env=env, timeout=900)
         found = [line for line in r.stdout.splitlines() if line.startswith("RESULT ")]
         if found or r.returncode >= 0:
             break
-    assert r.returncode == 0 and found, f"exit {r.returncode}: {r.stderr[-3000:]}"
+    assert found and r.returncode in (0, -6), f"exit {r.returncode}: {r.stderr[-3000:]}"
     return json.loads(found[0][len("RESULT "):])
 
 
