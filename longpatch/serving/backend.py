@@ -18,7 +18,6 @@ from vllm.config import get_current_vllm_config
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
 from ..methods.common import warn_once
-from ..methods.exact import exact_attention
 from ..routing import LayerRoute
 from . import pages
 from .plugin import routes_for
@@ -38,15 +37,15 @@ class LongpatchCPUImpl(CPUAttentionBackendImpl):
         config = get_current_vllm_config().model_config.hf_text_config
         self.num_layers = int(config.num_hidden_layers)
         self.route: LayerRoute | None = None
-        self.unsupported = None
+        unsupported = None
         if self.sliding_window != -1:
-            self.unsupported = "a sliding window"
+            unsupported = "a sliding window"
         elif self.alibi_slopes is not None or self.logits_soft_cap or self.sinks is not None:
-            self.unsupported = "ALiBi, a soft cap or attention sinks"
+            unsupported = "ALiBi, a soft cap or attention sinks"
         elif self.is_fp8_kv_cache:
-            self.unsupported = "an fp8 KV cache"
-        if self.unsupported is not None:
-            raise NotImplementedError(f"longpatch's vLLM backend does not run layers with {self.unsupported}")
+            unsupported = "an fp8 KV cache"
+        if unsupported is not None:
+            raise NotImplementedError(f"longpatch's vLLM backend does not run layers with {unsupported}")
 
     def _route(self, layer) -> LayerRoute:
         if self.route is None:
@@ -83,15 +82,15 @@ class LongpatchCPUImpl(CPUAttentionBackendImpl):
                 warn_once("vllm-decode", "longpatch: in vLLM, one-token steps of the replaced layers attend "
                           "exactly (their page-selecting decode step is not built into the vLLM backend yet)")
                 path = "exact"
-            block = route.bound.chunk_block() if route.bound is not None and path == "method" else None
+            out = route.run(path, q, k, v, causal=True, scale=self.scale, state={})
+            # after the call: a route binds its method on its first one
+            block = route.bound.chunk_block() if path == "method" else None
             if block and 1 < q_len < kv_len and (kv_len - q_len) % block:
                 warn_once("vllm-off-grid", f"longpatch: in vLLM, a prefill chunk of a replaced layer started at key "
                           f"{kv_len - q_len}, off the method's blocks of {block} keys (a prefix-cache hit or the "
                           "scheduler's chunk boundary): its first, partial query block chooses from fewer queries, "
                           "so its tokens can differ from a lone request's")
-            if path == "exact" and route.method is None:
-                return exact_attention(q, k, v, causal=True, scale=self.scale)
-            return route.run(path, q, k, v, causal=True, scale=self.scale, state={})
+            return out
 
         pages.attend_packed(query[:t], key_cache, value_cache, attn_metadata.query_start_loc.tolist(),
                             attn_metadata.seq_lens.tolist(), attn_metadata.block_table, out, run)
