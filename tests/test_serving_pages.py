@@ -9,6 +9,7 @@ import torch
 
 from longpatch.config import load_config
 from longpatch.methods.exact import exact_attention
+from longpatch.methods.paged import listed_step
 from longpatch.patching import build_routes
 from longpatch.serving import pages
 
@@ -65,8 +66,8 @@ def test_a_packed_batch_gives_each_sequence_its_own_exact_attention(q_lens):
     key_cache, value_cache = pages.split_cache(kv_cache)
     qs, query, starts = _packed(lengths, q_lens, seqs)
     out = torch.zeros(query.shape)
-    pages.attend_packed(query, key_cache, value_cache, starts, lengths, table, out,
-                        lambda q, k, v: exact_attention(q, k, v, causal=True))
+    pages.attend_packed(query, starts, lengths, out, lambda i, q, n: exact_attention(
+        q, *pages.sequence_kv(key_cache, value_cache, table[i], n), causal=True))
     for i, (k, v) in enumerate(seqs):
         want = exact_attention(qs[i], k, v, causal=True)[0].transpose(0, 1)
         torch.testing.assert_close(out[starts[i]:starts[i + 1]], want)
@@ -87,14 +88,76 @@ def test_a_replaced_layer_runs_its_route_on_the_sequence_as_patch_model_does():
     starts = [0, lengths[0], sum(lengths)]
     route = build_routes(cfg, 4)[0]
     out = torch.zeros(query.shape)
-    pages.attend_packed(query, key_cache, value_cache, starts, lengths, table, out,
-                        lambda q, k, v: route.run("method", q, k, v, causal=True, scale=None, state={}))
+    pages.attend_packed(query, starts, lengths, out, lambda i, q, n: route.run(
+        "method", q, *pages.sequence_kv(key_cache, value_cache, table[i], n), causal=True, scale=None, state={}))
     alone = build_routes(cfg, 4)[0]
     for i, (k, v) in enumerate(seqs):
         want = alone.run("method", qs[i], k, v, causal=True, scale=None, state={})[0].transpose(0, 1)
         torch.testing.assert_close(out[starts[i]:starts[i + 1]], want, rtol=0, atol=0)
         exact = exact_attention(qs[i], k, v, causal=True)[0].transpose(0, 1)
         assert (out[starts[i]:starts[i + 1]] - exact).abs().max() > 1e-3  # the selection left blocks out
+
+
+def _small(name: str, **extra):
+    """A bundled 32k config on blocks of 16 keys (two cache blocks), pages of 4."""
+    cfg = load_config(name)
+    small = {"moba": {"chunk_size": 16, "topk": 4, "final_topk": 2},
+             "nsa": {"select_block": 16, "num_selected": 4, "window": 12, "compress_block": 8, "compress_stride": 4,
+                     "final_topk": 2}}[cfg.method]
+    return cfg.replace(params={**cfg.params, **small, "score_stride": 4, "estimate_queries": 8, "decode_topk": 2,
+                               "decode_page": 4, **extra})
+
+
+@pytest.mark.parametrize("name", ["demo-moba-32k", "demo-nsa-32k"])
+def test_a_step_over_the_listed_pages_is_the_routes_own_step(name):
+    """A replaced layer's one-token step in the paged cache (bounds widened by slot as the backend writes, the
+    blocks ranked from the sequence's gathered bounds, only the listed pages read) gives what the route's own
+    step gives on the contiguous cache after the same prefill, at each of several positions; not exact's."""
+    route = build_routes(_small(name), 4)[0]
+    n0, steps = 150, 20
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, H, n0 + steps, D, generator=g)
+    k, v = torch.randn(1, HK, n0 + steps, D, generator=g), torch.randn(1, HK, n0 + steps, D, generator=g)
+    kv_cache = torch.full((64, HK, BS, 2 * D), float("nan"))
+    key_cache, value_cache = pages.split_cache(kv_cache)
+    mins, maxs = pages.bounds_buffers(kv_cache, 4)
+    row = torch.randperm(64, generator=g)[: -(-(n0 + steps) // BS)].to(torch.int32)
+
+    def write(p0, p1):
+        slots = torch.tensor([int(row[p // BS]) * BS + p % BS for p in range(p0, p1)])
+        kk, vv = k[0, :, p0:p1].transpose(0, 1), v[0, :, p0:p1].transpose(0, 1)
+        pages.write_slots(key_cache, value_cache, kk, vv, slots)
+        pages.write_bounds(mins, maxs, kk, slots, 4)
+    write(0, 70)  # the prompt in two chunks, as the engine writes them
+    write(70, n0)
+    state = {}
+    route.run("method", q[:, :, :n0], k[:, :, :n0], v[:, :, :n0], causal=True, scale=None, state=state)
+    kept = state["kept"]
+    for n in range(n0 + 1, n0 + steps + 1):
+        write(n - 1, n)
+        qn = q[:, :, n - 1:n]
+        want = route.run("method", qn, k[:, :, :n], v[:, :, :n], causal=True, scale=None, state=state)
+        spec = route.bound.step_spec(n)
+        bounds = pages.SequenceBounds(mins, maxs, row, n, BS, spec.block, spec.page, kept)
+        got = listed_step(spec, qn, bounds, torch.tensor([n]),
+                          pages.ListedAttention(qn, key_cache, value_cache, row, spec.block, D ** -0.5))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert (got - exact_attention(qn, k[:, :, :n], v[:, :, :n])).abs().max() > 1e-3
+
+
+def test_page_bounds_written_by_slot_bound_every_key_of_their_page():
+    """Bounds reset by a page's first key: a block reused by another sequence keeps none of the old keys."""
+    kv_cache = torch.zeros(4, HK, BS, 2 * D)
+    key_cache, value_cache = pages.split_cache(kv_cache)
+    mins, maxs = pages.bounds_buffers(kv_cache, 4)
+    g = torch.Generator().manual_seed(2)
+    for scale in (100.0, 1.0):  # the second writer of block 2 has keys 100x smaller
+        k = torch.randn(BS, HK, D, generator=g) * scale
+        slots = torch.arange(2 * BS, 3 * BS)
+        pages.write_bounds(mins, maxs, k[:3], slots[:3], 4)
+        pages.write_bounds(mins, maxs, torch.cat([k[3:], k[:1]]), torch.cat([slots[3:], torch.tensor([-1])]), 4)
+    pages_k = k.view(2, 4, HK, D)
+    assert torch.equal(mins[4:6], pages_k.amin(1)) and torch.equal(maxs[4:6], pages_k.amax(1))
 
 
 def _register(env: dict) -> subprocess.CompletedProcess:

@@ -64,20 +64,27 @@ def paged_attention_torch(q, k, v, blocks: torch.Tensor, length: torch.Tensor, b
     written so far) and, given ``start`` [b], at or after it (a left-padded row's first key; a sliding
     window's). Gathers L * block rows per KV head: fixed shapes, no host sync. A row with no attended key
     gets zeros and lse -inf."""
-    b, hq, _, d = q.shape
-    hk = k.shape[1]
-    g = hq // hk
-    acc = acc_dtype(q.dtype)
+    d = q.shape[-1]
     rows, valid = list_rows(blocks, length, block, k.shape[2], start)
     idx = rows.unsqueeze(-1).expand(-1, -1, -1, d)
-    ks, vs = k.gather(2, idx).to(acc), v.gather(2, idx).to(acc)
-    s = torch.matmul(q.reshape(b, hk, g, d).to(acc), ks.transpose(-1, -2)) * scale  # [b, hk, g, R]
+    return rows_attention(q, k.gather(2, idx), v.gather(2, idx), valid, scale)
+
+
+def rows_attention(q, ks: torch.Tensor, vs: torch.Tensor, valid: torch.Tensor, scale: float):
+    """(out [b, hq, 1, d] in q's dtype, lse [b, hq, 1] float32) of one query per head over gathered rows
+    ks, vs [b, hk, R, d] where ``valid`` [b, hk, R]; a KV group's query heads share their head's rows. A row
+    with no valid key gets zeros and lse -inf."""
+    b, hq, _, d = q.shape
+    hk = ks.shape[1]
+    g = hq // hk
+    acc = acc_dtype(q.dtype)
+    s = torch.matmul(q.reshape(b, hk, g, d).to(acc), ks.to(acc).transpose(-1, -2)) * scale  # [b, hk, g, R]
     s = s.masked_fill(~valid.unsqueeze(2), float("-inf"))
     top = s.amax(-1, keepdim=True)
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
     p = torch.exp(s - top)
     total = p.sum(-1, keepdim=True)
-    out = torch.matmul(p / total.clamp(min=torch.finfo(acc).tiny), vs)
+    out = torch.matmul(p / total.clamp(min=torch.finfo(acc).tiny), vs.to(acc))
     lse = (top + total.log()).squeeze(-1)
     return out.reshape(b, hq, 1, d).to(q.dtype), lse.reshape(b, hq, 1).float()
 
@@ -167,7 +174,8 @@ def select_blocks(q, state: PagedState, length: torch.Tensor, decode_topk: int, 
     """[b, hk, L] int32 (L = kept + decode_topk + local_blocks + 1, -1 pads, each block once): the own
     block of position length - 1, the ``local_blocks`` before it, the prefill's ``kept`` list and the
     ``decode_topk`` full blocks with the largest page bound of q·k (those among the local ones dropped,
-    as the eager step drops them). Reads the bounds only."""
+    as the eager step drops them). Reads the bounds only: ``state``'s mins, maxs, kept, block and page
+    (a PagedState, or a paged cache's bounds gathered for one sequence, serving/backend.py)."""
     b, hk = q.shape[0], state.mins.shape[1]
     nb = state.mins.shape[2] // (state.block // state.page)
     own = torch.div(length - 1, state.block, rounding_mode="floor").view(b, 1, 1)  # [b, 1, 1]
@@ -201,14 +209,26 @@ class StepSpec:
     ranked: bool = True
 
 
-def _window(q, k, v, spec: StepSpec, length: torch.Tensor, lo: torch.Tensor, scale: float):
+def _window(q, spec: StepSpec, length: torch.Tensor, lo: torch.Tensor, attend):
     """(out, lse) of the keys [lo, length) of the last ``spec.window`` positions: the own block and the
     blocks before it that the window touches, keys before ``lo`` hidden."""
-    b = q.shape[0]
+    b, hk = q.shape[0], attend.kv_heads
     back = -(-spec.window // spec.block)
     own = torch.div(length - 1, spec.block, rounding_mode="floor").view(b, 1, 1)
     near = torch.clamp(own - torch.arange(back + 1, device=q.device).view(1, 1, -1), min=-1)
-    return paged_attention(q, k, v, near.expand(b, k.shape[1], -1).to(torch.int32), length, spec.block, scale, lo)
+    return attend(near.expand(b, hk, -1).to(torch.int32), length, lo)
+
+
+class BufferAttention:
+    """Attention of q over listed blocks of the cache buffers k, v [b, hk, capacity, d] (``paged_attention``):
+    the executor of ``listed_step`` on a static cache's buffer."""
+
+    def __init__(self, q, k, v, block: int, scale: float):
+        self.q, self.k, self.v, self.block, self.scale = q, k, v, block, scale
+        self.kv_heads = k.shape[1]
+
+    def __call__(self, blocks: torch.Tensor, length: torch.Tensor, start: torch.Tensor | None):
+        return paged_attention(self.q, self.k, self.v, blocks, length, self.block, self.scale, start)
 
 
 def step(spec: StepSpec, q, k, v, state: PagedState, length: torch.Tensor, scale: float,
@@ -218,21 +238,30 @@ def step(spec: StepSpec, q, k, v, state: PagedState, length: torch.Tensor, scale
     a left-padded row's first key) device tensors."""
     b = q.shape[0]
     length = length.to(device=k.device, dtype=torch.int64).reshape(-1).expand(b)
+    if spec.ranked:
+        write_bounds_(state, k, length)
+    return listed_step(spec, q, state, length, BufferAttention(q, k, v, spec.block, scale), start)
+
+
+def listed_step(spec: StepSpec, q, state, length: torch.Tensor, attend, start: torch.Tensor | None = None):
+    """The step once the newest key's bounds are written: out [b, hq, 1, d] of the query at position
+    length - 1 (``length`` [b] int64) over the blocks ``select_blocks`` lists from ``state`` (its mins, maxs,
+    kept, block, page), attended by ``attend(blocks [b, hk, L], length, start)`` -> (out, lse): the cache
+    buffer's (``BufferAttention``) or a paged cache's (serving/pages.py), the same lists either way."""
     w0 = torch.clamp(length - spec.window, min=0)
     if start is not None:
         w0 = torch.maximum(w0, start.to(w0.dtype))
     if not spec.ranked:  # sparse: the sinks [0, G) and the window [max(G, length - window), length), one softmax
         G = spec.global_tokens
-        out, lse = _window(q, k, v, spec, length, torch.clamp(w0, min=G), scale)
+        out, lse = _window(q, spec, length, torch.clamp(w0, min=G), attend)
         if G:
-            sinks = torch.arange(-(-G // spec.block), device=q.device, dtype=torch.int32).expand(b, k.shape[1], -1)
-            o_g, l_g = paged_attention(q, k, v, sinks, torch.clamp(length, max=G), spec.block, scale, start)
+            sinks = torch.arange(-(-G // spec.block), device=q.device, dtype=torch.int32)
+            o_g, l_g = attend(sinks.expand(q.shape[0], attend.kv_heads, -1), torch.clamp(length, max=G), start)
             out, lse = merge_lse(out, lse, o_g, l_g)
         return out.to(q.dtype)
-    write_bounds_(state, k, length)
     blocks = select_blocks(q, state, length, spec.decode_topk, spec.local_blocks)
-    out, _ = paged_attention(q, k, v, blocks, length, spec.block, scale, start)
+    out, _ = attend(blocks, length, start)
     if not spec.window or not spec.gates[1]:
         return out if spec.gates[0] == 1.0 else (spec.gates[0] * out.float()).to(q.dtype)
-    o_w, _ = _window(q, k, v, spec, length, w0, scale)  # NSA's window branch
+    o_w, _ = _window(q, spec, length, w0, attend)  # NSA's window branch
     return (spec.gates[0] * out.float() + spec.gates[1] * o_w.float()).to(q.dtype)

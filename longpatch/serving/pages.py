@@ -50,16 +50,97 @@ def sequence_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, blocks: torc
     return rows(key_cache), rows(value_cache)
 
 
-def attend_packed(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                  query_start_loc: list[int], seq_lens: list[int], block_table: torch.Tensor,
-                  output: torch.Tensor, run: Callable[..., torch.Tensor]) -> None:
-    """For each sequence i of a packed batch: ``run(q, k, v)`` on the shared layout (q [1, heads, q_len, d],
-    the sequence's new tokens; k, v its whole cache so far, the queries its last q_len positions) into its
-    rows of ``output`` [tokens, heads, head_dim]."""
+def attend_packed(query: torch.Tensor, query_start_loc: list[int], seq_lens: list[int], output: torch.Tensor,
+                  run: Callable[[int, torch.Tensor, int], torch.Tensor]) -> None:
+    """For each sequence i of a packed batch: ``run(i, q, n)`` (q [1, heads, q_len, d], the sequence's new
+    tokens, the last q_len of its n positions; ``sequence_kv`` or a ``ListedAttention`` reads its keys) into
+    its rows of ``output`` [tokens, heads, head_dim]."""
     for i, n in enumerate(seq_lens):
         start, end = query_start_loc[i], query_start_loc[i + 1]
         if end == start:
             continue
         q = query[start:end].transpose(0, 1).unsqueeze(0)
-        k, v = sequence_kv(key_cache, value_cache, block_table[i], n)
-        output[start:end] = run(q, k, v)[0].transpose(0, 1).to(output.dtype)
+        output[start:end] = run(i, q, n)[0].transpose(0, 1).to(output.dtype)
+
+
+# --------------------------------------------------------------------------- the decode step's page bounds
+
+def bounds_buffers(kv_cache: torch.Tensor, page: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mins, maxs) [blocks * block_size / page, kv_heads, head_dim], zeros in the cache's dtype: the key
+    bounds of every page of ``page`` keys of every physical block, indexed by slot // page (Quest's metadata:
+    2 / page of the key rows' bytes, 1 / page of the cache's)."""
+    blocks, heads, block_size, width = kv_cache.shape
+    shape = (blocks * block_size // page, heads, width // 2)
+    return kv_cache.new_zeros(shape), kv_cache.new_zeros(shape)
+
+
+def write_bounds(mins: torch.Tensor, maxs: torch.Tensor, key: torch.Tensor, slot_mapping: torch.Tensor,
+                 page: int) -> None:
+    """Widen the bounds of the pages the keys [tokens, kv_heads, head_dim] land in (``write_slots``' slots;
+    negative ones skipped): a page's first key resets it, so a freed block reused by another sequence needs
+    no clearing. A page's keys arrive in order (its first in this call or an earlier one)."""
+    slots = slot_mapping.to(torch.int64)
+    key = key[: slots.shape[0]]
+    keep = slots >= 0
+    if not bool(keep.all()):
+        slots, key = slots[keep], key[keep]
+    key = key.to(mins.dtype)
+    where = slots // page
+    opens = slots % page == 0
+    mins[where[opens]] = key[opens]
+    maxs[where[opens]] = key[opens]
+    index = where.view(-1, 1, 1).expand_as(key)
+    mins.scatter_reduce_(0, index, key, "amin")
+    maxs.scatter_reduce_(0, index, key, "amax")
+
+
+class SequenceBounds:
+    """One sequence's page bounds and prefill list in the form ``paged.select_blocks`` reads (mins, maxs
+    [1, kv_heads, pages, d] over its whole blocks of ``block`` keys, kept [1, kv_heads, S]), gathered through
+    its block-table row ``row`` from ``bounds_buffers``: 2 / page of its key rows, never the keys."""
+
+    def __init__(self, mins: torch.Tensor, maxs: torch.Tensor, row: torch.Tensor, n: int, block_size: int,
+                 block: int, page: int, kept: torch.Tensor):
+        per_block = block_size // page
+        used = min(-(-n // block_size), row.shape[0])
+        pages = -(-n // block) * (block // page)
+        ids = row[:used].to(torch.int64)
+
+        def gather(buf):
+            part = buf.view(-1, per_block, *buf.shape[1:]).index_select(0, ids)  # [used, per_block, hk, d]
+            part = part.reshape(used * per_block, *buf.shape[1:]).transpose(0, 1)  # [hk, pages', d]
+            return torch.nn.functional.pad(part, (0, 0, 0, pages - part.shape[1])).unsqueeze(0)
+        self.mins, self.maxs = gather(mins), gather(maxs)
+        self.kept, self.block, self.page = kept, block, page
+
+
+class ListedAttention:
+    """Attention of one sequence's query q [1, hq, 1, d] over listed blocks of ``block`` keys of a paged cache
+    (``paged.listed_step``'s executor): block j is the row's physical blocks j * block / block_size onwards;
+    only the listed blocks' rows are read (one gather of L * block rows per KV head), never the whole
+    sequence."""
+
+    def __init__(self, q, key_cache: torch.Tensor, value_cache: torch.Tensor, row: torch.Tensor, block: int,
+                 scale: float):
+        self.q, self.key_cache, self.value_cache, self.block, self.scale = q, key_cache, value_cache, block, scale
+        self.row = row.to(torch.int64)
+        self.kv_heads = key_cache.shape[1]
+
+    def __call__(self, blocks: torch.Tensor, length: torch.Tensor, start: torch.Tensor | None):
+        from ..methods.paged import rows_attention
+        b, hk, L = blocks.shape
+        bs, d = self.key_cache.shape[2], self.key_cache.shape[3]
+        per = self.block // bs  # physical blocks per listed block
+        listed = blocks.clamp(min=0).to(torch.int64)
+        cols = (listed.unsqueeze(-1) * per + torch.arange(per)).clamp(max=self.row.shape[0] - 1)
+        phys = self.row[cols]  # [b, hk, L, per]
+        heads = torch.arange(hk).view(1, hk, 1, 1)
+        pos = (listed.unsqueeze(-1) * self.block + torch.arange(self.block)).flatten(-2)  # [b, hk, L * block]
+        valid = (blocks >= 0).unsqueeze(-1).expand(b, hk, L, self.block).flatten(-2) & (pos < length.view(-1, 1, 1))
+        if start is not None:
+            valid = valid & (pos >= start.view(-1, 1, 1))
+
+        def rows(cache):  # rows past the sequence or of unlisted pads may hold anything: zeroed, never mixed in
+            got = cache[phys, heads].view(b, hk, L * self.block, d)
+            return torch.where(valid.unsqueeze(-1), got, torch.zeros((), dtype=got.dtype))
+        return rows_attention(self.q, rows(self.key_cache), rows(self.value_cache), valid, self.scale)

@@ -1,7 +1,11 @@
 """Run vLLM's engine on the demo model in this process and print its greedy tokens and logprobs as JSON:
 the vLLM tests start it in a subprocess per configuration (LONGPATCH_CONFIG is read per process).
 
-    python tests/vllm_engine/run_engine.py PROMPT_LENGTHS NEW_TOKENS [--chunk N] [--prefix-caching] [--prompt-logprobs]
+    python tests/vllm_engine/run_engine.py PROMPT_LENGTHS NEW_TOKENS [--chunk N] [--prefix-caching]
+        [--prompt-logprobs] [--calls]
+
+--calls runs the engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) and adds each replaced
+layer's calls by phase and path (its route's counters) to the result.
 """
 import argparse
 import json
@@ -19,7 +23,10 @@ def main():
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--prefix-caching", action="store_true")
     ap.add_argument("--prompt-logprobs", action="store_true", help="also the prompt tokens' logprobs")
+    ap.add_argument("--calls", action="store_true", help="also the routes' calls (engine core in this process)")
     a = ap.parse_args()
+    if a.calls:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import torch
     from vllm import LLM, SamplingParams
 
@@ -45,6 +52,12 @@ def main():
         if a.prompt_logprobs:  # the first prompt token has none
             row["prompt_logprobs"] = [d[t].logprob for d, t in zip(o.prompt_logprobs[1:], row["prompt"][1:])]
         rows.append(row)
+    if a.calls:
+        from longpatch.serving.plugin import routes_for
+        routes = routes_for(llm.llm_engine.model_config.hf_text_config.num_hidden_layers)
+        for row in rows:
+            row["calls"] = {str(r.layer_idx): {"/".join(key): n for key, n in r.calls.items()} for r in routes
+                            if r.method is not None}
     print("RESULT " + json.dumps(rows), flush=True)
 
 

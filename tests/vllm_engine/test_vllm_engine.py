@@ -84,3 +84,36 @@ def test_moba_prefill_in_vllm_is_moba_prefill_in_transformers():
     vllm = torch.tensor(got["prompt_logprobs"])
     assert (moba - exact).abs().max() > 1e-3  # the selection changed something at this length
     assert (vllm - moba).abs().max() < 1e-3, float((vllm - moba).abs().max())
+
+
+# demo-moba-32k's and demo-nsa-32k's selections on budgets small enough for a 6000-token prompt (24 blocks of
+# 256) to leave blocks out of each step: 4 blocks a query block, 2 more for the last query, 2 ranked per step
+SMALL = {"moba": "method: moba\nparams: {chunk_size: 256, topk: 4, selection: hybrid, mass: 0.9, estimate_queries: 64, "
+                 "score_stride: 16, local_blocks: 1, decode_page: 16, decode_topk: 2, final_topk: 2}\n",
+         "nsa": "method: nsa\nparams: {compress_block: 32, compress_stride: 16, select_block: 256, num_selected: 4, "
+                "window: 256, init_blocks: 1, local_blocks: 2, gates: [0.0, 0.9, 0.1], selection: hybrid, mass: 0.9, "
+                "estimate_queries: 64, score_stride: 16, decode_page: 16, decode_topk: 2, final_topk: 2}\n"}
+
+
+@pytest.mark.parametrize("method", ["moba", "nsa"])
+def test_decode_in_vllm_is_the_methods_step_in_transformers(method, tmp_path):
+    """A 6000-token prompt and 24 greedy tokens through the replaced layers 0, 2 and 3: vLLM's decode runs the
+    method's step (its route counts them) and gives transformers' tokens with patch_model, logprobs within 1e-3."""
+    import torch
+
+    import longpatch
+    from longpatch.loading import load_model
+    cfg = tmp_path / f"{method}.yaml"
+    cfg.write_text("model: demo\ndtype: float32\n" + SMALL[method] + "layers: [0, 2, 3]\n")
+    got = engine(str(cfg), "6000", "24", "--chunk", "8192", "--calls")[0]
+    for layer in ("0", "2", "3"):
+        assert got["calls"][layer].get("decode/method") == 23, got["calls"]  # the first token is the prefill's
+    model, _ = load_model("demo", dtype="float32")
+    longpatch.patch_model(model, str(cfg))
+    ids = torch.tensor([got["prompt"]])
+    with torch.no_grad():
+        gen = model.generate(ids, max_new_tokens=24, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    tokens = gen.sequences[0, ids.shape[1]:].tolist()
+    logprobs = [float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(gen.scores, tokens)]
+    assert got["tokens"] == tokens
+    assert max(abs(a - b) for a, b in zip(got["logprobs"], logprobs)) < 1e-3
