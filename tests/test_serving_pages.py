@@ -98,6 +98,25 @@ def test_a_replaced_layer_runs_its_route_on_the_sequence_as_patch_model_does():
         assert (out[starts[i]:starts[i + 1]] - exact).abs().max() > 1e-3  # the selection left blocks out
 
 
+@pytest.mark.parametrize("order", ["scattered", "in runs"])
+def test_an_exact_step_read_in_place_is_exact_attention(order):
+    """One query per head over a sequence's blocks read in place, run by run of consecutive physical blocks
+    (unwritten rows NaN: never read), equals exact attention on its contiguous keys."""
+    g = torch.Generator().manual_seed(4)
+    n = 77  # 9 full blocks and 5 rows of a tenth
+    kv_cache = torch.full((64, HK, BS, 2 * D), float("nan"))
+    key_cache, value_cache = pages.split_cache(kv_cache)
+    ids = torch.randperm(64, generator=g)[:10] if order == "scattered" else torch.tensor([3, 4, 5, 9, 10, 11, 12,
+                                                                                          30, 31, 50])
+    k, v = torch.randn(n, HK, D, generator=g), torch.randn(n, HK, D, generator=g)
+    pages.write_slots(key_cache, value_cache, k, v, torch.tensor([int(ids[p // BS]) * BS + p % BS for p in range(n)]))
+    q = torch.randn(1, H, 1, D, generator=g)
+    got = pages.exact_step(q, key_cache, value_cache, ids.to(torch.int32), n, D ** -0.5)
+    want = exact_attention(q, k.transpose(0, 1)[None], v.transpose(0, 1)[None], causal=True)
+    torch.testing.assert_close(got, want)
+    assert len(pages.runs_of(ids[:9].tolist())) == (9 if order == "scattered" else 3)
+
+
 def _small(name: str, **extra):
     """A bundled 32k config on blocks of 16 keys (two cache blocks), pages of 4."""
     cfg = load_config(name)
@@ -118,7 +137,8 @@ def test_a_step_over_the_listed_pages_is_the_routes_own_step(name):
     g = torch.Generator().manual_seed(5)
     q = torch.randn(1, H, n0 + steps, D, generator=g)
     k, v = torch.randn(1, HK, n0 + steps, D, generator=g), torch.randn(1, HK, n0 + steps, D, generator=g)
-    kv_cache = torch.full((64, HK, BS, 2 * D), float("nan"))
+    # rows past a sequence hold what was there (an engine zeroes its cache once): large, finite, never counted
+    kv_cache = torch.full((64, HK, BS, 2 * D), 1e4)
     key_cache, value_cache = pages.split_cache(kv_cache)
     mins, maxs = pages.bounds_buffers(kv_cache, 4)
     row = torch.randperm(64, generator=g)[: -(-(n0 + steps) // BS)].to(torch.int32)

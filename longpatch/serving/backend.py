@@ -1,13 +1,15 @@
 """vLLM's CPU attention backend with longpatch's routes: registered in ``CPU_ATTN``'s place by the plugin
 (plugin.py) when ``LONGPATCH_CONFIG`` names a config. Imported by vLLM only (it imports vllm).
 
-The backend owns its cache writes (``do_kv_cache_update``: our layout, pages.py), because it reads the
-cache itself: the CPU backend's own layout is private to its kernels. Every call is split into its
+In a replaced layer the backend owns the cache writes (``do_kv_cache_update``: our layout, pages.py), because
+it reads the cache itself: the CPU backend's own layout is private to its kernels (each layer has a cache of its
+own, so layers of both kinds live side by side). Every call is split into its
 sequences; each runs its layer's route as a lone sequence in transformers would:
 
+- a layer the config does not replace is vLLM's own (its cache writes, layout and kernels);
 - a replaced layer's prefill and prefill chunks run the config's method on the sequence's queries and its
   whole cache so far (the same ``LayerRoute`` that ``patch_model`` installs: the same selection on the same
-  q/k); other layers and calls attend exactly;
+  q/k); its calls the method does not take attend exactly;
 - a replaced layer's one-token steps run the method's step (``paged.listed_step``, what transformers' step
   chooses): the page bounds of every physical block are kept beside the cache and widened where the backend
   writes it, a sequence's blocks rank from its block-table row's bounds, and only the listed blocks' rows are
@@ -81,9 +83,10 @@ class LongpatchCPUImpl(CPUAttentionBackendImpl):
         return self.route
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        if self._route(layer, kv_cache.shape[2]).method is None:  # a layer the config leaves: vLLM's own
+            return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
         key_cache, value_cache = pages.split_cache(kv_cache)
         pages.write_slots(key_cache, value_cache, key, value, slot_mapping)
-        self._route(layer, key_cache.shape[2])
         if self.spec is not None and self.spec.ranked:
             if self.bounds is None or self.bounds[0].shape[0] * self.spec.page != kv_cache.shape[0] * kv_cache.shape[2]:
                 self.bounds = pages.bounds_buffers(kv_cache, self.spec.page)
@@ -97,8 +100,10 @@ class LongpatchCPUImpl(CPUAttentionBackendImpl):
             return output
         if not attn_metadata.causal:
             raise NotImplementedError("longpatch's vLLM backend runs causal decoder attention only")
+        route = self._route(layer, kv_cache.shape[2])
+        if route.method is None:  # a layer the config leaves: vLLM's own kernels on vLLM's own layout
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output)
         key_cache, value_cache = pages.split_cache(kv_cache)
-        route = self._route(layer, key_cache.shape[2])
         t = attn_metadata.num_actual_tokens
         out = output[:t].view(t, self.num_heads, self.head_size)
         table = attn_metadata.block_table
@@ -109,15 +114,18 @@ class LongpatchCPUImpl(CPUAttentionBackendImpl):
             path = route.choose(q_len, n)
             if path == "original":
                 path = "exact"
-            if path == "method" and q_len == 1 < n:
-                step = self._step(route, q, key_cache, value_cache, row, n)
-                if step is not None:
-                    return step
-                path = "exact"
+            if q_len == 1 < n:  # a one-token step: the method's over the listed pages, or exact read in place
+                got = self._step(route, q, key_cache, value_cache, row, n) if path == "method" else None
+                if got is None:
+                    got = pages.exact_step(q, key_cache, value_cache, row, n, self.scale)
+                    path = "exact"
+                if got is not None:
+                    route.calls[("decode", path)] += 1
+                    return got
             k, v = pages.sequence_kv(key_cache, value_cache, row, n)
             state = {}
             got = route.run(path, q, k, v, causal=True, scale=self.scale, state=state)
-            if self.spec is not None and self.spec.ranked:
+            if self.spec is not None and self.spec.ranked and (q_len > 1 or q_len == n):  # a prefill or chunk
                 self._keep(row, n, key_cache.shape[2], state.get("kept") if path == "method" else None)
             block = route.bound.chunk_block() if path == "method" else None
             if block and 1 < q_len < n and (n - q_len) % block:
@@ -148,9 +156,7 @@ class LongpatchCPUImpl(CPUAttentionBackendImpl):
                 return None
             state = pages.SequenceBounds(*self.bounds, row, n, key_cache.shape[2], spec.block, spec.page, kept)
         attend = pages.ListedAttention(q, key_cache, value_cache, row, spec.block, self.scale)
-        out = listed_step(spec, q, state, torch.tensor([n]), attend)
-        route.calls[("decode", "method")] += 1
-        return out
+        return listed_step(spec, q, state, torch.tensor([n]), attend)
 
     def _keep(self, row: torch.Tensor, n: int, block_size: int, kept: torch.Tensor | None) -> None:
         """After a prefill call ending at position n - 1: its list (or none) on the block that position is in."""

@@ -63,6 +63,52 @@ def attend_packed(query: torch.Tensor, query_start_loc: list[int], seq_lens: lis
         output[start:end] = run(i, q, n)[0].transpose(0, 1).to(output.dtype)
 
 
+def runs_of(ids: list[int]) -> list[tuple[int, int, int]]:
+    """(first index in ``ids``, first block, count) of each run of consecutive block ids."""
+    runs = []
+    for i, b in enumerate(ids):
+        if runs and b == runs[-1][1] + runs[-1][2] and i == runs[-1][0] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((i, b, 1))
+    return runs
+
+
+# More runs of consecutive blocks than this and a step gathers the sequence instead (each run costs a few ops)
+MAX_RUNS = 64
+
+
+def exact_step(q, key_cache: torch.Tensor, value_cache: torch.Tensor, row: torch.Tensor, n: int,
+               scale: float) -> torch.Tensor | None:
+    """Exact attention of one query per head q [1, hq, 1, d] at position n - 1 over the sequence's first n keys,
+    read in place: its blocks come in runs of consecutive physical blocks (an engine hands out a prompt's
+    blocks together), each run a strided view of the cache multiplied as it is, where ``sequence_kv`` would
+    copy the whole sequence first. None where the blocks are too scattered (more than ``MAX_RUNS`` runs)."""
+    from ..methods.common import acc_dtype
+    bs, hk, d = key_cache.shape[2], key_cache.shape[1], key_cache.shape[3]
+    full, tail = divmod(n, bs)
+    runs = runs_of(row[:full].tolist())
+    if len(runs) > MAX_RUNS:
+        return None
+    hq = q.shape[1]
+    acc = acc_dtype(q.dtype)
+    qg = (q.reshape(1, hk, hq // hk, d) * scale).to(acc)
+    parts = [(key_cache[b0:b0 + c], value_cache[b0:b0 + c]) for _, b0, c in runs]  # [c, hk, bs, d] views
+    if tail:  # the newest block's written rows only: the rest may hold anything
+        last = int(row[full])
+        parts.append((key_cache[last:last + 1, :, :tail], value_cache[last:last + 1, :, :tail]))
+    scores = [torch.matmul(qg, k.to(acc).transpose(-1, -2)) for k, _ in parts]  # [c, hk, g, rows]
+    flat = torch.cat([s.permute(1, 2, 0, 3).reshape(hk, hq // hk, -1) for s in scores], -1)
+    p = torch.softmax(flat, -1)
+    out, at = 0, 0
+    for s, (_, v) in zip(scores, parts):
+        c, rows = s.shape[0], s.shape[-1]
+        share = p[..., at:at + c * rows].reshape(hk, hq // hk, c, rows).permute(2, 0, 1, 3)
+        out = out + torch.matmul(share, v.to(acc)).sum(0)  # [hk, g, d]
+        at += c * rows
+    return out.reshape(1, hq, 1, d).to(q.dtype)
+
+
 # --------------------------------------------------------------------------- the decode step's page bounds
 
 def bounds_buffers(kv_cache: torch.Tensor, page: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,14 +179,18 @@ class ListedAttention:
         per = self.block // bs  # physical blocks per listed block
         listed = blocks.clamp(min=0).to(torch.int64)
         cols = (listed.unsqueeze(-1) * per + torch.arange(per)).clamp(max=self.row.shape[0] - 1)
-        phys = self.row[cols]  # [b, hk, L, per]
-        heads = torch.arange(hk).view(1, hk, 1, 1)
+        phys = self.row[cols].view(b, hk, L * per)
         pos = (listed.unsqueeze(-1) * self.block + torch.arange(self.block)).flatten(-2)  # [b, hk, L * block]
         valid = (blocks >= 0).unsqueeze(-1).expand(b, hk, L, self.block).flatten(-2) & (pos < length.view(-1, 1, 1))
         if start is not None:
             valid = valid & (pos >= start.view(-1, 1, 1))
 
-        def rows(cache):  # rows past the sequence or of unlisted pads may hold anything: zeroed, never mixed in
-            got = cache[phys, heads].view(b, hk, L * self.block, d)
-            return torch.where(valid.unsqueeze(-1), got, torch.zeros((), dtype=got.dtype))
+        def rows(cache):  # each head's listed blocks, one row copy each (an index_select per head, as quest_step)
+            got = cache.new_empty(b, hk, L * per, bs, d)
+            for bi in range(b):
+                for h in range(hk):
+                    torch.index_select(cache[:, h], 0, phys[bi, h], out=got[bi, h])
+            return got.view(b, hk, L * self.block, d)
+        # rows past the sequence (its newest block's unwritten ones) are masked: an engine's cache is zeroed when
+        # it is made and holds only keys written since, so they are finite and weigh exactly 0
         return rows_attention(self.q, rows(self.key_cache), rows(self.value_cache), valid, self.scale)

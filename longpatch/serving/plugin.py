@@ -50,3 +50,6 @@ def register() -> None:
         sys.exit(f"longpatch: {ENV} is set, but longpatch's vLLM backend runs on vLLM's CPU platform only "
                  f"(this one: {current_platform.device_name})")
     register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND)
+    from vllm.logger import init_logger
+    init_logger("vllm.plugins.longpatch").info("longpatch's attention backend runs %s: method %s, layers %s",
+                                               os.environ.get(ENV), cfg.method, cfg.layers)

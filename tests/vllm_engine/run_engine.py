@@ -2,7 +2,7 @@
 the vLLM tests start it in a subprocess per configuration (LONGPATCH_CONFIG is read per process).
 
     python tests/vllm_engine/run_engine.py PROMPT_LENGTHS NEW_TOKENS [--chunk N] [--prefix-caching]
-        [--prompt-logprobs] [--calls]
+        [--prompt-logprobs] [--calls] [--blocks N]
 
 --calls runs the engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) and adds each replaced
 layer's calls by phase and path (its route's counters) to the result.
@@ -24,6 +24,7 @@ def main():
     ap.add_argument("--prefix-caching", action="store_true")
     ap.add_argument("--prompt-logprobs", action="store_true", help="also the prompt tokens' logprobs")
     ap.add_argument("--calls", action="store_true", help="also the routes' calls (engine core in this process)")
+    ap.add_argument("--blocks", type=int, default=None, help="KV cache blocks (few: requests get preempted)")
     a = ap.parse_args()
     if a.calls:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -40,7 +41,8 @@ def main():
         prompts[1][:share] = prompts[0][:share]
     llm = LLM(model=str(longpatch.demo_model_path()), dtype="float32", enforce_eager=True, block_size=32,
               max_model_len=max(lengths) + a.new_tokens + 32, max_num_batched_tokens=a.chunk,
-              enable_prefix_caching=a.prefix_caching, seed=0)
+              enable_prefix_caching=a.prefix_caching, seed=0, num_gpu_blocks_override=a.blocks,
+              disable_log_stats=False)
     sp = SamplingParams(temperature=0, max_tokens=a.new_tokens, logprobs=0, ignore_eos=True,
                         prompt_logprobs=0 if a.prompt_logprobs else None)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
@@ -48,7 +50,8 @@ def main():
     for o in outs:
         c = o.outputs[0]
         row = {"prompt": prompts[len(rows)], "tokens": list(c.token_ids),
-               "logprobs": [next(iter(d.values())).logprob for d in c.logprobs]}
+               "logprobs": [next(iter(d.values())).logprob for d in c.logprobs],
+               "preemptions": o.metrics.num_preemptions}
         if a.prompt_logprobs:  # the first prompt token has none
             row["prompt_logprobs"] = [d[t].logprob for d, t in zip(o.prompt_logprobs[1:], row["prompt"][1:])]
         rows.append(row)

@@ -67,6 +67,23 @@ def test_prefix_caching_gives_what_a_lone_sequence_gives():
     close(engine("demo-moba-32k", *args, "--prefix-caching"), engine("demo-moba-32k", *args), 1e-4)
 
 
+@pytest.mark.parametrize("config", ["exact", "demo-moba-32k"])
+def test_a_preempted_request_leaves_the_others_as_they_were(config, tmp_path):
+    """Two requests of 1500 and 1400 tokens and 400 new ones in a cache of 100 blocks of 32 (they need 116): one
+    is preempted, its blocks freed and handed to the other, and recomputed later. Exact attention gives every
+    request its tokens as without preemption; with the selections, the request never preempted keeps its tokens
+    (a freed block's bounds and lists do not leak into its new owner's steps)."""
+    if config == "exact":
+        config = str(tmp_path / "exact.yaml")
+        Path(config).write_text("method: exact\nlayers: all\n")
+    args = ("1500,1400", "400", "--chunk", "512")
+    tight, roomy = engine(config, *args, "--blocks", "100"), engine(config, *args)
+    assert sum(r["preemptions"] for r in tight) > 0 and all(r["preemptions"] == 0 for r in roomy)
+    for a, b in zip(tight, roomy):
+        if a["preemptions"] == 0 or "exact" in config:
+            assert a["tokens"] == b["tokens"]
+
+
 def test_moba_prefill_in_vllm_is_moba_prefill_in_transformers():
     """A 6000-token prompt, one prefill, through demo-moba-32k's replaced layers: vLLM's prompt logprobs equal
     transformers' on the same prompt with patch_model, and differ from exact's."""
