@@ -88,8 +88,7 @@ def test_commands_use_the_clis_options(doc):
             bad.append(f"{line[:80]!r}: no command {name!r}")
             continue
         if name in PASSES_ON:  # its other arguments are another program's (serve: vLLM's)
-            used = [o for o in used if o in ("--model", "--config")]
-            bad += [f"{line[:80]!r}: {name} needs {o}" for o in ("--model", "--config") if o not in used]
+            used = [o for o in used if o in OPTIONS[name]]
         bad += [f"{line[:80]!r}: {name} has no {o}" for o in used if o not in OPTIONS[name] and o != "--help"]
     assert not bad, f"{doc.name}:\n" + "\n".join(bad)
 
