@@ -160,9 +160,44 @@ def test_a_step_over_the_listed_pages_is_the_routes_own_step(name):
         spec = route.bound.step_spec(n)
         bounds = pages.SequenceBounds(mins, maxs, row, n, BS, spec.block, spec.page, kept)
         got = listed_step(spec, qn, bounds, torch.tensor([n]),
-                          pages.ListedAttention(qn, key_cache, value_cache, row, spec.block, D ** -0.5))
+                          pages.ListedAttention(qn, kv_cache, row, spec.block, D ** -0.5))
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         assert (got - exact_attention(qn, k[:, :, :n], v[:, :, :n])).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("fill", [1e4, float("nan")])
+def test_listed_blocks_read_in_place_are_attention_over_those_blocks(fill):
+    """The float32 executor reads the listed rows in place (one sparse score call, one weighted sum): the
+    same output and lse as softmax attention over the listed blocks' keys below the length, per KV head its
+    own list (pads, a block ending past the length); rows past the sequence never counted, even NaN ones;
+    the copying executor (other dtypes) gives the same on finite rows."""
+    g = torch.Generator().manual_seed(3)
+    n, block = 75, 16  # 5 listed blocks of two cache blocks each; the last one partial
+    kv_cache = torch.full((64, HK, BS, 2 * D), fill)
+    key_cache, value_cache = pages.split_cache(kv_cache)
+    row = torch.randperm(64, generator=g)[: -(-n // BS)].to(torch.int32)
+    k, v = torch.randn(n, HK, D, generator=g), torch.randn(n, HK, D, generator=g)
+    slots = torch.tensor([int(row[p // BS]) * BS + p % BS for p in range(n)])
+    pages.write_slots(key_cache, value_cache, k, v, slots)
+    q = torch.randn(1, H, 1, D, generator=g)
+    blocks = torch.tensor([[[4, 0, 2, -1], [1, -1, 3, 4]]], dtype=torch.int32)  # per KV head
+    length, start = torch.tensor([n]), torch.tensor([5])
+    attend = pages.ListedAttention(q, kv_cache, row, block, D ** -0.5)
+    out, lse = attend(blocks, length, start)
+    for h in range(H):
+        keys = [p for j in blocks[0, h // (H // HK)].tolist() if j >= 0 for p in range(j * block, (j + 1) * block)
+                if 5 <= p < n]
+        s = (q[0, h, 0] @ k[keys, h // (H // HK)].T) * D ** -0.5
+        want = torch.softmax(s, -1) @ v[keys, h // (H // HK)]
+        torch.testing.assert_close(out[0, h, 0], want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse[0, h, 0], torch.logsumexp(s, -1), rtol=1e-5, atol=1e-5)
+    if fill == fill:  # finite rows: the copying executor agrees
+        per = block // BS
+        cols = (blocks.clamp(min=0).to(torch.int64).unsqueeze(-1) * per + torch.arange(per)).clamp(max=row.shape[0] - 1)
+        pos = (blocks.clamp(min=0).to(torch.int64).unsqueeze(-1) * block + torch.arange(block)).flatten(-2)
+        valid = (blocks >= 0).repeat_interleave(block, -1) & (pos < n) & (pos >= 5)
+        copied, _ = attend._copied(row.to(torch.int64)[cols].view(1, HK, -1), valid)
+        torch.testing.assert_close(copied, out, rtol=1e-5, atol=1e-5)
 
 
 def test_page_bounds_written_by_slot_bound_every_key_of_their_page():

@@ -115,7 +115,7 @@ class LongpatchCPUImpl(CPUAttentionBackendImpl):
             if path == "original":
                 path = "exact"
             if q_len == 1 < n:  # a one-token step: the method's over the listed pages, or exact read in place
-                got = self._step(route, q, key_cache, value_cache, row, n) if path == "method" else None
+                got = self._step(route, q, kv_cache, row, n) if path == "method" else None
                 if got is None:
                     got = pages.exact_step(q, key_cache, value_cache, row, n, self.scale)
                     path = "exact"
@@ -139,7 +139,7 @@ class LongpatchCPUImpl(CPUAttentionBackendImpl):
                             out, run)
         return output
 
-    def _step(self, route: LayerRoute, q, key_cache, value_cache, row: torch.Tensor, n: int):
+    def _step(self, route: LayerRoute, q, kv_cache, row: torch.Tensor, n: int):
         """The method's one-token step at position n - 1 over the listed pages, or None (exact attention):
         no paged step for these params or this cache, or no prefill list for this sequence (its prefill ran
         exact attention, or came from the prefix cache whole)."""
@@ -148,14 +148,14 @@ class LongpatchCPUImpl(CPUAttentionBackendImpl):
             return None
         state = None
         if spec.ranked:
-            kept = self._moved(row, n, key_cache.shape[2])
+            kept = self._moved(row, n, kv_cache.shape[2])
             if kept is None:
                 warn_once("vllm-no-list", "longpatch: in vLLM, a sequence whose prompt kept no block list (its "
                           "prefill ran exact attention, or came from the prefix cache whole) decodes exactly in "
                           "the replaced layers")
                 return None
-            state = pages.SequenceBounds(*self.bounds, row, n, key_cache.shape[2], spec.block, spec.page, kept)
-        attend = pages.ListedAttention(q, key_cache, value_cache, row, spec.block, self.scale)
+            state = pages.SequenceBounds(*self.bounds, row, n, kv_cache.shape[2], spec.block, spec.page, kept)
+        attend = pages.ListedAttention(q, kv_cache, row, spec.block, self.scale)
         return listed_step(spec, q, state, torch.tensor([n]), attend)
 
     def _keep(self, row: torch.Tensor, n: int, block_size: int, kept: torch.Tensor | None) -> None:

@@ -163,20 +163,19 @@ class SequenceBounds:
 class ListedAttention:
     """Attention of one sequence's query q [1, hq, 1, d] over listed blocks of ``block`` keys of a paged cache
     (``paged.listed_step``'s executor): block j is the row's physical blocks j * block / block_size onwards;
-    only the listed blocks' rows are read (one gather of L * block rows per KV head), never the whole
-    sequence."""
+    only the listed blocks' rows are read, never the whole sequence. A float32 cache is read in place: the
+    listed rows of the engine's buffer seen as one [rows, head_dim] matrix, by one sparse score call and one
+    weighted sum for all heads (``cpu_flash.row_scores`` / ``row_sum``, what transformers' step does on its
+    cache); other dtypes copy the listed blocks (one row copy each per KV head) and attend the copy."""
 
-    def __init__(self, q, key_cache: torch.Tensor, value_cache: torch.Tensor, row: torch.Tensor, block: int,
-                 scale: float):
-        self.q, self.key_cache, self.value_cache, self.block, self.scale = q, key_cache, value_cache, block, scale
+    def __init__(self, q, kv_cache: torch.Tensor, row: torch.Tensor, block: int, scale: float):
+        self.q, self.kv_cache, self.block, self.scale = q, kv_cache, block, scale
         self.row = row.to(torch.int64)
-        self.kv_heads = key_cache.shape[1]
+        self.kv_heads = kv_cache.shape[1]
 
     def __call__(self, blocks: torch.Tensor, length: torch.Tensor, start: torch.Tensor | None):
-        from ..methods.paged import rows_attention
-        from ..methods.selection import blocks_of
         b, hk, L = blocks.shape
-        bs, d = self.key_cache.shape[2], self.key_cache.shape[3]
+        bs = self.kv_cache.shape[2]
         per = self.block // bs  # physical blocks per listed block
         listed = blocks.clamp(min=0).to(torch.int64)
         cols = (listed.unsqueeze(-1) * per + torch.arange(per)).clamp(max=self.row.shape[0] - 1)
@@ -185,10 +184,48 @@ class ListedAttention:
         valid = (blocks >= 0).unsqueeze(-1).expand(b, hk, L, self.block).flatten(-2) & (pos < length.view(-1, 1, 1))
         if start is not None:
             valid = valid & (pos >= start.view(-1, 1, 1))
+        if self.q.dtype == torch.float32 and self.kv_cache.dtype == torch.float32 and self.kv_cache.is_contiguous():
+            return self._in_place(phys, valid, length)
+        return self._copied(phys, valid)
+
+    def _in_place(self, phys: torch.Tensor, valid: torch.Tensor, length: torch.Tensor):
+        from ..methods.common import exp_below_max_
+        from ..methods.cpu_flash import CacheRows, row_scores, row_sum
+        b, hk, R = valid.shape
+        blocks_n, _, bs, width = self.kv_cache.shape
+        rows2, d, hq = 2 * bs, width // 2, self.q.shape[1]  # a block's bs key rows, then as many value rows
+        g = hq // hk
+        # the flat row of (physical block p, KV head h, slot r): (p * hk + h) * 2 bs + r; its value bs further on
+        first = (phys * hk + torch.arange(hk).view(1, hk, 1)) * rows2  # [b, hk, L * per]
+        rows = (first.unsqueeze(-1) + torch.arange(bs)).view(b, hk, R)
+        # a row not attended reads the newest key's row instead (always written; an unwritten row may hold
+        # anything, and a weight of 0 times NaN is NaN)
+        last = int(length.reshape(-1)[0]) - 1
+        newest = ((self.row[last // bs] * hk + torch.arange(hk)) * rows2 + last % bs).view(1, hk, 1)
+        rows = torch.where(valid, rows, newest)
+        k_rows = rows.unsqueeze(2).expand(b, hk, g, R).reshape(-1)  # each query head reads its KV head's rows
+        flat = self.kv_cache.view(blocks_n * hk * rows2, d)
+        table = CacheRows(flat, flat, k_rows, k_rows + bs, torch.arange(b * hq + 1) * R, (R,), b * hq)
+        s = row_scores(self.q, table, self.scale)[0]  # [b * hq, R]
+        hide = ~valid.unsqueeze(2).expand(b, hk, g, R).reshape(b * hq, R)
+        s.masked_fill_(hide, float("-inf"))
+        top = s.amax(-1, keepdim=True)
+        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # a row with no key: zeros, lse -inf
+        p = exp_below_max_(s, top).masked_fill_(hide, 0.0)
+        total = p.sum(-1, keepdim=True)
+        out = row_sum(table, [p.div_(total.clamp(min=torch.finfo(torch.float32).tiny))])
+        return out.view(b, hq, 1, d), (top + total.log()).view(b, hq, 1)
+
+    def _copied(self, phys: torch.Tensor, valid: torch.Tensor):
+        from ..methods.paged import rows_attention
+        from ..methods.selection import blocks_of
+        b, hk, R = valid.shape
+        key_cache, value_cache = split_cache(self.kv_cache)
+        bs, d = key_cache.shape[2], key_cache.shape[3]
 
         def rows(cache):  # each head's listed blocks, one row copy each (quest_step's gather)
             per_head = cache.transpose(0, 1).view(1, hk, cache.shape[0], bs * d)  # [1, hk, blocks, bs * d]
-            return blocks_of(per_head.expand(b, -1, -1, -1), phys).view(b, hk, L * self.block, d)
+            return blocks_of(per_head.expand(b, -1, -1, -1), phys).view(b, hk, R, d)
         # rows past the sequence (its newest block's unwritten ones) are masked: an engine's cache is zeroed when
         # it is made and holds only keys written since, so they are finite and weigh exactly 0
-        return rows_attention(self.q, rows(self.key_cache), rows(self.value_cache), valid, self.scale)
+        return rows_attention(self.q, rows(key_cache), rows(value_cache), valid, self.scale)
